@@ -1,0 +1,366 @@
+"""Typed run parameters: ``params/*.yaml`` -> :class:`Params` (pydantic), with overrides.
+
+One section per stage plus ``run``, ``target`` and ``tracking``. Validation happens at load time:
+unknown keys are errors with a did-you-mean, wrong types and out-of-range values name the file, the
+key and what is allowed (:class:`ParamsError`). Overrides come from the command line
+(``--set section.key=value``, values parsed as YAML) or from papermill parameters.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "ParamsError",
+    "Params",
+    "load_params",
+    "parse_overrides",
+    "apply_overrides",
+    "params_fingerprint",
+    "dump_params",
+]
+
+
+class ParamsError(ValueError):
+    """A params file or override is invalid; the message names the file, the key and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunParams(_Section):
+    name: str = Field("default", description="Run name: the run directory is <output_dir>/<name>")
+    output_dir: str = Field("outputs", description="Parent of run directories")
+    seed: int = Field(0, ge=0)
+
+
+class TargetParams(_Section):
+    model: str = Field(
+        "embedded:smollm2-135m",
+        description="Hugging Face id, local model directory, a .gguf file, or 'embedded:smollm2-135m'",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = Field("auto", description="'auto', 'cpu', 'cuda' or 'cuda:N'")
+    trust_remote_code: bool = False
+    served_name: str | None = Field(
+        None,
+        description="Portable verifier name written into the exported drafter (a hub id or the path "
+        "users will serve from); defaults to the Hugging Face id or the resolved local path",
+    )
+    cache_dir: str | None = Field(
+        None, description="Where GGUF/embedded targets are converted once (default ~/.cache/eagle3)"
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism (GPU recipes)")
+    max_model_len: int = Field(4096, ge=16, description="Context length given to vLLM")
+
+
+class TrackingParams(_Section):
+    mode: Literal["auto", "online", "offline", "disabled"] = Field(
+        "auto", description="'auto' = online when a W&B API key is configured, else offline"
+    )
+    project: str = "eagle3"
+    entity: str | None = None
+
+
+class PromptSource(_Section):
+    kind: Literal["embedded", "file", "hf"] = "embedded"
+    name: str = Field("human-eval", description="embedded set name or Hugging Face dataset id")
+    path: str | None = Field(None, description="JSON/JSONL/Parquet file (kind=file)")
+    subset: str | None = None
+    split: str = "train"
+    format: Literal["auto", "sharegpt", "openai", "alpaca", "prompt"] = "auto"
+    prompt_field: str | None = Field(None, description="for format=prompt: the field holding the prompt")
+    system_prompt: str | None = None
+    limit: int | None = Field(None, ge=1)
+    label: str | None = Field(None, description="the 'source' recorded per sample (default: name/path)")
+
+
+class ServerParams(_Section):
+    base_url: str = "http://127.0.0.1:8000/v1"
+    model: str | None = Field(None, description="served model name (default: the server's first)")
+    api_key_env: str = Field("OPENAI_API_KEY", description="environment variable holding the key")
+    concurrency: int = Field(8, ge=1)
+    timeout_s: float = Field(300.0, gt=0)
+    max_retries: int = Field(4, ge=0)
+    backoff_s: float = Field(1.0, ge=0)
+    breaker_failures: int = Field(10, ge=1, description="consecutive failures that stop the stage")
+
+
+class SynthesizeParams(_Section):
+    sources: list[PromptSource] = Field(default_factory=lambda: [PromptSource()])
+    limit: int | None = Field(None, ge=1, description="total prompts after dedup/shuffle")
+    shuffle: bool = True
+    dedup: bool = True
+    heldout_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    backend: Literal["transformers", "vllm", "server"] = "transformers"
+    server: ServerParams = Field(default_factory=ServerParams)
+    batch_size: int = Field(8, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(256, ge=1)
+    seed: int = Field(0, ge=0)
+    enable_thinking: bool | None = Field(None, description="chat-template kwarg; None = not passed")
+    think_tags: tuple[str, str] = ("<think>", "</think>")
+    on_bad_line: Literal["skip", "fail"] = "skip"
+
+
+class VocabParams(_Section):
+    max_seq_len: int = Field(2048, ge=8)
+    draft_vocab_size: int | None = Field(None, ge=1)
+    target_coverage: float | None = Field(None, gt=0.0, le=1.0)
+    multi_turn_policy: Literal["last", "explode"] = "explode"
+
+    @model_validator(mode="after")
+    def _one_size(self) -> VocabParams:
+        if self.draft_vocab_size is not None and self.target_coverage is not None:
+            raise ValueError("set either draft_vocab_size or target_coverage, not both")
+        if self.draft_vocab_size is None and self.target_coverage is None:
+            self.draft_vocab_size = 32000
+        return self
+
+
+class ExtractParams(_Section):
+    backend: Literal["transformers", "vllm"] = "transformers"
+    aux_layer_ids: list[int] | None = Field(None, description="default [2, N//2, N-3]")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="storage dtype of hidden states"
+    )
+    token_budget: int = Field(8192, ge=1, description="tokens per forward batch")
+    shard_size: int = Field(2000, ge=1, description="samples per row shard folder")
+    disk_margin: float = Field(1.2, ge=1.0, description="required free space = projection x margin")
+    calibration_batches: int = Field(1, ge=0)
+
+
+class TrainParams(_Section):
+    num_layers: int = Field(1, ge=1)
+    ttt_steps: int = Field(3, ge=1)
+    ttt_step_loss_decay: float = Field(1.0, gt=0.0)
+    norm_before_residual: bool = True
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    lr: float = Field(1e-4, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    warmup_steps: int = Field(10, ge=0)
+    epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    token_budget: int = Field(4096, ge=1, description="tokens per packed micro-batch")
+    grad_accum: int = Field(1, ge=1)
+    grad_clip: float = Field(1.0, gt=0.0)
+    val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
+    eval_every: int = Field(50, ge=1)
+    checkpoint_every: int = Field(50, ge=1)
+    keep_checkpoints: int = Field(3, ge=1)
+    online: bool = Field(False, description="train from the target directly (no stage-3 files)")
+    seed: int = Field(0, ge=0)
+
+
+class NgramParams(_Section):
+    prompt_lookup_min: int = Field(2, ge=1)
+    prompt_lookup_max: int = Field(5, ge=1)
+
+
+class EvaluateParams(_Section):
+    num_speculative_tokens: int = Field(3, ge=1, description="k draft tokens per round")
+    temperature: float = Field(0.0, ge=0.0)
+    max_new_tokens: int = Field(128, ge=1)
+    num_prompts: int | None = Field(None, ge=1, description="held-out prompts used (None = all)")
+    prompts: PromptSource | None = Field(None, description="another held-out prompt set")
+    backends: list[Literal["offline", "vllm"]] = Field(default_factory=lambda: ["offline", "vllm"])
+    ngram: NgramParams = Field(default_factory=NgramParams)
+    parity_tolerance: float = Field(
+        0.15, ge=0.0, description="max |tau_offline - tau_vllm| / tau_offline at temperature 0"
+    )
+
+
+class Params(_Section):
+    """All parameters of one run. Each field is one section of the YAML file."""
+
+    run: RunParams = Field(default_factory=RunParams)
+    target: TargetParams = Field(default_factory=TargetParams)
+    tracking: TrackingParams = Field(default_factory=TrackingParams)
+    synthesize: SynthesizeParams = Field(default_factory=SynthesizeParams)
+    vocab: VocabParams = Field(default_factory=VocabParams)
+    extract: ExtractParams = Field(default_factory=ExtractParams)
+    train: TrainParams = Field(default_factory=TrainParams)
+    evaluate: EvaluateParams = Field(default_factory=EvaluateParams)
+
+    def run_dir(self) -> Path:
+        """``<run.output_dir>/<run.name>`` as a Path (not created)."""
+        return Path(self.run.output_dir) / self.run.name
+
+
+def _model_at(loc: tuple, model: type[BaseModel] = Params) -> type[BaseModel] | None:
+    """The pydantic model that owns the key at ``loc`` (for did-you-mean suggestions)."""
+    cur: Any = model
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = getattr(cur, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        args = getattr(ann, "__args__", ()) or ()
+        cands = [ann, *args]
+        for a in list(cands):
+            cands.extend(getattr(a, "__args__", ()) or ())
+        nxt = next((c for c in cands if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if nxt is None:
+            return None
+        cur = nxt
+    return cur
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(x for x in e["loc"])
+        key = ".".join(str(x) for x in loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            owner = _model_at(loc)
+            known = list(getattr(owner, "model_fields", {}) or {})
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            lines.append(f"  {key}: unknown key.{hint} Allowed here: {', '.join(known)}.")
+        else:
+            got = e.get("input")
+            got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"  {key}: {e['msg']}{got_s}.")
+    return f"Invalid params in {source}:\n" + "\n".join(lines)
+
+
+def parse_overrides(items: list[str] | None) -> dict:
+    """Parse ``["section.key=value", ...]`` into a nested dict; values are parsed as YAML.
+
+    Raises ParamsError when an item has no ``=`` or no section.
+    """
+    out: dict = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ParamsError(f"Override {item!r} must look like section.key=value")
+        key, raw = item.split("=", 1)
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise ParamsError(f"Override {item!r} has an empty key")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            raise ParamsError(f"Override {item!r}: value is not valid YAML ({exc})") from None
+        cur = out
+        for p in parts[:-1]:
+            cur = cur.setdefault(p, {})
+            if not isinstance(cur, dict):
+                raise ParamsError(f"Override {item!r} conflicts with another override")
+        cur[parts[-1]] = value
+    return out
+
+
+def apply_overrides(data: dict, overrides: dict) -> dict:
+    """Deep-merge ``overrides`` into a copy of ``data`` (dicts merge, everything else replaces)."""
+    merged = json.loads(json.dumps(data)) if data else {}
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = apply_overrides(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_params(
+    path: str | Path | None,
+    overrides: list[str] | dict | None = None,
+) -> Params:
+    """Load and validate a params YAML file, then apply overrides.
+
+    Args:
+        path: the YAML file; ``None`` gives the defaults (the embedded CPU target).
+        overrides: ``["section.key=value", ...]`` or an already nested dict.
+
+    Returns:
+        Params: validated parameters.
+
+    Raises:
+        ParamsError: missing file, YAML syntax error (with the line), a top level that is not a
+            mapping, unknown keys (with a did-you-mean), wrong types or out-of-range values (each
+            naming the file and the key).
+    """
+    source = str(path) if path is not None else "(defaults)"
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ParamsError(
+                f"Params file not found: {p}. Pass one of the files in params/ "
+                f"(e.g. params/smollm2-135m.yaml) or a path to your own YAML file."
+            )
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ParamsError(f"YAML syntax error in {p}{where}: {problem}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ParamsError(f"{p}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    if overrides:
+        ov = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
+        data = apply_overrides(data, ov)
+        if not isinstance(overrides, dict):
+            source += f" with overrides {list(overrides)}"
+    try:
+        return Params.model_validate(data)
+    except ValidationError as exc:
+        raise ParamsError(_format_errors(exc, source)) from None
+
+
+def dump_params(params: Params) -> str:
+    """The resolved params as YAML text (every key explicit)."""
+    return yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False)
+
+
+# Sections/keys that do not change what a run computes: a run directory may be resumed with
+# different values of these.
+_NON_SEMANTIC = {("tracking",), ("run", "output_dir"), ("run", "name")}
+
+
+def _semantic(d: dict, prefix: tuple = ()) -> dict:
+    out = {}
+    for k, v in d.items():
+        key = (*prefix, k)
+        if any(key[: len(ns)] == ns for ns in _NON_SEMANTIC):
+            continue
+        out[k] = _semantic(v, key) if isinstance(v, dict) else v
+    return out
+
+
+def params_fingerprint(params: Params) -> str:
+    """sha256 (16 hex chars) of the params that determine a run's results (tracking, names excluded)."""
+    blob = json.dumps(_semantic(params.model_dump(mode="json")), sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def diff_params(a: Params, b: Params) -> list[str]:
+    """Dotted keys whose values differ between two params (semantic keys only), with both values."""
+    da, db = _semantic(a.model_dump(mode="json")), _semantic(b.model_dump(mode="json"))
+    out: list[str] = []
+
+    def walk(x: Any, y: Any, prefix: str) -> None:
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in sorted(set(x) | set(y)):
+                walk(x.get(k), y.get(k), f"{prefix}.{k}" if prefix else k)
+        elif x != y:
+            out.append(f"{prefix}: {x!r} -> {y!r}")
+
+    walk(da, db, "")
+    return out

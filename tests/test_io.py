@@ -1,0 +1,62 @@
+"""Stage file contracts: atomic writes, progress.json, status table, report index."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from eagle3.io import Progress, atomic_path, atomic_write_json, atomic_write_text, read_json, stage_complete, write_stats
+from eagle3.runner import format_status, parse_stages, status_rows
+
+
+def test_atomic_write_keeps_old_file_on_failure(tmp_path):
+    p = tmp_path / "a.json"
+    atomic_write_json(p, {"x": 1})
+
+    with pytest.raises(RuntimeError):
+        with atomic_path(p) as tmp:
+            tmp.write_text('{"x": 2, "partial')  # killed half-way
+            raise RuntimeError("interrupted")
+    assert read_json(p) == {"x": 1}
+    assert [f.name for f in tmp_path.iterdir()] == ["a.json"]  # no temp file left
+
+
+def test_progress_file_and_status(tmp_path):
+    run = tmp_path / "run"
+    d = run / "03_extract"
+    d.mkdir(parents=True)
+    (d / "blob.bin").write_bytes(b"x" * 5000)
+    prog = Progress(d, total=10, unit="samples", projected_bytes=10_000, interval_s=0.0)
+    prog.update(4, tokens=400)
+    snap = read_json(d / "progress.json")
+    assert snap["status"] == "running" and snap["done"] == 4 and snap["total"] == 10 and snap["tokens"] == 400
+    assert snap["bytes_on_disk"] >= 5000 and snap["projected_bytes"] == 10_000
+    assert snap["eta_s"] is not None and snap["eta_s"] >= 0
+    rows = {r["stage"]: r for r in status_rows(run)}
+    assert rows["3 extract"]["state"] == "running"
+    assert rows["3 extract"]["done"] == "4/10 samples"
+    assert rows["1 synthesize"]["state"] == "not started"
+    text = format_status(run)
+    assert "4/10 samples" in text and "9.8 KiB" in text
+    prog.close()
+    assert read_json(d / "progress.json")["status"] == "done"
+    assert not stage_complete(run, 3)
+    write_stats(d, {"samples": 10})
+    assert stage_complete(run, 3)
+    assert status_rows(run)[2]["state"] == "complete"
+
+
+def test_stalled_progress_is_flagged(tmp_path):
+    d = tmp_path / "01_synthesize"
+    d.mkdir()
+    atomic_write_json(d / "progress.json", {"status": "running", "done": 1, "total": 2, "updated": time.time() - 3600})
+    assert status_rows(tmp_path)[0]["state"] == "stalled?"
+
+
+def test_parse_stages():
+    assert parse_stages("1-5") == [1, 2, 3, 4, 5]
+    assert parse_stages("2,4-5") == [2, 4, 5]
+    with pytest.raises(ValueError, match="stage 6 does not exist"):
+        parse_stages("5-6")

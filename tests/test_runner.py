@@ -1,0 +1,101 @@
+"""The papermill runner and the CLI on small notebooks made by the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_notebook
+
+from eagle3.cli import main
+from eagle3.io import NOTEBOOKS, read_json
+from eagle3.runner import StageFailed, run_pipeline
+
+ROOT = Path(__file__).resolve().parent.parent
+
+PARAMS_CELL = 'params_file = None\nrun_dir = None\noverrides = []'
+
+
+def _nb(path: Path, body: str) -> None:
+    p = new_code_cell(PARAMS_CELL)
+    p.metadata["tags"] = ["parameters"]
+    setup = new_code_cell("from eagle3.notebook import setup\nparams, run_dir = setup(params_file, run_dir, overrides)")
+    nb = new_notebook(cells=[p, setup, new_code_cell(body)], metadata={"kernelspec": {"name": "eagle3", "display_name": "eagle3", "language": "python"}})
+    nbformat.write(nb, path)
+
+
+WRITE_STAGE = """
+from eagle3.io import stage_dir, write_stats, Progress
+d = stage_dir(run_dir, {s})
+with Progress(d, total=3, unit="items") as p:
+    p.update(3, tokens=30)
+write_stats(d, {{"items": 3, "lr": params.train.lr}})
+(d / "runs.txt").open("a").write("x")
+"""
+
+
+@pytest.fixture
+def nbdir(tmp_path):
+    d = tmp_path / "nbs"
+    d.mkdir()
+    for s in (1, 2):
+        _nb(d / NOTEBOOKS[s], WRITE_STAGE.format(s=s))
+    return d
+
+
+def test_run_resume_and_status(tmp_params, nbdir, capsys):
+    pf = tmp_params("train:\n  lr: 0.003\n")
+    rd = run_pipeline(pf, [1, 2], notebooks=nbdir)
+    assert read_json(rd / "01_synthesize" / "stats.json")["lr"] == 0.003
+    assert (rd / "notebooks" / "01_synthesize.ipynb").exists()
+    assert read_json(rd / "02_vocab" / "progress.json")["done"] == 3
+    # a re-run skips complete stages
+    run_pipeline(pf, [1, 2], notebooks=nbdir)
+    assert (rd / "01_synthesize" / "runs.txt").read_text() == "x"
+    assert main(["status", str(rd)]) == 0
+    out = capsys.readouterr().out
+    assert "complete" in out and "3/3 items" in out
+
+
+def test_failing_stage_shows_cell_error(tmp_params, nbdir):
+    _nb(nbdir / NOTEBOOKS[2], "raise ValueError('planted failure in stage 2')")
+    pf = tmp_params()
+    with pytest.raises(StageFailed) as e:
+        run_pipeline(pf, [1, 2, 3], notebooks=nbdir)
+    msg = str(e.value)
+    assert "Stage 2 (02_vocab) failed in cell 3" in msg and "planted failure in stage 2" in msg
+    # stage 1 finished and stays finished; stage 3 never ran
+    assert read_json(Path(pf).parent / "outputs" / "t" / "01_synthesize" / "stats.json")["complete"]
+    assert not (Path(pf).parent / "outputs" / "t" / "03_extract").exists()
+
+
+def test_cli_errors_are_one_paragraph(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "missing.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "Params file not found" in err and "Traceback" not in err
+    assert main(["status", str(tmp_path / "nope")]) == 2
+
+
+def test_python_dash_m_and_console_script(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "eagle3", "params", str(ROOT / "params" / "ci.yaml"), "--set", "train.lr=0.5"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "lr: 0.5" in out
+    exe = Path(sys.executable).parent / "eagle3"
+    assert exe.exists()
+    r = subprocess.run([str(exe), "params", str(tmp_path / "x.yaml")], capture_output=True, text=True)
+    assert r.returncode == 2 and "Params file not found" in r.stderr
+
+
+def test_report_renders_index(tmp_params, nbdir):
+    from eagle3.runner import render_report
+
+    rd = run_pipeline(tmp_params(), [1, 2], notebooks=nbdir)
+    index = render_report(rd)
+    html = index.read_text()
+    assert "01_synthesize.html" in html and "<th>items</th><td>3</td>" in html
+    assert (index.parent / "02_vocab_coverage.html").exists()

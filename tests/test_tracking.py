@@ -1,0 +1,48 @@
+"""W&B wrapper: offline runs, figures saved as PNG, no secret written anywhere."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from eagle3.config import load_params
+from eagle3.tracking import Tracker, resolve_mode, scrub_secrets
+
+
+def test_resolve_mode(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    assert resolve_mode("auto") == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert resolve_mode("auto") == "online"
+    assert resolve_mode("disabled") == "disabled"
+
+
+def test_scrub_secrets_keeps_env_names():
+    d = {"server": {"api_key_env": "OPENAI_API_KEY", "api_key": "sk-123"}, "token": "abc", "n": 1}
+    assert scrub_secrets(d) == {"server": {"api_key_env": "OPENAI_API_KEY", "api_key": "***"}, "token": "***", "n": 1}
+
+
+def test_offline_run_logs_and_saves_png_without_secrets(tmp_params, monkeypatch):
+    secret = "sk-test-SECRET-0123456789"
+    monkeypatch.setenv("OPENAI_API_KEY", secret)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    p = load_params(tmp_params("tracking:\n  mode: offline\n"))
+    rd = Path(p.run.output_dir) / "t"
+    t = Tracker(p, rd, "01_synthesize")
+    t.log({"tokens_per_s": 12.5})
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [0, 1])
+    png = t.figure("curve", fig)
+    t.summary({"samples": 3})
+    t.finish()
+    assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
+    assert any((rd / "wandb").glob("offline-run-*"))
+    for f in rd.rglob("*"):
+        if f.is_file():
+            assert secret.encode() not in f.read_bytes(), f
