@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import html
-import json
+import re
 import shutil
 import sys
 import time
@@ -179,6 +178,15 @@ def format_status(run_dir: str | Path) -> str:
     return "\n".join(out)
 
 
+_REMOTE_SCRIPT = re.compile(r"<script[^>]*\bsrc=[\"']https?://[^>]*>\s*</script>", re.I)
+
+
+def offline_html(body: str) -> str:
+    """Remove ``<script src="https://...">`` tags (require.js, MathJax from a CDN) from nbconvert
+    output, so that the report renders with no network and no failed requests."""
+    return _REMOTE_SCRIPT.sub("", body)
+
+
 def render_report(run_dir: str | Path) -> Path:
     """Render the executed notebooks to HTML plus ``report/index.html`` (key numbers, figures, links).
 
@@ -206,7 +214,7 @@ def render_report(run_dir: str | Path) -> Path:
         nb = nbformat.read(nb_path, as_version=4)
         body, _ = exporter.from_notebook_node(nb)
         out = rep / (nb_path.stem + ".html")
-        out.write_text(body, encoding="utf-8")
+        out.write_text(offline_html(body), encoding="utf-8")
         pages.append(out.name)
     figures: dict[str, list[str]] = {}
     for s, name in STAGES.items():
