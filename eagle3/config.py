@@ -116,7 +116,16 @@ class VocabParams(_Section):
     max_seq_len: int = Field(2048, ge=8)
     draft_vocab_size: int | None = Field(None, ge=1)
     target_coverage: float | None = Field(None, gt=0.0, le=1.0)
-    multi_turn_policy: Literal["last", "explode"] = "explode"
+    multi_turn_policy: Literal["last", "explode"] = Field(
+        "explode",
+        description="when the chat template re-renders history (e.g. drops earlier reasoning): 'last' = "
+        "supervise only the last assistant turn, 'explode' = one row per assistant turn as served",
+    )
+    cache_dir: str | None = Field(
+        None,
+        description="draft vocab mapping cache (keyed by corpus, tokenizer and size); default "
+        "<target.cache_dir | $EAGLE3_CACHE | ~/.cache/eagle3>/vocab_mappings",
+    )
 
     @model_validator(mode="after")
     def _one_size(self) -> VocabParams:

@@ -1,0 +1,255 @@
+"""Coverage explorer for notebook 02: tables, static plots and an ipywidgets slider.
+
+Everything here reads stage 2's files (``token_counts.npy``, ``heldout_token_counts.npy``,
+``train.parquet``, ``row_lengths_*.npy``, ``mapping.json``); nothing is written.
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eagle3.vocab.mapping import COMMON_SIZES, Coverage
+
+__all__ = ["CoverageExplorer", "source_counts", "masked_sample_html"]
+
+
+def source_counts(table, vocab_size: int) -> dict[str, np.ndarray]:
+    """Masked-token frequencies per prompt source: ``{source: int64 [V]}`` (vectorized).
+
+    Args:
+        table: ``pyarrow.Table`` with ``source``, ``input_ids``, ``loss_mask``.
+        vocab_size: target vocab size V.
+    """
+    import pyarrow.compute as pc
+
+    src = table.column("source").combine_chunks()
+    ids = pc.list_flatten(table.column("input_ids")).to_numpy(zero_copy_only=False)
+    mask = pc.list_flatten(table.column("loss_mask")).to_numpy(zero_copy_only=False).astype(bool)
+    parent = pc.list_parent_indices(table.column("input_ids")).to_numpy(zero_copy_only=False)
+    enc = src.dictionary_encode()
+    codes = enc.indices.to_numpy(zero_copy_only=False)[parent]
+    out = {}
+    for c, name in enumerate(enc.dictionary.to_pylist()):
+        sel = mask & (codes == c)
+        out[name] = np.bincount(ids[sel], minlength=vocab_size).astype(np.int64)
+    return out
+
+
+def _token_repr(tok, tid: int) -> str:
+    if tok is None:
+        return str(tid)
+    return repr(tok.decode([int(tid)]))
+
+
+def masked_sample_html(tokenizer, input_ids, loss_mask, max_tokens: int = 400) -> str:
+    """HTML of one row with supervised tokens highlighted (blue) and context grey."""
+    parts = []
+    for t, m in list(zip(input_ids, loss_mask))[:max_tokens]:
+        text = html.escape(tokenizer.decode([int(t)])).replace("\n", "↵<br>")
+        style = "background:#cfe3ff;color:#000" if m else "color:#888"
+        parts.append(f'<span style="{style}" title="{int(t)}">{text}</span>')
+    more = "" if len(input_ids) <= max_tokens else f" <i>... {len(input_ids) - max_tokens} more tokens</i>"
+    return '<div style="font-family:monospace;white-space:pre-wrap;line-height:1.5">' + "".join(parts) + more + "</div>"
+
+
+class CoverageExplorer:
+    """What a draft vocab of a given size keeps and loses, on the train and held-out masked tokens.
+
+    Args:
+        counts: int64 ``[V]`` train masked-token frequencies.
+        heldout_counts: int64 ``[V]`` held-out frequencies (or None).
+        by_source: ``{source: int64 [V]}`` train frequencies per prompt source (or None).
+        tokenizer: decodes token ids in tables (or None: ids only).
+        chosen_size: the run's draft vocab size (marked in plots).
+        lengths: int64 row lengths before truncation (train), for the length histogram.
+        max_seq_len: the truncation length.
+    """
+
+    def __init__(self, counts, heldout_counts=None, by_source=None, tokenizer=None, chosen_size=None,
+                 lengths=None, max_seq_len=None):
+        self.cov = Coverage.from_counts(np.asarray(counts))
+        self.heldout = None if heldout_counts is None else np.asarray(heldout_counts, dtype=np.int64)
+        self.by_source = by_source or {}
+        self.tok = tokenizer
+        self.chosen_size = chosen_size
+        self.lengths = None if lengths is None else np.asarray(lengths)
+        self.max_seq_len = max_seq_len
+
+    @classmethod
+    def from_run(cls, run_dir: str | Path, params=None, tokenizer=None) -> "CoverageExplorer":
+        """Load stage 2's files of a run (tokenizer from ``params.target`` when not given)."""
+        import pyarrow.parquet as pq
+
+        from eagle3.io import read_json, stage_dir
+
+        d = stage_dir(run_dir, 2, create=False)
+        counts = np.load(d / "token_counts.npy")
+        held = np.load(d / "heldout_token_counts.npy") if (d / "heldout_token_counts.npy").exists() else None
+        table = pq.read_table(d / "train.parquet", columns=["source", "input_ids", "loss_mask"], memory_map=True)
+        meta = read_json(d / "mapping.json", {}) or {}
+        lengths = np.load(d / "row_lengths_train.npy") if (d / "row_lengths_train.npy").exists() else None
+        if tokenizer is None and params is not None:
+            from eagle3.target import load_tokenizer, resolve_target
+
+            tokenizer = load_tokenizer(resolve_target(params.target), params.target.trust_remote_code)
+        return cls(counts, held, source_counts(table, counts.size), tokenizer, meta.get("draft_vocab_size"),
+                   lengths, params.vocab.max_seq_len if params is not None else None)
+
+    # ---- numbers
+
+    def heldout_coverage(self, size: int) -> float | None:
+        """Share of held-out masked tokens inside the top-``size`` train vocab (1 - OOV rate)."""
+        if self.heldout is None or self.heldout.sum() == 0:
+            return None
+        return float(self.heldout[self.cov.kept_mask(size)].sum() / self.heldout.sum())
+
+    def summary(self, size: int) -> dict:
+        """Coverage, masked tokens lost (train), held-out coverage/OOV rate at one draft vocab size."""
+        hc = self.heldout_coverage(size)
+        return {
+            "draft_vocab_size": int(size),
+            "coverage": self.cov.at(size),
+            "masked_tokens": self.cov.total,
+            "masked_tokens_lost": self.cov.lost(size),
+            "distinct_tokens": self.cov.distinct,
+            "distinct_tokens_lost": max(self.cov.distinct - int(size), 0),
+            "heldout_coverage": hc,
+            "heldout_oov_rate": None if hc is None else 1 - hc,
+        }
+
+    def sizes_table(self, sizes=None):
+        """DataFrame: :meth:`summary` at 8K/16K/32K/64K (those <= V) and the chosen size."""
+        import pandas as pd
+
+        sizes = list(sizes or [s for s in COMMON_SIZES if s <= self.cov.vocab_size])
+        if self.chosen_size and self.chosen_size not in sizes:
+            sizes.append(int(self.chosen_size))
+        return pd.DataFrame([self.summary(s) for s in sorted(sizes)])
+
+    def top_lost(self, size: int, n: int = 20):
+        """DataFrame of the ``n`` most frequent tokens outside a draft vocab of ``size``:
+        rank, token id, decoded token, count and share of the masked-token mass (%)."""
+        import pandas as pd
+
+        k = min(int(size), self.cov.distinct)
+        ids = self.cov.order[k : min(k + n, self.cov.distinct)]
+        total = max(self.cov.total, 1)
+        return pd.DataFrame({
+            "rank": np.arange(k + 1, k + 1 + ids.size),
+            "token_id": ids,
+            "token": [_token_repr(self.tok, t) for t in ids],
+            "count": self.cov.counts[ids],
+            "mass_%": 100.0 * self.cov.counts[ids] / total,
+        })
+
+    def by_source_table(self, size: int):
+        """DataFrame: per prompt source, masked tokens and their coverage by the top-``size`` vocab."""
+        import pandas as pd
+
+        kept = self.cov.kept_mask(size)
+        rows = [{"source": s, "masked_tokens": int(c.sum()),
+                 "coverage": float(c[kept].sum() / c.sum()) if c.sum() else None}
+                for s, c in sorted(self.by_source.items())]
+        return pd.DataFrame(rows)
+
+    # ---- static plots
+
+    def plot_coverage(self):
+        """Coverage curve (train, and held-out when present) against draft vocab size, log x,
+        with markers at 8K/16K/32K/64K and the chosen size. Returns a matplotlib Figure."""
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        n = max(self.cov.distinct, 1)
+        x = np.unique(np.geomspace(1, self.cov.vocab_size, 400).astype(int))
+        ax.plot(x, [self.cov.at(k) for k in x], label="train (masked tokens)")
+        if self.heldout is not None and self.heldout.sum():
+            rank = np.empty(self.cov.vocab_size, dtype=np.int64)
+            rank[self.cov.order] = np.arange(self.cov.vocab_size)
+            hc = np.cumsum(np.bincount(rank, weights=self.heldout, minlength=self.cov.vocab_size)) / self.heldout.sum()
+            ax.plot(x, hc[x - 1], "--", label="held-out")
+        for s, mk in zip(COMMON_SIZES, "sD^v"):
+            if s <= self.cov.vocab_size:
+                ax.axvline(s, color="grey", lw=0.6, ls=":")
+                ax.plot([s], [self.cov.at(s)], mk, color="grey", ms=5, label=f"{s // 1024}K: {self.cov.at(s):.4f}")
+        if self.chosen_size:
+            c = self.cov.at(self.chosen_size)
+            ax.plot([self.chosen_size], [c], "ro", label=f"chosen {self.chosen_size}: {c:.4f}")
+        ax.axvline(n, color="k", lw=0.5, alpha=0.4)
+        ax.set_xscale("log")
+        ax.set_xlabel("draft vocab size (top-k tokens by masked frequency)")
+        ax.set_ylabel("share of masked-token mass covered")
+        ax.set_title(f"Coverage: {self.cov.total:,} masked tokens, {self.cov.distinct:,} distinct")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+        plt.close(fig)
+        return fig
+
+    def plot_rank_frequency(self):
+        """Rank-frequency of masked tokens on log-log axes. Returns a matplotlib Figure."""
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        freq = self.cov.counts[self.cov.order[: self.cov.distinct]]
+        ax.loglog(np.arange(1, freq.size + 1), freq, ".", ms=2)
+        if self.chosen_size and self.chosen_size < freq.size:
+            ax.axvline(self.chosen_size, color="r", lw=0.8, label=f"draft vocab {self.chosen_size}")
+            ax.legend(fontsize=8)
+        ax.set_xlabel("rank")
+        ax.set_ylabel("masked-token count")
+        ax.set_title("Rank-frequency (log-log)")
+        ax.grid(alpha=0.3, which="both")
+        plt.close(fig)
+        return fig
+
+    def plot_lengths(self):
+        """Histogram of row lengths before truncation with the ``max_seq_len`` line. Returns a Figure."""
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        if self.lengths is not None and self.lengths.size:
+            ax.hist(self.lengths, bins=50, color="tab:blue", alpha=0.8)
+            if self.max_seq_len:
+                over = int((self.lengths > self.max_seq_len).sum())
+                ax.axvline(self.max_seq_len, color="r", label=f"max_seq_len={self.max_seq_len} ({over} rows truncated)")
+                ax.legend(fontsize=8)
+        ax.set_xlabel("tokens per row (before truncation)")
+        ax.set_ylabel("rows")
+        ax.set_title("Sequence lengths (train)")
+        plt.close(fig)
+        return fig
+
+    def figures(self) -> dict:
+        """``{name: Figure}`` of the three static plots (names used for the PNG files)."""
+        return {"coverage_curve": self.plot_coverage(), "rank_frequency": self.plot_rank_frequency(),
+                "sequence_lengths": self.plot_lengths()}
+
+    # ---- interactive
+
+    def render_html(self, size: int, n_lost: int = 15) -> str:
+        """HTML block shown by the widget at one size: summary, top lost tokens, coverage by source."""
+        s = self.summary(size)
+        hc = "n/a" if s["heldout_coverage"] is None else f"{s['heldout_coverage']:.4%} (OOV {s['heldout_oov_rate']:.4%})"
+        head = (f"<b>draft vocab {size:,}</b>: train coverage <b>{s['coverage']:.4%}</b>, "
+                f"masked tokens lost {s['masked_tokens_lost']:,} of {s['masked_tokens']:,}; held-out coverage {hc}")
+        return (head + "<br><b>Top lost tokens</b>" + self.top_lost(size, n_lost).to_html(index=False)
+                + "<b>Coverage by prompt source</b>" + self.by_source_table(size).to_html(index=False))
+
+    def widget(self, step: int = 256):
+        """An ipywidgets slider over the draft vocab size updating the coverage, the masked tokens
+        lost, the top lost tokens (decoded, with their mass) and the coverage by prompt source."""
+        import ipywidgets as w
+
+        V = self.cov.vocab_size
+        start = int(self.chosen_size or min(32768, V))
+        slider = w.IntSlider(value=start, min=1, max=V, step=1 if V <= step else step, description="draft vocab",
+                             continuous_update=False, layout=w.Layout(width="90%"))
+        box = w.BoundedIntText(value=start, min=1, max=V, description="exact")
+        w.jslink((slider, "value"), (box, "value"))
+        out = w.HTML(self.render_html(start))
+        slider.observe(lambda ch: setattr(out, "value", self.render_html(int(ch["new"]))), names="value")
+        return w.VBox([w.HBox([slider, box]), out])
