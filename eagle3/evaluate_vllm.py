@@ -1,0 +1,156 @@
+"""One vLLM acceptance measurement in its own process: ``python -m eagle3.evaluate_vllm JOB.json OUT.json``.
+
+vLLM engines spawn processes and hold memory until the interpreter exits, so Stage 5 runs every
+engine (EAGLE-3 drafter, n-gram lookup, no speculation) in a fresh subprocess, one at a time
+(:func:`eagle3.evaluate.run_vllm_job`). The job file (JSON) holds:
+
+``target`` (model dir), ``dtype``, ``max_model_len``, ``seed``, ``method`` ("eagle3" | "ngram" |
+"none"), ``drafter`` (dir, eagle3), ``k``, ``prompt_lookup_min``/``prompt_lookup_max`` (ngram),
+``temperature``, ``max_new_tokens``, ``chat_template_kwargs`` (or null) and ``prompts``: a list of
+``{"id", "messages", "prompt_ids"}``.
+
+The prompts go through ``LLM.chat`` (vLLM renders the chat template itself, exactly as its chat
+endpoint does); the rendered ids are returned per prompt so that the caller can compare them with
+its own rendering. The engine runs one request at a time (``max_num_seqs=1``: the single-stream
+setting where speculation pays, and the one in which the engine's iteration count equals the
+number of target forwards of each request). Counters are read with ``LLM.get_metrics()`` before
+and after the measured pass (a one-prompt warm-up runs first) and the differences reported:
+``vllm:spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens``,
+``_num_accepted_tokens_per_pos``, ``vllm:iteration_tokens_total`` (count = engine steps),
+``vllm:generation_tokens``. Per request, vLLM's per-step accepted/drafted lists
+(``per_request_spec_decode_metrics="detailed"``) are returned too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+    "vllm:generation_tokens",
+    "vllm:prompt_tokens",
+)
+
+
+def read_counters(llm) -> dict:
+    """Sum the spec-decode counters, the per-position vector and the engine step count.
+
+    Returns:
+        dict: counter name -> value (summed over engines), ``per_pos`` (list),
+        ``engine_steps`` (count of ``vllm:iteration_tokens_total``).
+    """
+    out: dict = {name: 0 for name in COUNTERS}
+    out["per_pos"] = []
+    out["engine_steps"] = 0
+    for m in llm.get_metrics():
+        if m.name in COUNTERS:
+            out[m.name] += int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            vals = [int(v) for v in m.values]
+            cur = out["per_pos"]
+            out["per_pos"] = [a + b for a, b in zip(cur + [0] * (len(vals) - len(cur)), vals)]
+        elif m.name == "vllm:iteration_tokens_total":
+            out["engine_steps"] += int(m.count)
+    return out
+
+
+def _diff(after: dict, before: dict) -> dict:
+    d = {k: after[k] - before.get(k, 0) for k in after if k != "per_pos"}
+    b = before.get("per_pos") or [0] * len(after["per_pos"])
+    d["per_pos"] = [x - y for x, y in zip(after["per_pos"], b + [0] * (len(after["per_pos"]) - len(b)))]
+    return d
+
+
+def run_job(job: dict) -> dict:
+    """Run one measurement (see the module docstring); returns the result dict."""
+    from vllm import LLM, SamplingParams
+
+    from eagle3.vllm_utils import engine_kwargs
+
+    method = job["method"]
+    extra: dict = {"disable_log_stats": False, "max_num_seqs": 1,
+                   "max_num_batched_tokens": max(int(job["max_model_len"]), 2048)}
+    spec = None
+    if method == "eagle3":
+        spec = {"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": int(job["k"])}
+    elif method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": int(job["k"]),
+                "prompt_lookup_min": int(job["prompt_lookup_min"]),
+                "prompt_lookup_max": int(job["prompt_lookup_max"])}
+    elif method != "none":
+        raise ValueError(f"unknown method {method!r}")
+    if spec is not None:
+        extra["speculative_config"] = spec
+        extra["per_request_spec_decode_metrics"] = "detailed"
+    t0 = time.time()
+    llm = LLM(**engine_kwargs(job["target"], dtype=job["dtype"], max_model_len=int(job["max_model_len"]),
+                              seed=int(job["seed"]), **extra))
+    startup_s = time.time() - t0
+    prompts = job["prompts"]
+    convs = [p["messages"] for p in prompts]
+    ctk = job.get("chat_template_kwargs") or None
+
+    def params(i: int, max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=float(job["temperature"]), max_tokens=max_tokens,
+                              seed=int(job["seed"]) + i)
+
+    llm.chat(convs[:1], [params(0, 8)], use_tqdm=False, chat_template_kwargs=ctk)  # warm-up
+    before = read_counters(llm)
+    t1 = time.time()
+    outs = llm.chat(convs, [params(i, int(job["max_new_tokens"])) for i in range(len(convs))],
+                    use_tqdm=False, chat_template_kwargs=ctk)
+    gen_s = time.time() - t1
+    after = read_counters(llm)
+    per_prompt = []
+    for p, o in zip(prompts, outs):
+        c = o.outputs[0]
+        sdm = c.spec_decode_metrics
+        per_prompt.append({
+            "id": p["id"],
+            "prompt_ids": list(o.prompt_token_ids or []),
+            "tokens": list(c.token_ids),
+            "finish_reason": c.finish_reason,
+            "per_step_accepted": list(sdm.per_step_accepted) if sdm is not None else None,
+            "per_step_drafted": list(sdm.per_step_drafted) if sdm is not None else None,
+        })
+    n_out = sum(len(r["tokens"]) for r in per_prompt)
+    return {
+        "method": method,
+        "speculative_config": spec,
+        "k": int(job["k"]) if spec else 0,
+        "temperature": float(job["temperature"]),
+        "max_new_tokens": int(job["max_new_tokens"]),
+        "dtype": str(llm.llm_engine.model_config.dtype).replace("torch.", ""),
+        "vllm_version": __import__("vllm").__version__,
+        "startup_s": round(startup_s, 2),
+        "generate_s": round(gen_s, 3),
+        "output_tokens": n_out,
+        "tokens_per_s": n_out / gen_s if gen_s > 0 else None,
+        "counters": _diff(after, before),
+        "per_prompt": per_prompt,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line: ``python -m eagle3.evaluate_vllm JOB.json OUT.json`` (OUT written atomically)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) != 2:
+        print("usage: python -m eagle3.evaluate_vllm JOB.json OUT.json", file=sys.stderr)
+        return 2
+    job = json.loads(Path(argv[0]).read_text())
+    result = run_job(job)
+    from eagle3.io import atomic_write_json
+
+    atomic_write_json(argv[1], result)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
