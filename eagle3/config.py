@@ -71,6 +71,8 @@ class TrackingParams(_Section):
 
 
 class PromptSource(_Section):
+    """One prompt set. See ``eagle3.prompts`` for the formats and the field mapping."""
+
     kind: Literal["embedded", "file", "hf"] = "embedded"
     name: str = Field("human-eval", description="embedded set name or Hugging Face dataset id")
     path: str | None = Field(None, description="JSON/JSONL/Parquet file (kind=file)")
@@ -78,10 +80,18 @@ class PromptSource(_Section):
     split: str = "train"
     format: Literal["auto", "sharegpt", "openai", "alpaca", "prompt"] = "auto"
     prompt_field: str | None = Field(None, description="for format=prompt: the field holding the prompt")
+    fields: dict[str, str] = Field(
+        default_factory=dict,
+        description="field mapping, e.g. {messages: conversations, role: from, content: value} "
+        "(sharegpt/openai), {instruction: instruction, input: instances.0.input} (alpaca), "
+        "{prompt: question} (prompt), {system: sys}; dotted paths reach nested fields and list items",
+    )
+    prompt_template: str | None = Field(
+        None, description="wraps each first user turn: a format string with {prompt}"
+    )
     system_prompt: str | None = None
     limit: int | None = Field(None, ge=1)
     label: str | None = Field(None, description="the 'source' recorded per sample (default: name/path)")
-
 
 class ServerParams(_Section):
     base_url: str = "http://127.0.0.1:8000/v1"
@@ -109,7 +119,18 @@ class SynthesizeParams(_Section):
     seed: int = Field(0, ge=0)
     enable_thinking: bool | None = Field(None, description="chat-template kwarg; None = not passed")
     think_tags: tuple[str, str] = ("<think>", "</think>")
+    reasoning: Literal["auto", "fields", "tags", "off"] = Field(
+        "auto",
+        description="reasoning capture: server fields (reasoning_content / reasoning), think_tags "
+        "spans in the text, both ('auto': fields first), or none ('off': text kept as it is)",
+    )
     on_bad_line: Literal["skip", "fail"] = "skip"
+    max_failed_samples: int = Field(
+        0, ge=0, description="samples that may fail after all retries while the stage still completes"
+    )
+    vllm_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra vllm.LLM(...) arguments for backend=vllm"
+    )
 
 
 class VocabParams(_Section):
@@ -140,12 +161,24 @@ class ExtractParams(_Section):
     backend: Literal["transformers", "vllm"] = "transformers"
     aux_layer_ids: list[int] | None = Field(None, description="default [2, N//2, N-3]")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "bfloat16", description="storage dtype of hidden states"
+        "bfloat16", description="storage dtype of hidden states ('auto' = the target's compute dtype)"
     )
-    token_budget: int = Field(8192, ge=1, description="tokens per forward batch")
+    token_budget: int = Field(8192, ge=1, description="padded tokens per forward batch")
     shard_size: int = Field(2000, ge=1, description="samples per row shard folder")
     disk_margin: float = Field(1.2, ge=1.0, description="required free space = projection x margin")
-    calibration_batches: int = Field(1, ge=0)
+    calibration_batches: int = Field(1, ge=0, description="batches timed for the preflight time projection")
+    writer_threads: int = Field(2, ge=1, description="background threads serializing and writing files")
+    max_pending_mb: int = Field(
+        1024, ge=1, description="MiB of hidden states queued for writing before the forward loop waits"
+    )
+    data_parallel: int = Field(
+        1, ge=1, description="processes for data-parallel extraction (run() launches torchrun when > 1)"
+    )
+    verify: bool = Field(False, description="re-read and check every stored file after the run")
+    vllm_endpoint: str | None = Field(
+        None, description="backend=vllm: base URL of an already running extraction server (else one is started)"
+    )
+    vllm_keep_raw: bool = Field(False, description="backend=vllm: keep vLLM's hs_<i>.safetensors after adoption")
 
 
 class TrainParams(_Section):
@@ -170,6 +203,21 @@ class TrainParams(_Section):
     keep_checkpoints: int = Field(3, ge=1)
     online: bool = Field(False, description="train from the target directly (no stage-3 files)")
     seed: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="cosine decays the lr to lr x this")
+    loss: str = Field("kl_div", description="speculators loss name (kl_div, ce, tv, ...) or a JSON dict of weights")
+    loss_implementation: Literal["auto", "eager", "fused"] = Field(
+        "auto", description="'auto' = fused (Triton) on GPU, eager on CPU"
+    )
+    attn_implementation: Literal["auto", "sdpa", "eager", "simple_flex_attention"] = Field(
+        "auto", description="'auto' = simple_flex_attention on GPU, sdpa on CPU"
+    )
+    device: str = Field("auto", description="'auto', 'cpu', 'cuda' (under torchrun: cuda:LOCAL_RANK)")
+    data_parallel: int = Field(1, ge=1, description="DDP processes; run() launches torchrun when > 1")
+    num_workers: int = Field(0, ge=0, description="background processes reading stage-3 files")
+    export_embed_tokens: bool = Field(
+        False, description="write embed_tokens (bit-identical to the target's) into the drafter; "
+        "without them vLLM shares the target's"
+    )
 
 
 class NgramParams(_Section):

@@ -1,0 +1,378 @@
+"""Stage 3 with vLLM: the ``extract_hidden_states`` speculative method, driven as speculators does.
+
+The path the motivating run took at scale (tensor parallel targets). Three pieces, all upstream:
+
+1. ``vllm serve TARGET`` with ``--speculative-config '{"method": "extract_hidden_states",
+   "num_speculative_tokens": 1, "draft_model_config": {"hf_config":
+   {"eagle_aux_hidden_state_layer_ids": [aux..., N]}}}'`` and ``--kv-transfer-config
+   '{"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+   "kv_connector_extra_config": {"shared_storage_path": STAGING}}'`` (speculators'
+   ``scripts/launch_vllm.py``; the connector writes ``hidden_states [seq, n_layers, hidden]`` in
+   the model dtype and ``token_ids [seq]`` per request, layers in layer order, id N before the norm);
+2. speculators' offline client ``python -m speculators generate-offline-data --endpoint URL
+   --preprocessed-data 03_extract/vllm_input --output 03_extract/vllm_raw`` (one ``max_tokens=1``
+   completion per sample, files renamed to ``hs_<i>.safetensors``, ``i`` = index in the input);
+3. adoption (here): each ``hs_<i>.safetensors`` is checked (token ids equal the row's, shape
+   ``[seq, n_aux + 1, hidden]``, finite), cast to ``extract.dtype``, given its loss mask and written
+   as ``rows_*/<row:06d>.safetensors`` with a manifest line, exactly as the transformers backend
+   writes it; the raw file is then deleted (``extract.vllm_keep_raw`` keeps it).
+
+The connector needs a GPU (CUDA streams, pinned memory), so :func:`run_vllm` refuses on a CPU-only
+machine unless ``extract.vllm_endpoint`` points at a server elsewhere that shares this filesystem.
+To launch by hand what :func:`run_vllm` does (e.g. the server on its own node), print the two
+commands for a params file and run them (Stage 2 must be done: the input rows come from it)::
+
+    python -c "from eagle3.extract.vllm_backend import print_commands; print_commands('params/kimi-k2.5.yaml')"
+    # -> vllm serve <target> --host 127.0.0.1 --port 8000 --speculative-config '{...}' --kv-transfer-config '{...}' ...
+    # -> python -m speculators generate-offline-data --endpoint http://127.0.0.1:8000/v1 --preprocessed-data ...
+
+then set ``extract.vllm_endpoint: http://127.0.0.1:8000/v1`` and run Stage 3, which writes the input,
+runs the client and adopts the files.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from eagle3.config import Params
+from eagle3.extract.core import ExtractError, SampleWriter, first_non_finite, sample_relpath
+from eagle3.io import stage_dir
+
+__all__ = [
+    "speculative_config",
+    "kv_transfer_config",
+    "serve_args",
+    "serve_command",
+    "generate_command",
+    "write_vllm_input",
+    "adopt_vllm_outputs",
+    "run_vllm",
+    "print_commands",
+]
+
+INPUT_DIR = "vllm_input"
+RAW_DIR = "vllm_raw"
+STAGING_DIR = "vllm_staging"
+CLIENT_CONCURRENCY = 32
+
+
+def speculative_config(aux_layer_ids: Sequence[int], num_hidden_layers: int) -> dict:
+    """vLLM ``speculative_config`` capturing ``aux + [N]`` (speculators ``launch_vllm.py``)."""
+    return {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [*aux_layer_ids, num_hidden_layers]}},
+    }
+
+
+def kv_transfer_config(staging_dir: str | Path) -> dict:
+    """vLLM ``kv_transfer_config`` for the file-based ``ExampleHiddenStatesConnector``."""
+    return {
+        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(staging_dir)},
+    }
+
+
+def serve_args(params: Params, aux_layer_ids: Sequence[int], num_hidden_layers: int, staging_dir: str | Path,
+               max_len: int) -> list[str]:
+    """Arguments after ``vllm serve MODEL`` for hidden-state extraction with this run's settings."""
+    args = [
+        "--speculative-config", json.dumps(speculative_config(aux_layer_ids, num_hidden_layers)),
+        "--kv-transfer-config", json.dumps(kv_transfer_config(staging_dir)),
+        "--tensor-parallel-size", str(params.target.tensor_parallel_size),
+        "--max-model-len", str(max(params.target.max_model_len, max_len + 1)),
+        "--dtype", params.target.dtype,
+    ]
+    if params.target.trust_remote_code:
+        args.append("--trust-remote-code")
+    return args
+
+
+def _meta_for(params: Params, run_dir: Path):
+    from eagle3.extract.stage import _setup
+
+    return _setup(params, run_dir)
+
+
+def serve_command(params: Params, run_dir: str | Path, port: int = 8000) -> list[str]:
+    """The full ``vllm serve`` command (loopback address) for this run's Stage 3."""
+    from eagle3.target import resolve_target
+
+    run_dir = Path(run_dir)
+    setup = _meta_for(params, run_dir)
+    sd = stage_dir(run_dir, 3, create=False)
+    model = str(resolve_target(params.target).path)
+    return ["vllm", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+            *serve_args(params, setup.aux, setup.num_layers, sd / STAGING_DIR, int(setup.rows.lengths.max()))]
+
+
+def generate_command(endpoint: str, input_dir: str | Path, raw_dir: str | Path,
+                     concurrency: int = CLIENT_CONCURRENCY) -> list[str]:
+    """speculators' offline client: one prefill per input row, files ``hs_<i>.safetensors``."""
+    return [sys.executable, "-m", "speculators", "generate-offline-data", "--endpoint", endpoint,
+            "--preprocessed-data", str(input_dir), "--output", str(raw_dir), "--concurrency", str(concurrency)]
+
+
+def print_commands(params_file: str, run_dir: str | None = None, port: int = 8000) -> None:
+    """Print the two launch commands (server, client) for a params file, for running them by hand."""
+    import shlex
+
+    from eagle3.config import load_params
+    from eagle3.paths import resolve_run_dir
+
+    params = load_params(params_file)
+    rd = Path(run_dir) if run_dir else resolve_run_dir(params)
+    sd = rd / "03_extract"
+    print(shlex.join(serve_command(params, rd, port)))
+    print(shlex.join(generate_command(f"http://127.0.0.1:{port}/v1", sd / INPUT_DIR, sd / RAW_DIR)))
+
+
+def write_vllm_input(rows, row_ids: Sequence[int], out_dir: str | Path) -> Path:
+    """Write the rows to extract as a datasets folder that speculators' client reads.
+
+    Columns ``input_ids`` (int64), ``loss_mask`` (int8), ``row`` (our row index; the client's
+    ``hs_<i>`` is the ``i``-th line here), torch-formatted (the client calls ``.tolist()``).
+    Written to a temp folder and renamed.
+
+    Returns:
+        Path: ``out_dir``.
+    """
+    import datasets
+
+    out = Path(out_dir)
+    ds = datasets.Dataset.from_dict({
+        "input_ids": [rows.tokens(r).tolist() for r in row_ids],
+        "loss_mask": [rows.loss_mask(r).tolist() for r in row_ids],
+        "row": [int(r) for r in row_ids],
+    })
+    ds.set_format("torch")
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    ds.save_to_disk(str(tmp))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def _row_map(input_dir: Path) -> list[int] | None:
+    import datasets
+
+    if not (input_dir / "dataset_info.json").exists():
+        return None
+    ds = datasets.load_from_disk(str(input_dir))
+    return [int(x) for x in ds.with_format(None)["row"]]
+
+
+def _adopt(sd: Path, setup, raw_dir: Path, row_map: list[int], writer: SampleWriter, done: set[int],
+           final: bool, keep_raw: bool) -> list[dict]:
+    """Adopt every complete ``hs_<i>.safetensors`` in ``raw_dir``; returns problems found."""
+    from safetensors.torch import load_file
+
+    problems = []
+    rows = setup.rows
+    slots, hidden = len(setup.stored), setup.hidden
+    for f in sorted(raw_dir.glob("hs_*.safetensors")) if raw_dir.exists() else []:
+        try:
+            i = int(f.stem[3:])
+        except ValueError:
+            continue
+        if i >= len(row_map):
+            problems.append({"file": str(f), "problem": f"index {i} not in the input ({len(row_map)} rows)"})
+            continue
+        r = row_map[i]
+        if r in done:
+            if not keep_raw:
+                f.unlink(missing_ok=True)
+            continue
+        try:
+            data = load_file(str(f))
+        except Exception as exc:  # noqa: BLE001 - incomplete (still moving) or corrupt
+            if final:
+                problems.append({"row": r, "file": str(f), "problem": f"unreadable: {exc}"})
+                f.unlink(missing_ok=True)
+            continue
+        tok, hs = data.get("token_ids"), data.get("hidden_states")
+        bad = None
+        if tok is None or hs is None:
+            bad = f"missing tensors (has {sorted(data)})"
+        elif tok.tolist() != rows.tokens(r).tolist():
+            bad = f"token_ids differ from row {r} (id {rows.ids[r]})"
+        elif list(hs.shape) != [len(tok), slots, hidden]:
+            bad = f"hidden_states shape {list(hs.shape)} != {[len(tok), slots, hidden]} (layers {setup.stored})"
+        elif not bool(torch.isfinite(hs).all()):
+            bad = f"non-finite hidden states in sample id {rows.ids[r]}: {first_non_finite(hs, setup.stored)}"
+        if bad:
+            problems.append({"row": r, "file": str(f), "problem": bad})
+            f.unlink(missing_ok=True)
+            continue
+        done.add(r)
+        tensors = {"token_ids": tok.to(torch.int64), "loss_mask": torch.from_numpy(rows.loss_mask(r).copy()),
+                   "hidden_states": hs.to(setup.sdtype)}
+        after = None if keep_raw else (lambda p=f: p.unlink(missing_ok=True))
+        writer.submit({"row": r, "id": rows.ids[r], "file": sample_relpath(r, setup.meta["shard_size"])}, tensors,
+                      after=after)
+    return problems
+
+
+def adopt_vllm_outputs(params: Params, run_dir: str | Path, raw_dir: str | Path | None = None,
+                       row_map: Sequence[int] | None = None, finalize: bool = True) -> dict:
+    """Adopt vLLM/speculators ``hs_<i>.safetensors`` files into Stage 3's layout.
+
+    Args:
+        params: the run's params. run_dir: the run directory.
+        raw_dir: the client's output (default ``03_extract/vllm_raw``).
+        row_map: row index of each ``i`` (default: the ``row`` column of ``03_extract/vllm_input``,
+            else the identity).
+        finalize: when every row has its file, write the manifest and ``stats.json``.
+
+    Returns:
+        dict: ``adopted`` (files written), ``problems`` (rejected raw files, each with a reason),
+        ``missing`` (rows still without a file), ``stats`` (when finalized).
+
+    Raises:
+        ExtractError: as :func:`eagle3.extract.run` before extraction (bad inputs, refusals).
+    """
+    from eagle3.extract.stage import _Dist, _finalize, _prepare
+
+    run_dir = Path(run_dir)
+    sd = stage_dir(run_dir, 3)
+    raw = Path(raw_dir) if raw_dir else sd / RAW_DIR
+    prep = _prepare(params, run_dir, sd, _Dist())
+    rm = list(row_map) if row_map is not None else (_row_map(sd / INPUT_DIR) or list(range(len(prep.setup.rows))))
+    writer = SampleWriter(sd, prep.journal, prep.setup.stored, threads=params.extract.writer_threads)
+    done = set(prep.valid)
+    t0 = time.perf_counter()
+    try:
+        problems = _adopt(sd, prep.setup, raw, rm, writer, done, final=True, keep_raw=params.extract.vllm_keep_raw)
+    finally:
+        writer.close()
+    secs = time.perf_counter() - t0
+    missing = [r for r in range(len(prep.setup.rows)) if r not in done]
+    out = {"adopted": writer.files_written, "problems": problems, "missing": missing, "stats": None}
+    if finalize and not missing:
+        loops = [{"samples": writer.files_written, "tokens": sum(e["num_tokens"] for e in writer.entries),
+                  "computed_tokens": 0, "seconds": secs, "bytes_written": writer.bytes_written,
+                  "writer_busy_s": writer.busy_s, "calibration": None}]
+        out["stats"] = _finalize(params, run_dir, sd, prep.setup, prep.pf, loops, prep.redone, 1, None)
+    return out
+
+
+def run_vllm(params: Params, run_dir: str | Path) -> dict:
+    """Stage 3 through vLLM (see the module docstring); returns the stats.
+
+    Starts ``vllm serve`` on 127.0.0.1 with the extraction configs (unless ``extract.vllm_endpoint``
+    names a running one), runs speculators' client for the rows still missing, adopts files while
+    they arrive, then writes the manifest and stats like the transformers backend.
+
+    Raises:
+        ExtractError: no GPU and no ``vllm_endpoint``; rows still missing after the client finished
+            (re-running retries only those); plus everything :func:`eagle3.extract.run` raises.
+    """
+    from eagle3.extract.stage import STAGE_NAME, _Dist, _finalize, _make_progress, _prepare
+    from eagle3.target import resolve_target
+    from eagle3.tracking import Tracker
+    from eagle3.vllm_utils import VllmServer
+
+    run_dir = Path(run_dir)
+    ep = params.extract
+    sd = stage_dir(run_dir, 3)
+    if ep.vllm_endpoint is None and not torch.cuda.is_available():
+        raise ExtractError(
+            "extract.backend = vllm needs a GPU: vLLM's ExampleHiddenStatesConnector copies hidden states "
+            "through CUDA streams and pinned memory. Use extract.backend: transformers on CPU, or set "
+            "extract.vllm_endpoint to a GPU server that shares this filesystem."
+        )
+    dist = _Dist()
+    prep = _prepare(params, run_dir, sd, dist)
+    setup = prep.setup
+    raw, staging = sd / RAW_DIR, sd / STAGING_DIR
+    raw.mkdir(exist_ok=True)
+    writer = SampleWriter(sd, prep.journal, setup.stored, threads=ep.writer_threads,
+                          max_pending_bytes=ep.max_pending_mb << 20)
+    done = set(prep.valid)
+    problems: list[dict] = []
+    old_map = _row_map(sd / INPUT_DIR)
+    if old_map:  # files of an interrupted attempt, indexed by that attempt's input
+        problems += _adopt(sd, setup, raw, old_map, writer, done, final=True, keep_raw=ep.vllm_keep_raw)
+        writer.close()
+        writer = SampleWriter(sd, prep.journal, setup.stored, threads=ep.writer_threads,
+                              max_pending_bytes=ep.max_pending_mb << 20)
+    for f in raw.glob("hs_*.safetensors"):
+        f.unlink()
+    todo = [r for r in range(len(setup.rows)) if r not in done]
+    tracker = Tracker(params, run_dir, STAGE_NAME)
+    progress = _make_progress(sd, dist, prep, lambda: writer.bytes_written, tracker)
+    t0 = time.perf_counter()
+    try:
+        if todo:
+            row_map = todo
+            write_vllm_input(setup.rows, todo, sd / INPUT_DIR)
+            stop = threading.Event()
+            counted = {"n": 0}
+
+            def tick() -> None:
+                n = len(done) - len(prep.valid) - counted["n"]
+                if n > 0:
+                    progress.update(n)
+                    counted["n"] += n
+
+            def poll() -> None:
+                while not stop.wait(2.0):
+                    problems.extend(_adopt(sd, setup, raw, row_map, writer, done, final=False, keep_raw=ep.vllm_keep_raw))
+                    tick()
+
+            def client(endpoint: str) -> int:
+                th = threading.Thread(target=poll, daemon=True)
+                th.start()
+                try:
+                    return subprocess.run(generate_command(endpoint, sd / INPUT_DIR, raw), check=False).returncode
+                finally:
+                    stop.set()
+                    th.join()
+
+            if ep.vllm_endpoint:
+                rc = client(ep.vllm_endpoint)
+            else:
+                model = str(resolve_target(params.target).path)
+                args = serve_args(params, setup.aux, setup.num_layers, staging, int(setup.rows.lengths.max()))
+                with VllmServer(model, args=args, log_file=sd / "vllm_serve.log") as server:
+                    rc = client(server.base_url)
+            problems += _adopt(sd, setup, raw, row_map, writer, done, final=True, keep_raw=ep.vllm_keep_raw)
+            writer.close()
+            tick()
+            for p in problems:
+                print(f"eagle3 extract (vllm): rejected {p['file']}: {p['problem']}", flush=True)
+            missing = [r for r in range(len(setup.rows)) if r not in done]
+            if missing:
+                raise ExtractError(
+                    f"{len(missing)} row(s) have no hidden states after the vLLM client finished (exit code {rc}); "
+                    f"first: row {missing[0]} (id {setup.rows.ids[missing[0]]}). {len(problems)} file(s) were "
+                    f"rejected (printed above). Re-run to retry only the missing rows."
+                )
+        else:
+            writer.close()
+    except BaseException:
+        try:
+            writer.close()
+        except BaseException:  # noqa: BLE001
+            pass
+        progress.close("failed")
+        tracker.finish()
+        raise
+    progress.close("done")
+    shutil.rmtree(staging, ignore_errors=True)
+    secs = time.perf_counter() - t0
+    loops = [{"samples": writer.files_written, "tokens": sum(e["num_tokens"] for e in writer.entries),
+              "computed_tokens": sum(e["num_tokens"] for e in writer.entries), "seconds": secs,
+              "bytes_written": writer.bytes_written, "writer_busy_s": writer.busy_s, "calibration": None}]
+    return _finalize(params, run_dir, sd, setup, prep.pf, loops, prep.redone, 1, tracker)
