@@ -37,12 +37,14 @@ __all__ = [
     "VocabError",
     "VocabMappingError",
     "CoverageExplorer",
+    "report_table",
+    "show_masked_rows",
 ]
 
 
 def __getattr__(name):  # the explorer pulls in pandas/matplotlib: import it on first use
-    if name == "CoverageExplorer":
-        from eagle3.vocab.explore import CoverageExplorer
+    if name in ("CoverageExplorer", "report_table", "show_masked_rows"):
+        from eagle3.vocab import explore
 
-        return CoverageExplorer
+        return getattr(explore, name)
     raise AttributeError(name)

@@ -14,7 +14,7 @@ import numpy as np
 
 from eagle3.vocab.mapping import COMMON_SIZES, Coverage
 
-__all__ = ["CoverageExplorer", "source_counts", "masked_sample_html"]
+__all__ = ["CoverageExplorer", "source_counts", "masked_sample_html", "report_table", "show_masked_rows"]
 
 
 def source_counts(table, vocab_size: int) -> dict[str, np.ndarray]:
@@ -253,3 +253,27 @@ class CoverageExplorer:
         out = w.HTML(self.render_html(start))
         slider.observe(lambda ch: setattr(out, "value", self.render_html(int(ch["new"]))), names="value")
         return w.VBox([w.HBox([slider, box]), out])
+
+
+def report_table(stats: dict):
+    """DataFrame of the per-split tokenization counts in stage 2's stats (rows: counters, columns: splits)."""
+    import pandas as pd
+
+    reps = stats.get("tokenize_reports", {})
+    keys = ["samples", "rows", "tokens", "supervised_tokens", "assistant_turns", "history_rerendered_samples",
+            "exploded_rows", "boundary_retokenized_turns", "boundary_fallback_turns", "no_stop_token_turns",
+            "length_cut_turns", "reasoning_not_rendered_turns", "truncated_rows", "truncated_tokens",
+            "truncated_supervised_tokens", "dropped_rows_after_truncation", "no_supervised_samples", "failed_samples"]
+    return pd.DataFrame({split: [r.get(k) for k in keys] for split, r in reps.items()}, index=keys)
+
+
+def show_masked_rows(run_dir, tokenizer, n: int = 2, split: str = "train", max_tokens: int = 400) -> None:
+    """Display the first ``n`` rows of a split with supervised tokens highlighted (notebook helper)."""
+    from IPython.display import HTML, display
+
+    from eagle3.vocab.stage import load_tokenized
+
+    table = load_tokenized(run_dir, split, as_table=True).slice(0, n)
+    for row in table.to_pylist():
+        display(HTML(f"<b>{html.escape(row['id'])}</b> ({html.escape(row['source'])}, {len(row['input_ids'])} tokens, "
+                     f"{sum(row['loss_mask'])} supervised)" + masked_sample_html(tokenizer, row["input_ids"], row["loss_mask"], max_tokens)))

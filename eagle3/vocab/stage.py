@@ -4,7 +4,7 @@ Reads ``01_synthesize/samples.jsonl``; writes into ``02_vocab/``:
 
 * ``train.parquet``, ``heldout.parquet``: ``id`` (str), ``source`` (str), ``input_ids``
   (list<int64>), ``loss_mask`` (list<int8>, 1 = supervised) - one row per training sequence;
-* ``row_lengths.npz``: int64 lengths of the rows before truncation (keys ``train``, ``heldout``);
+* ``row_lengths_train.npy``, ``row_lengths_heldout.npy``: int64 row lengths before truncation;
 * ``token_counts.npy``: int64 ``[target_vocab_size]`` masked-token frequencies of the train split;
   ``heldout_token_counts.npy`` the same for the held-out split;
 * ``vocab_mapping.safetensors`` (``d2t`` int64 ``[draft_vocab_size]``, ``t2d`` bool ``[V]``), absent
@@ -272,6 +272,11 @@ def run(params: Params, run_dir: str | Path) -> dict:
     tok = load_tokenizer(target, params.target.trust_remote_code)
     renderer = ChatRenderer(tok, stop_token_ids(tok, target.path), _template_defaults(params))
     V = target_vocab_size(target.path, params.target.trust_remote_code)
+    if params.vocab.draft_vocab_size is not None and params.vocab.draft_vocab_size > V:
+        raise VocabError(
+            f"vocab.draft_vocab_size={params.vocab.draft_vocab_size} exceeds the target vocab size {V}; "
+            f"use at most {V} (= full size, no mapping)"
+        )
     tok_hash = tokenizer_hash(target.path, tok)
     settings = {
         "max_seq_len": params.vocab.max_seq_len,
@@ -300,11 +305,6 @@ def run(params: Params, run_dir: str | Path) -> dict:
             size, size_from = cov.size_for(params.vocab.target_coverage), "target_coverage"
         else:
             size, size_from = int(params.vocab.draft_vocab_size), "draft_vocab_size"
-        if size > V:
-            raise VocabError(
-                f"vocab.draft_vocab_size={size} exceeds the target vocab size {V}; use at most {V} "
-                f"(= full size, no mapping)"
-            )
         cache_dir = Path(params.vocab.cache_dir) if params.vocab.cache_dir else default_cache_dir(params.target.cache_dir)
         d2t, t2d, key, hit = cached_vocab_mapping(counts, size, hashes["train"], tok_hash, cache_dir)
         _write_mapping(out, d2t, t2d, key, size, V, cov, hashes["train"], tok_hash, hit)

@@ -1,0 +1,342 @@
+"""Stage 2 (vocab): loss masks from turn-prefix renders, truncation, counting, mapping, cache, run()."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from eagle3.vocab import (
+    ChatRenderer,
+    Coverage,
+    VocabError,
+    VocabMappingError,
+    build_vocab_mapping,
+    cached_vocab_mapping,
+    count_masked_tokens,
+    read_samples,
+    stop_token_ids,
+    tokenize_samples,
+    validate_vocab_mapping,
+)
+
+# A Qwen3-style template (the relevant parts of Qwen3's): reasoning of assistant turns after the last
+# user message is rendered in a think block, earlier turns lose it; with enable_thinking=false the
+# generation prompt injects an empty think block.
+QWEN3_STYLE = """{%- set ns = namespace(last_user=-1) -%}
+{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}
+{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}
+{%- set rc = m.reasoning_content if m.reasoning_content is defined and m.reasoning_content is not none else '' -%}
+{%- if loop.index0 > ns.last_user and (loop.last or rc) -%}
+{{- '<|im_start|>assistant\\n<think>\\n' + rc.strip('\\n') + '\\n</think>\\n\\n' + m.content.lstrip('\\n') -}}
+{%- else -%}
+{{- '<|im_start|>assistant\\n' + m.content -}}
+{%- endif -%}
+{{- '<|im_end|>\\n' -}}
+{%- else -%}
+{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_start|>assistant\\n' -}}
+{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}
+{%- endif -%}"""
+
+
+def sample(sid="s0", msgs=None, split="train", source="src", finish=None, settings=None) -> dict:
+    msgs = msgs or [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    n = sum(m["role"] == "assistant" for m in msgs)
+    return {"id": sid, "source": source, "split": split, "prompt_hash": "h", "messages": msgs,
+            "finish_reasons": finish or ["stop"] * n, "prompt_tokens": 0, "completion_tokens": 0,
+            "settings": settings or {}}
+
+
+TWO_TURNS = [
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Bye"},
+    {"role": "assistant", "content": "See you."},
+]
+
+
+@pytest.fixture(scope="module")
+def tok(embedded_target):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(embedded_target.path)
+
+
+@pytest.fixture(scope="module")
+def qwen_tok(embedded_target):
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(embedded_target.path)
+    t.chat_template = QWEN3_STYLE
+    return t
+
+
+def rows_of(samples, renderer, max_seq_len=4096, policy="explode"):
+    chunks, rep = tokenize_samples(samples, renderer, max_seq_len, policy)
+    return [r for c in chunks for r in c], rep
+
+
+def supervised_text(tok, row) -> str:
+    return tok.decode(row.input_ids[row.loss_mask.astype(bool)])
+
+
+# --------------------------------------------------------------------------- loss masks
+
+
+def test_smollm2_two_turn_mask_exact_positions(tok, embedded_target):
+    r = ChatRenderer(tok, stop_token_ids(tok, embedded_target.path))
+    assert r.stop_ids == {2}  # <|im_end|>
+    rows, rep = rows_of([sample(msgs=TWO_TURNS)], r, policy="explode")
+    assert len(rows) == 1 and rows[0].id == "s0"  # ChatML re-renders history identically: one row
+    row = rows[0]
+    # the row is exactly what the server renders for the whole conversation
+    assert row.input_ids.tolist() == tok.apply_chat_template(TWO_TURNS, tokenize=True, return_dict=False)
+    assert len(row.input_ids) == 51
+    # positions 0-30: injected system prompt, user turn, role header; 31-33 "Hello" "!" <|im_end|>;
+    # 34 "\n" after <|im_end|> (template text, never generated); 35-45 user + header; 46-49 answer + <|im_end|>
+    assert np.flatnonzero(row.loss_mask).tolist() == [31, 32, 33, 46, 47, 48, 49]
+    assert row.input_ids[[31, 32, 33, 46, 47, 48, 49]].tolist() == [19556, 17, 2, 7574, 346, 30, 2]
+    assert [tok.decode([t]) for t in row.input_ids[row.loss_mask.astype(bool)]] == \
+        ["Hello", "!", "<|im_end|>", "See", " you", ".", "<|im_end|>"]
+    assert tok.decode(row.input_ids[27:31]) == "<|im_start|>assistant\n"  # role header: not supervised
+    assert row.loss_mask.dtype == np.int8 and row.input_ids.dtype == np.int64
+    assert rep.supervised_tokens == 7 and rep.history_rerendered_samples == 0 and rep.assistant_turns == 2
+
+
+def test_system_message_and_length_finish(tok):
+    r = ChatRenderer(tok, {2})
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count"},
+            {"role": "assistant", "content": "1 2 3"}]
+    rows, rep = rows_of([sample(msgs=msgs, finish=["length"])], r)
+    # cut by max_new_tokens: the model never produced <|im_end|>, so it is not supervised
+    assert supervised_text(tok, rows[0]) == "1 2 3"
+    assert rep.length_cut_turns == 1
+    assert tok.decode(rows[0].input_ids).startswith("<|im_start|>system\nBe brief.<|im_end|>")  # no default system
+
+
+def test_injected_empty_think_block_not_supervised(qwen_tok):
+    r = ChatRenderer(qwen_tok, {2})
+    s = sample(msgs=TWO_TURNS[:2], settings={"enable_thinking": False})
+    rows, rep = rows_of([s], r)
+    row = rows[0]
+    assert qwen_tok.decode(row.input_ids) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHello!<|im_end|>\n"
+    )
+    # the generation prompt the server feeds (with the injected block) is the unsupervised prefix ...
+    P = qwen_tok.apply_chat_template(TWO_TURNS[:1], tokenize=True, return_dict=False,
+                                     add_generation_prompt=True, enable_thinking=False)
+    assert row.input_ids[: len(P)].tolist() == P
+    assert not row.loss_mask[: len(P)].any()
+    # ... and only the generated answer and <|im_end|> are supervised
+    assert [qwen_tok.decode([t]) for t in row.input_ids[row.loss_mask.astype(bool)]] == ["Hello", "!", "<|im_end|>"]
+    # "\n\n" closes the prompt as one token, while the turn render tokenizes "\n\nHello" differently:
+    # the row is the served prompt followed by the tokens of the generated text
+    assert rep.boundary_retokenized_turns == 1
+
+
+def test_reasoning_present_is_supervised(qwen_tok):
+    r = ChatRenderer(qwen_tok, {2})
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning": "Greet back."}]
+    rows, rep = rows_of([sample(msgs=msgs)], r)
+    assert supervised_text(qwen_tok, rows[0]) == "<think>\nGreet back.\n</think>\n\nHello!<|im_end|>"
+    assert rep.reasoning_not_rendered_turns == 0
+
+
+def test_reasoning_dropped_by_template_is_counted(tok):
+    r = ChatRenderer(tok, {2})  # ChatML without reasoning support
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning": "Greet back."}]
+    rows, rep = rows_of([sample(msgs=msgs)], r)
+    assert supervised_text(tok, rows[0]) == "Hello!<|im_end|>"
+    assert rep.reasoning_not_rendered_turns == 1
+
+
+def test_history_rerendering_policies(qwen_tok):
+    r = ChatRenderer(qwen_tok, {2})
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning": "Greet."},
+            {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "See you.", "reasoning": "Leave."}]
+    rows, rep = rows_of([sample(msgs=msgs)], r, policy="explode")
+    assert [x.id for x in rows] == ["s0#0", "s0#1"] and rep.history_rerendered_samples == 1
+    assert supervised_text(qwen_tok, rows[0]) == "<think>\nGreet.\n</think>\n\nHello!<|im_end|>"
+    assert supervised_text(qwen_tok, rows[1]) == "<think>\nLeave.\n</think>\n\nSee you.<|im_end|>"
+    # the second row carries the history as the server renders it for turn 2: turn 1 without reasoning
+    assert "Greet" not in qwen_tok.decode(rows[1].input_ids)
+    rows, rep = rows_of([sample(msgs=msgs)], r, policy="last")
+    assert [x.id for x in rows] == ["s0"]
+    assert supervised_text(qwen_tok, rows[0]) == "<think>\nLeave.\n</think>\n\nSee you.<|im_end|>"
+    assert rep.history_rerendered_samples == 1 and rep.exploded_rows == 0
+
+
+# --------------------------------------------------------------------------- truncation, empty samples
+
+
+def test_truncation_counts(tok):
+    r = ChatRenderer(tok, {2})
+    a = sample("a", TWO_TURNS)  # 51 tokens, supervised at 31-33 and 46-49
+    b = sample("b")  # 35 tokens, supervised at 31-33
+    long_q = [{"role": "user", "content": "Please answer with one word: yes or no?"}, {"role": "assistant", "content": "Yes"}]
+    c = sample("c", long_q)  # 43 tokens, supervised at 40-41 ("Yes", <|im_end|>)
+    rows, rep = rows_of([a, b, c], r, max_seq_len=42)
+    assert [x.id for x in rows] == ["a", "b", "c"]
+    assert [len(x.input_ids) for x in rows] == [42, 35, 42] and [x.full_len for x in rows] == [51, 35, 43]
+    assert np.flatnonzero(rows[0].loss_mask).tolist() == [31, 32, 33]
+    assert np.flatnonzero(rows[2].loss_mask).tolist() == [40, 41]
+    assert rep.truncated_rows == 2 and rep.truncated_tokens == 9 + 1 and rep.truncated_supervised_tokens == 4
+    assert rep.truncated_ids == ["a", "c"] and rep.dropped_rows_after_truncation == 0
+    assert rep.tokens == 119 and rep.supervised_tokens == 3 + 3 + 2
+    rows, rep = rows_of([a, b, c], r, max_seq_len=40)  # c keeps its context only: dropped
+    assert [x.id for x in rows] == ["a", "b"]
+    assert rep.truncated_rows == 2 and rep.truncated_tokens == 11 + 3 and rep.truncated_supervised_tokens == 4 + 2
+    assert rep.dropped_rows_after_truncation == 1 and rep.rows == 2 and rep.supervised_tokens == 6
+
+
+def test_no_supervised_sample_reported_and_all_empty_is_error(tok):
+    r = ChatRenderer(tok, {2})
+    empty = sample("e", [{"role": "user", "content": "only a question"}])
+    rows, rep = rows_of([sample("ok"), empty], r)
+    assert [x.id for x in rows] == ["ok"]
+    assert rep.no_supervised_samples == 1 and rep.no_supervised_ids == ["e"]
+    with pytest.raises(VocabError, match="none of the 2 samples yields a supervised token"):
+        rows_of([empty, sample("e2", [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}])], r)
+    with pytest.raises(VocabError, match="beyond max_seq_len=20"):
+        rows_of([sample("ok")], r, max_seq_len=20)
+
+
+def test_read_samples_errors_name_file_line_field(tmp_path):
+    p = tmp_path / "samples.jsonl"
+    good = json.dumps(sample("a"))
+    p.write_text(good + "\n" + "{not json\n")
+    with pytest.raises(VocabError, match=r"samples.jsonl:2: not valid JSON"):
+        read_samples(p)
+    bad = sample("b")
+    bad["messages"][1]["role"] = "bot"
+    p.write_text(good + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(VocabError, match=r"samples.jsonl:2: messages\[1\].role must be one of"):
+        read_samples(p)
+    p.write_text(good + "\n\n" + good + "\n")
+    with pytest.raises(VocabError, match=r"samples.jsonl:3: duplicate id 'a' \(first on line 1\)"):
+        read_samples(p)
+    bad = sample("c")
+    bad["finish_reasons"] = ["stop", "stop"]
+    p.write_text(json.dumps(bad) + "\n")
+    with pytest.raises(VocabError, match=r":1: field 'finish_reasons'"):
+        read_samples(p)
+
+
+# --------------------------------------------------------------------------- counting, coverage
+
+
+def _table(rows):
+    import pyarrow as pa
+
+    return pa.table({
+        "id": [r[0] for r in rows], "source": ["s"] * len(rows),
+        "input_ids": pa.array([r[1] for r in rows], pa.list_(pa.int64())),
+        "loss_mask": pa.array([r[2] for r in rows], pa.list_(pa.int8())),
+    })
+
+
+def test_count_masked_tokens_matches_speculators(tmp_path):
+    import datasets
+    from speculators.train.vocab_mapping import save_token_frequency_distribution
+
+    t = _table([("a", [5, 5, 3, 9, 5], [0, 1, 1, 1, 1]), ("b", [3, 3, 7], [1, 0, 1])])
+    counts = count_masked_tokens(t, 12)
+    assert counts.dtype == np.int64 and counts.shape == (12,)
+    assert {i: int(c) for i, c in enumerate(counts) if c} == {3: 2, 5: 2, 7: 1, 9: 1}
+    save_token_frequency_distribution(datasets.Dataset(t).with_format("torch"), tmp_path / "f.pt")
+    assert torch.load(tmp_path / "f.pt") == {3: 2, 5: 2, 7: 1, 9: 1}
+    with pytest.raises(VocabError, match="row 'b': input_ids has 3 tokens but loss_mask has 2"):
+        count_masked_tokens(_table([("a", [1], [1]), ("b", [1, 2, 3], [1, 1])]), 12)
+    with pytest.raises(VocabError, match="token id 12 is outside the target vocab"):
+        count_masked_tokens(_table([("a", [12], [1])]), 12)
+
+
+def test_coverage_curve_and_size_from_target():
+    c = np.zeros(12, np.int64)
+    c[[0, 5, 7, 9, 2, 11]] = [10, 7, 7, 3, 1, 1]  # total 29
+    cov = Coverage.from_counts(c)
+    assert cov.order[:6].tolist() == [0, 5, 7, 9, 2, 11] and cov.distinct == 6 and cov.total == 29
+    assert cov.at(4) == pytest.approx(27 / 29) and cov.lost(4) == 2 and cov.at(12) == 1.0
+    assert cov.size_for(0.9) == 4  # 24/29 = 0.83 < 0.9 <= 27/29
+    assert cov.size_for(0.95) == 5 and cov.size_for(1.0) == 6
+    assert cov.size_for(27 / 29) == 4
+
+
+# --------------------------------------------------------------------------- mapping
+
+
+HAND = np.zeros(12, np.int64)
+HAND[[0, 5, 7, 9, 2, 11]] = [10, 7, 7, 3, 1, 1]
+
+
+def test_mapping_from_hand_table():
+    d2t, t2d = build_vocab_mapping(HAND, 4)
+    assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool
+    assert d2t.tolist() == [0, 4, 5, 6]  # kept ids [0, 5, 7, 9]
+    assert torch.nonzero(t2d).flatten().tolist() == [0, 5, 7, 9]
+    d2t, t2d = build_vocab_mapping(HAND, 5)  # tie between ids 2 and 11 (count 1): lower id wins
+    assert (torch.arange(5) + d2t).tolist() == [0, 2, 5, 7, 9] and d2t.tolist() == [0, 1, 3, 4, 5]
+
+
+def test_mapping_padding_when_fewer_distinct():
+    c = np.zeros(12, np.int64)
+    c[[3, 8]] = [5, 2]
+    d2t, t2d = build_vocab_mapping(c, 4)  # 2 distinct tokens, padded with the lowest unused ids 0, 1
+    assert (torch.arange(4) + d2t).tolist() == [0, 1, 3, 8] and d2t.tolist() == [0, 0, 1, 5]
+    assert int(t2d.sum()) == 4
+
+
+def test_full_size_has_no_mapping_and_oversize_is_error():
+    assert build_vocab_mapping(HAND, 12) == (None, None)
+    with pytest.raises(VocabError, match=r"draft_vocab_size must be in 1..12"):
+        build_vocab_mapping(HAND, 13)
+
+
+def test_validation_rejects_broken_mappings():
+    d2t, t2d = build_vocab_mapping(HAND, 4)
+    validate_vocab_mapping(d2t, t2d, 4, 12, counts=HAND)
+    with pytest.raises(VocabMappingError, match="not strictly increasing at i=2"):
+        validate_vocab_mapping(torch.tensor([0, 4, 3, 6]), t2d, 4, 12)  # kept [0, 5, 5, 9]
+    with pytest.raises(VocabMappingError, match="outside"):
+        validate_vocab_mapping(torch.tensor([0, 4, 5, 9]), t2d, 4, 12)  # 3 + 9 = 12
+    with pytest.raises(VocabMappingError, match=r"shape \(3,\)"):
+        validate_vocab_mapping(d2t[:3], t2d, 4, 12)
+    bad = t2d.clone()
+    bad[1] = True
+    with pytest.raises(VocabMappingError, match=r"t2d.sum\(\) = 5, expected 4"):
+        validate_vocab_mapping(d2t, bad, 4, 12)
+    with pytest.raises(VocabMappingError, match="token id 9 is among the top 4 but not kept"):
+        other = torch.zeros(12, dtype=torch.bool)
+        other[[0, 5, 7, 8]] = True
+        validate_vocab_mapping(torch.tensor([0, 4, 5, 5]), other, 4, 12, counts=HAND)
+
+
+def test_cache_keyed_by_size_and_corpus(tmp_path):
+    a = cached_vocab_mapping(HAND, 4, "corpusA", "tok", tmp_path)
+    assert a[1] is not None and a[3] is False and a[0].tolist() == [0, 4, 5, 6]
+    again = cached_vocab_mapping(HAND, 4, "corpusA", "tok", tmp_path)
+    assert again[2] == a[2] and again[3] is True and torch.equal(again[0], a[0])
+    five = cached_vocab_mapping(HAND, 5, "corpusA", "tok", tmp_path)  # another size: another key
+    assert five[2] != a[2] and five[3] is False and five[0].tolist() == [0, 1, 3, 4, 5]
+    other = np.zeros(12, np.int64)
+    other[[1, 2, 3, 4]] = [4, 3, 2, 1]
+    b = cached_vocab_mapping(other, 4, "corpusB", "tok", tmp_path)  # another corpus: another key
+    assert b[2] not in (a[2], five[2]) and b[3] is False and (torch.arange(4) + b[0]).tolist() == [1, 2, 3, 4]
+    t = cached_vocab_mapping(HAND, 4, "corpusA", "tok2", tmp_path)  # another tokenizer
+    assert t[2] != a[2] and t[3] is False
+    assert len(list(tmp_path.glob("*.safetensors"))) == 4
+    # a file made for another corpus, placed under this key, is not picked up
+    (tmp_path / f"{a[2]}.safetensors").write_bytes((tmp_path / f"{b[2]}.safetensors").read_bytes())
+    fixed = cached_vocab_mapping(HAND, 4, "corpusA", "tok", tmp_path)
+    assert fixed[3] is False and fixed[0].tolist() == [0, 4, 5, 6]
+    # same key but different counts (stale corpus hash): rebuilt from the counts given
+    stale = cached_vocab_mapping(other, 4, "corpusA", "tok", tmp_path)
+    assert stale[3] is False and (torch.arange(4) + stale[0]).tolist() == [1, 2, 3, 4]
+    assert cached_vocab_mapping(HAND, 12, "corpusA", "tok", tmp_path)[:2] == (None, None)

@@ -1,0 +1,126 @@
+"""Stage 2 end to end on the embedded SmolLM2 tokenizer: files, stats, resume, mapping cache, loaders."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from eagle3.config import load_params
+from eagle3.vocab import Coverage, VocabError, build_vocab_mapping, load_mapping, load_tokenized, run
+
+
+def _samples() -> list[dict]:
+    out = []
+    for i in range(12):
+        msgs = [{"role": "user", "content": f"Write function number {i}."},
+                {"role": "assistant", "content": f"def f{i}(x):\n    return x * {i}\n" * (1 + i % 3)}]
+        if i == 3:  # multi-turn
+            msgs += [{"role": "user", "content": "Shorter?"}, {"role": "assistant", "content": "lambda x: x"}]
+        out.append({"id": f"s{i}", "source": "code" if i % 2 else "chat", "split": "heldout" if i % 4 == 0 else "train",
+                    "prompt_hash": f"h{i}", "messages": msgs, "finish_reasons": ["stop"] * ((len(msgs)) // 2),
+                    "prompt_tokens": 0, "completion_tokens": 0, "settings": {"enable_thinking": None}})
+    out.append({"id": "q", "source": "chat", "split": "train", "prompt_hash": "hq",
+                "messages": [{"role": "user", "content": "unanswered"}], "finish_reasons": [],
+                "prompt_tokens": 0, "completion_tokens": 0, "settings": {}})
+    return out
+
+
+def _run_dir(tmp_path, name="r", samples=None):
+    rd = tmp_path / name
+    (rd / "01_synthesize").mkdir(parents=True)
+    (rd / "01_synthesize" / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in (samples or _samples())))
+    return rd
+
+
+def _params(tmp_path, *sets):
+    return load_params(None, ["tracking.mode=disabled", "vocab.max_seq_len=60",
+                              f"vocab.cache_dir={tmp_path / 'cache'}", *sets])
+
+
+def test_run_end_to_end_and_resume(tmp_path):
+    import datasets
+    from speculators.train.vocab_mapping import save_token_frequency_distribution
+
+    rd = _run_dir(tmp_path)
+    st = run(_params(tmp_path, "vocab.draft_vocab_size=16"), rd)
+    d = rd / "02_vocab"
+    train = load_tokenized(rd, "train")
+    held = load_tokenized(rd, "heldout", as_table=True)
+    assert train.column_names == ["id", "source", "input_ids", "loss_mask"]
+    assert str(held.schema.field("input_ids").type) == "list<element: int64>"
+    assert str(held.schema.field("loss_mask").type) == "list<element: int8>"
+    assert train["id"] == ["s1", "s2", "s3", "s5", "s6", "s7", "s9", "s10", "s11"]  # q: no supervised token
+    assert held.column("id").to_pylist() == ["s0", "s4", "s8"]
+    assert st["train_no_supervised_samples"] == 1 and st["tokenize_reports"]["train"]["no_supervised_ids"] == ["q"]
+    assert all(len(x) <= 60 for x in train["input_ids"]) and st["train_truncated_rows"] > 0
+    lengths = np.load(d / "row_lengths_train.npy")
+    assert int((lengths > 60).sum()) == st["train_truncated_rows"]
+    assert int(np.minimum(lengths, 60).sum()) == st["train_tokens"] == sum(len(x) for x in train["input_ids"])
+    assert int((lengths - np.minimum(lengths, 60)).sum()) == st["train_truncated_tokens"]
+
+    # counts: masked tokens of the train split only, the same as speculators' own counting
+    counts = np.load(d / "token_counts.npy")
+    assert counts.shape == (49152,) and counts.dtype == np.int64
+    save_token_frequency_distribution(train.with_format("torch"), tmp_path / "freq.pt")
+    ref = torch.load(tmp_path / "freq.pt")
+    assert {i: int(c) for i, c in enumerate(counts) if c} == ref
+    assert st["masked_tokens"] == sum(sum(m) for m in train["loss_mask"]) == st["train_supervised_tokens"]
+    assert st["distinct_tokens"] == len(ref)
+
+    # mapping: the top-16 by (-count, id), as the pure function builds it, and the stats derived from it
+    d2t, t2d = load_mapping(rd)
+    e2t, e2d = build_vocab_mapping(counts, 16)
+    assert torch.equal(d2t, e2t) and torch.equal(t2d, e2d) and d2t.shape == (16,) and t2d.shape == (49152,)
+    meta = json.loads((d / "mapping.json").read_text())
+    assert meta["draft_vocab_size"] == 16 and meta["target_vocab_size"] == 49152 and meta["cache_key"] == st["cache_key"]
+    assert st["coverage"] == pytest.approx(Coverage.from_counts(counts).at(16)) == pytest.approx(meta["coverage"])
+    hid = np.concatenate([np.asarray(x)[np.asarray(m, bool)] for x, m in
+                          zip(held.column("input_ids").to_pylist(), held.column("loss_mask").to_pylist())])
+    assert st["heldout_masked_tokens"] == hid.size
+    assert st["heldout_oov_rate"] == pytest.approx(float((~t2d.numpy()[hid]).mean()))
+    assert 0 < st["heldout_oov_rate"] < 1 and st["cache_hit"] is False
+    for png in ("coverage_curve", "rank_frequency", "sequence_lengths"):
+        assert (d / f"{png}.png").stat().st_size > 1000
+
+    # resume: nothing re-tokenized, same outputs, the mapping comes from the cache
+    mtime = (d / "train.parquet").stat().st_mtime_ns
+    blob = (d / "vocab_mapping.safetensors").read_bytes()
+    st2 = run(_params(tmp_path, "vocab.draft_vocab_size=16"), rd)
+    assert (d / "train.parquet").stat().st_mtime_ns == mtime
+    assert st2["cache_hit"] is True and (d / "vocab_mapping.safetensors").read_bytes() == blob
+    assert {k: v for k, v in st2.items() if k not in ("finished_at", "cache_hit")} == \
+        {k: v for k, v in st.items() if k not in ("finished_at", "cache_hit")}
+
+    # another corpus (one answer changed) with the same size does not pick up that cache entry
+    other = _samples()
+    other[1]["messages"][1]["content"] = "return 42 " * 30
+    st3 = run(_params(tmp_path, "vocab.draft_vocab_size=16"), _run_dir(tmp_path, "r2", other))
+    assert st3["cache_key"] != st["cache_key"] and st3["cache_hit"] is False
+    assert st3["corpus_hash"] != st["corpus_hash"] and st3["tokenizer_hash"] == st["tokenizer_hash"]
+
+
+def test_run_size_from_coverage_and_full_size(tmp_path):
+    rd = _run_dir(tmp_path)
+    st = run(_params(tmp_path, "vocab.target_coverage=0.9"), rd)
+    counts = np.load(rd / "02_vocab" / "token_counts.npy")
+    cov = Coverage.from_counts(counts)
+    assert st["draft_vocab_size_from"] == "target_coverage"
+    assert st["draft_vocab_size"] == cov.size_for(0.9) and st["coverage"] >= 0.9 > cov.at(st["draft_vocab_size"] - 1)
+
+    rd2 = _run_dir(tmp_path, "full")
+    st = run(_params(tmp_path, "vocab.draft_vocab_size=49152"), rd2)
+    assert st["full_size"] is True and st["heldout_oov_rate"] == 0.0 and st["coverage"] == 1.0
+    assert not (rd2 / "02_vocab" / "vocab_mapping.safetensors").exists()
+    assert load_mapping(rd2) == (None, None)
+
+
+def test_run_errors(tmp_path):
+    with pytest.raises(VocabError, match=r"01_synthesize/samples.jsonl does not exist"):
+        run(_params(tmp_path), tmp_path / "empty")
+    with pytest.raises(VocabError, match="exceeds the target vocab size 49152"):
+        run(_params(tmp_path, "vocab.draft_vocab_size=50000"), _run_dir(tmp_path))
+    with pytest.raises(VocabError, match="run stage 2"):
+        load_mapping(tmp_path / "empty")
