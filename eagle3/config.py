@@ -142,6 +142,11 @@ class VocabParams(_Section):
         description="when the chat template re-renders history (e.g. drops earlier reasoning): 'last' = "
         "supervise only the last assistant turn, 'explode' = one row per assistant turn as served",
     )
+    history_reasoning: Literal["drop", "keep"] = Field(
+        "drop",
+        description="reasoning of earlier assistant turns in a turn's context: 'drop' = as stage 1 and "
+        "OpenAI-style clients send history (content only), 'keep' = sent back (interleaved thinking)",
+    )
     cache_dir: str | None = Field(
         None,
         description="draft vocab mapping cache (keyed by corpus, tokenizer and size); default "

@@ -340,3 +340,53 @@ def test_cache_keyed_by_size_and_corpus(tmp_path):
     stale = cached_vocab_mapping(other, 4, "corpusA", "tok", tmp_path)
     assert stale[3] is False and (torch.arange(4) + stale[0]).tolist() == [1, 2, 3, 4]
     assert cached_vocab_mapping(HAND, 12, "corpusA", "tok", tmp_path)[:2] == (None, None)
+
+
+# ChatML that renders reasoning wherever it is given (history included)
+KEEPS_REASONING = (
+    "{%- for m in messages -%}{{ '<|im_start|>' + m.role + '\\n' }}"
+    "{%- if m.role == 'assistant' and m.reasoning_content is defined and m.reasoning_content -%}"
+    "{{ '<think>' + m.reasoning_content + '</think>' }}{%- endif -%}{{ m.content + '<|im_end|>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def test_history_reasoning_drop_or_keep(embedded_target):
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(embedded_target.path)
+    t.chat_template = KEEPS_REASONING
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning": "Greet."},
+            {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "See you.", "reasoning": "Leave."}]
+    # stage 1 sends history without reasoning: turn 2 was generated after "Hello!" alone
+    rows, rep = rows_of([sample(msgs=msgs)], ChatRenderer(t, {2}), policy="explode")
+    assert [x.id for x in rows] == ["s0#0", "s0#1"] and rep.history_rerendered_samples == 1
+    assert supervised_text(t, rows[0]) == "<think>Greet.</think>Hello!<|im_end|>"
+    assert t.decode(rows[1].input_ids).startswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>")
+    assert supervised_text(t, rows[1]) == "<think>Leave.</think>See you.<|im_end|>"
+    # history sent back with its reasoning: the template renders history as written, one row, both turns
+    rows, rep = rows_of([sample(msgs=msgs)], ChatRenderer(t, {2}, history_reasoning="keep"), policy="explode")
+    assert [x.id for x in rows] == ["s0"] and rep.history_rerendered_samples == 0
+    assert supervised_text(t, rows[0]) == "<think>Greet.</think>Hello!<|im_end|><think>Leave.</think>See you.<|im_end|>"
+
+
+def test_vllm_shipped_thinking_template(embedded_target):
+    """vLLM's MiniCPM-V 4.5 template (Qwen3-based): with thinking on, the generation prompt itself
+    opens the think block, so ``<think>\\n`` is the server's, and the reasoning after it the model's."""
+    from pathlib import Path
+
+    import vllm
+    from transformers import AutoTokenizer
+
+    path = Path(vllm.__file__).parent / "transformers_utils" / "chat_templates" / "template_minicpmv45.jinja"
+    t = AutoTokenizer.from_pretrained(embedded_target.path)
+    t.chat_template = path.read_text()
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning": "Greet."}]
+    rows, _ = rows_of([sample(msgs=msgs, settings={"enable_thinking": True})], ChatRenderer(t, {2}))
+    assert t.decode(rows[0].input_ids) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\nGreet.\n</think>\n\nHello!<|im_end|>\n"
+    )
+    assert supervised_text(t, rows[0]) == "Greet.\n</think>\n\nHello!<|im_end|>"
+    rows, _ = rows_of([sample(msgs=msgs[:1] + [{"role": "assistant", "content": "Hello!"}],
+                              settings={"enable_thinking": False})], ChatRenderer(t, {2}))
+    assert supervised_text(t, rows[0]) == "Hello!<|im_end|>"  # the injected empty think block is not

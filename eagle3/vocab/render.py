@@ -9,8 +9,9 @@ Loss mask of assistant turn ``j`` (message index), from three renders and no pat
 
 * ``P_j`` = render(``messages[:j]``, ``add_generation_prompt=True``): what the server feeds the
   model before it generates turn ``j`` (role header and anything the template injects, e.g. an
-  empty ``<think></think>`` block, are in here and therefore never supervised);
-* ``F_j`` = render(``messages[:j+1]``): the same history with turn ``j`` written in;
+  empty ``<think></think>`` block, are in here and therefore never supervised). Earlier assistant
+  turns are sent without their reasoning, as stage 1 sent them (``history_reasoning="drop"``);
+* ``F_j`` = render(``messages[:j+1]``): the same history with turn ``j`` (and its reasoning) written in;
 * supervised = ``F_j[len(P_j):end]`` where ``end`` is one past the first stop token (the
   tokenizer's / ``generation_config.json``'s eos ids, where generation stops) - what the target
   generated: reasoning as the template renders it, the answer and the end-of-turn token. Template
@@ -25,8 +26,8 @@ speculators' ``_render_boundary_rows``); otherwise the sample is rejected and re
 
 A conversation is *history-stable* when every earlier turn's tokens, up to its stop token, appear
 unchanged in the render of the whole conversation: it becomes one row with every assistant turn
-supervised. Templates that re-render history (Qwen3-style templates drop earlier turns' reasoning)
-break this; then ``multi_turn_policy`` decides: ``last`` keeps one row (the whole conversation,
+supervised. Templates that re-render history (Qwen3-style templates drop earlier turns' reasoning;
+reasoning that is rendered for its own turn but not sent back in later contexts) break this; then ``multi_turn_policy`` decides: ``last`` keeps one row (the whole conversation,
 only the last assistant turn supervised) and ``explode`` makes one row per assistant turn, each
 rendered as the server saw it when generating that turn (``F_j``), ids ``<id>#<k>`` (k = 0-based
 assistant-turn index).
@@ -199,12 +200,24 @@ class ChatRenderer:
             tokenizer's eos id.
         chat_template_kwargs: extra template variables for every render (e.g. ``enable_thinking``),
             as the server received them; per-sample settings can override them.
+        history_reasoning: ``"drop"`` (default) - earlier assistant turns go into the context
+            without their reasoning, as stage 1 and OpenAI-style clients send history (content
+            only); ``"keep"`` - their reasoning is sent back too (interleaved thinking).
 
     Raises:
-        VocabError: the tokenizer has no chat template.
+        VocabError: the tokenizer has no chat template; an unknown ``history_reasoning``.
     """
 
-    def __init__(self, tokenizer, stop_ids: Iterable[int] | None = None, chat_template_kwargs: dict | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        stop_ids: Iterable[int] | None = None,
+        chat_template_kwargs: dict | None = None,
+        history_reasoning: str = "drop",
+    ):
+        if history_reasoning not in ("drop", "keep"):
+            raise VocabError(f"vocab.history_reasoning must be 'drop' or 'keep' (got {history_reasoning!r})")
+        self.history_reasoning = history_reasoning
         if not getattr(tokenizer, "chat_template", None):
             raise VocabError(
                 f"the target's tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat template; "
@@ -213,6 +226,17 @@ class ChatRenderer:
         self.tok = tokenizer
         self.stop_ids = set(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+
+    def prompt(self, messages: list[dict], j: int) -> list[dict]:
+        """The context the server received before generating message ``j``: ``messages[:j]``, earlier
+        assistant turns without reasoning unless ``history_reasoning == "keep"``."""
+        if self.history_reasoning == "keep":
+            return list(messages[:j])
+        return [{k: v for k, v in m.items() if k != "reasoning"} for m in messages[:j]]
+
+    def turn(self, messages: list[dict], j: int) -> list[dict]:
+        """:meth:`prompt` followed by message ``j`` itself (with its reasoning)."""
+        return self.prompt(messages, j) + [messages[j]]
 
     def template_kwargs(self, sample: dict) -> dict:
         """Template variables for one sample: defaults, then ``settings.chat_template_kwargs`` and
@@ -398,8 +422,8 @@ def _sample_rows(
         R[j], s, e, flags = r.turn_span(
             P[j],
             F[j],
-            lambda j=j: (r.render_text(msgs[:j], True, kwargs), r.render_text(msgs[: j + 1], False, kwargs)),
-            lambda j=j: r.render([msgs[:j]], False, kwargs)[0],
+            lambda j=j: (r.render_text(r.prompt(msgs, j), True, kwargs), r.render_text(r.turn(msgs, j), False, kwargs)),
+            lambda j=j: r.render([r.prompt(msgs, j)], False, kwargs)[0],
             finish[k],
         )
         for fl in flags:
@@ -481,14 +505,14 @@ def tokenize_samples(
                 kw = kw_of[idx[0]]
                 reqs = [(i, j) for i in idx for j, m in enumerate(chunk[i]["messages"]) if m["role"] == "assistant" and j > 0]
                 try:
-                    ps = renderer.render([chunk[i]["messages"][:j] for i, j in reqs], True, kw)
-                    fs = renderer.render([chunk[i]["messages"][: j + 1] for i, j in reqs], False, kw)
+                    ps = renderer.render([renderer.prompt(chunk[i]["messages"], j) for i, j in reqs], True, kw)
+                    fs = renderer.render([renderer.turn(chunk[i]["messages"], j) for i, j in reqs], False, kw)
                 except Exception:  # find the sample(s) the template rejects, keep the rest
                     ps, fs = [], []
                     for i, j in reqs:
                         try:
-                            ps.append(renderer.render([chunk[i]["messages"][:j]], True, kw)[0])
-                            fs.append(renderer.render([chunk[i]["messages"][: j + 1]], False, kw)[0])
+                            ps.append(renderer.render([renderer.prompt(chunk[i]["messages"], j)], True, kw)[0])
+                            fs.append(renderer.render([renderer.turn(chunk[i]["messages"], j)], False, kw)[0])
                         except Exception as exc:  # noqa: BLE001 - templates raise anything
                             failed.setdefault(i, f"chat template error: {type(exc).__name__}: {exc}")
                             ps.append([])

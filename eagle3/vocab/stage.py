@@ -270,7 +270,8 @@ def run(params: Params, run_dir: str | Path) -> dict:
 
     target = resolve_target(params.target)
     tok = load_tokenizer(target, params.target.trust_remote_code)
-    renderer = ChatRenderer(tok, stop_token_ids(tok, target.path), _template_defaults(params))
+    renderer = ChatRenderer(tok, stop_token_ids(tok, target.path), _template_defaults(params),
+                            params.vocab.history_reasoning)
     V = target_vocab_size(target.path, params.target.trust_remote_code)
     if params.vocab.draft_vocab_size is not None and params.vocab.draft_vocab_size > V:
         raise VocabError(
@@ -281,6 +282,7 @@ def run(params: Params, run_dir: str | Path) -> dict:
     settings = {
         "max_seq_len": params.vocab.max_seq_len,
         "multi_turn_policy": params.vocab.multi_turn_policy,
+        "history_reasoning": params.vocab.history_reasoning,
         "template_kwargs": _template_defaults(params),
         "format": 1,
     }
