@@ -1,0 +1,100 @@
+"""Stage 4 tables and figures from ``04_train/metrics.jsonl`` and the checkpoints (notebook 04)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eagle3.io import read_json
+
+__all__ = ["load_metrics", "checkpoint_table", "plot_training", "plot_validation"]
+
+
+def load_metrics(run_dir: str | Path):
+    """``04_train/metrics.jsonl`` as a pandas DataFrame (one row per record; ``kind`` is 'train' or 'val').
+
+    Train rows: step, epoch, lr, loss, loss_k, full_acc_k, cond_acc_k, tau_hat (training batches),
+    grad_norm, tokens, tokens_per_s. Val rows: step, val_loss, val_*_k, val_tau_hat, val_tokens.
+    """
+    import pandas as pd
+
+    f = Path(run_dir) / "04_train" / "metrics.jsonl"
+    rows = [json.loads(x) for x in f.read_text(encoding="utf-8").splitlines() if x.strip()] if f.exists() else []
+    return pd.DataFrame(rows)
+
+
+def checkpoint_table(run_dir: str | Path):
+    """One row per kept checkpoint: step, validation tau_hat and loss at that step, and whether it is
+    the best (by validation tau_hat) and the exported one."""
+    import pandas as pd
+
+    sd = Path(run_dir) / "04_train"
+    stats = read_json(sd / "stats.json", {}) or {}
+    rows = []
+    for d in sorted((sd / "checkpoints").glob("step_*")):
+        st = read_json(d / "state.json")
+        if not st:
+            continue
+        val = st.get("val") or {}
+        rows.append({"checkpoint": d.name, "step": st["step"], "val_tau_hat": val.get("val_tau_hat"),
+                     "val_loss": val.get("val_loss"), "best_so_far": st.get("best_step") == st["step"],
+                     "exported": stats.get("best_step") == st["step"]})
+    return pd.DataFrame(rows)
+
+
+def plot_training(df):
+    """Loss, per-TTT-step conditional and full accuracy, lr and tokens/s against the step (matplotlib
+    Figure), or None when there are no training records."""
+    import matplotlib.pyplot as plt
+
+    if df is None or df.empty or "kind" not in df:
+        return None
+    tr = df[df["kind"] == "train"]
+    if tr.empty:
+        return None
+    ks = sorted(int(c.split("_")[-1]) for c in tr.columns if c.startswith("cond_acc_"))
+    fig, ax = plt.subplots(2, 2, figsize=(11, 7))
+    ax[0, 0].plot(tr["step"], tr["loss"], label="train loss (sum over TTT steps)")
+    val = df[df["kind"] == "val"] if "val_loss" in df else None
+    if val is not None and not val.empty:
+        ax[0, 0].plot(val["step"], val["val_loss"], "o-", label="validation loss")
+    ax[0, 0].set_title("loss")
+    ax[0, 0].legend()
+    for k in ks:
+        ax[0, 1].plot(tr["step"], tr[f"cond_acc_{k}"], label=f"cond acc, TTT step {k}")
+        ax[0, 1].plot(tr["step"], tr[f"full_acc_{k}"], "--", label=f"full acc, TTT step {k}")
+    ax[0, 1].set_title("per-step accuracy (training batches)")
+    ax[0, 1].legend(fontsize=7)
+    ax[1, 0].plot(tr["step"], tr["lr"])
+    ax[1, 0].set_title("learning rate")
+    ax[1, 1].plot(tr["step"], tr["tokens_per_s"])
+    ax[1, 1].set_title("throughput (tokens/s)")
+    for a in ax.flat:
+        a.set_xlabel("optimizer step")
+    fig.tight_layout()
+    return fig
+
+
+def plot_validation(df):
+    """Validation tau_hat (and per-step conditional accuracy) against the step, or None."""
+    import matplotlib.pyplot as plt
+
+    if df is None or df.empty or "val_tau_hat" not in df:
+        return None
+    val = df[df["kind"] == "val"]
+    if val.empty:
+        return None
+    fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
+    ax[0].plot(val["step"], val["val_tau_hat"], "o-")
+    best = val.loc[val["val_tau_hat"].idxmax()]
+    ax[0].axvline(best["step"], color="gray", ls=":", label=f"best: step {int(best['step'])}")
+    ax[0].set_title("validation simulated acceptance length tau_hat")
+    ax[0].legend()
+    for c in sorted(c for c in val.columns if c.startswith("val_cond_acc_")):
+        ax[1].plot(val["step"], val[c], "o-", label=c[4:])
+    ax[1].set_title("validation conditional accuracy per TTT step")
+    ax[1].legend(fontsize=7)
+    for a in ax:
+        a.set_xlabel("optimizer step")
+    fig.tight_layout()
+    return fig
