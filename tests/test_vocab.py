@@ -93,7 +93,10 @@ def supervised_text(tok, row) -> str:
 def test_smollm2_two_turn_mask_exact_positions(tok, embedded_target):
     r = ChatRenderer(tok, stop_token_ids(tok, embedded_target.path))
     assert r.stop_ids == {2}  # <|im_end|>
-    rows, rep = rows_of([sample(msgs=TWO_TURNS)], r, policy="explode")
+    s = sample(msgs=TWO_TURNS)
+    s["turn_usage"] = [{"completion_tokens": 3}, {"completion_tokens": 5}]  # the second disagrees
+    rows, rep = rows_of([s], r, policy="explode")
+    assert rep.turns_with_completion_tokens == 2 and rep.turns_matching_completion_tokens == 1
     assert len(rows) == 1 and rows[0].id == "s0"  # ChatML re-renders history identically: one row
     row = rows[0]
     # the row is exactly what the server renders for the whole conversation

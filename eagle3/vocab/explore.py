@@ -262,7 +262,8 @@ def report_table(stats: dict):
     reps = stats.get("tokenize_reports", {})
     keys = ["samples", "rows", "tokens", "supervised_tokens", "assistant_turns", "history_rerendered_samples",
             "exploded_rows", "boundary_retokenized_turns", "boundary_fallback_turns", "no_stop_token_turns",
-            "length_cut_turns", "reasoning_not_rendered_turns", "truncated_rows", "truncated_tokens",
+            "length_cut_turns", "reasoning_not_rendered_turns", "turns_with_completion_tokens",
+            "turns_matching_completion_tokens", "truncated_rows", "truncated_tokens",
             "truncated_supervised_tokens", "dropped_rows_after_truncation", "no_supervised_samples", "failed_samples"]
     return pd.DataFrame({split: [r.get(k) for k in keys] for split, r in reps.items()}, index=keys)
 

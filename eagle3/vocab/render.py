@@ -370,6 +370,8 @@ class TokenizeReport:
     length_cut_turns: int = 0
     leading_assistant_turns: int = 0
     reasoning_not_rendered_turns: int = 0
+    turns_with_completion_tokens: int = 0
+    turns_matching_completion_tokens: int = 0
     truncated_rows: int = 0
     truncated_tokens: int = 0
     truncated_supervised_tokens: int = 0
@@ -412,6 +414,8 @@ def _sample_rows(
     msgs = sample["messages"]
     assistant = [j for j, m in enumerate(msgs) if m["role"] == "assistant"]
     finish = sample.get("finish_reasons") or [None] * len(assistant)
+    usage = sample.get("turn_usage")
+    usage = usage if isinstance(usage, list) and len(usage) == len(assistant) else [None] * len(assistant)
     rep.assistant_turns += len(assistant)
     spans: dict[int, tuple[int, int]] = {}
     R: dict[int, list[int]] = {}
@@ -429,6 +433,10 @@ def _sample_rows(
         for fl in flags:
             setattr(rep, f"{fl}_turns", getattr(rep, f"{fl}_turns") + 1)
         spans[j] = (s, e)
+        done = usage[k].get("completion_tokens") if isinstance(usage[k], dict) else None
+        if isinstance(done, int) and done > 0:  # cross-check: supervised span vs tokens the target generated
+            rep.turns_with_completion_tokens += 1
+            rep.turns_matching_completion_tokens += int(e - s == done)
         reasoning = msgs[j].get("reasoning")
         if reasoning and not _reasoning_rendered(r.tok, R[j][s:e], reasoning):
             rep.reasoning_not_rendered_turns += 1

@@ -284,7 +284,7 @@ def run(params: Params, run_dir: str | Path) -> dict:
         "multi_turn_policy": params.vocab.multi_turn_policy,
         "history_reasoning": params.vocab.history_reasoning,
         "template_kwargs": _template_defaults(params),
-        "format": 1,
+        "format": 2,  # bump when tokenization or its report changes: earlier splits are redone
     }
     tracker = Tracker(params, run_dir, "02_vocab")
     reports: dict[str, dict] = {}
@@ -338,6 +338,9 @@ def run(params: Params, run_dir: str | Path) -> dict:
                       "truncated_supervised_tokens", "dropped_rows_after_truncation", "no_supervised_samples",
                       "failed_samples", "history_rerendered_samples", "exploded_rows"):
                 stats[f"{split}_{k}"] = r[k]
+            n = r.get("turns_with_completion_tokens", 0)
+            # share of turns whose supervised span has exactly as many tokens as stage 1 recorded generating
+            stats[f"{split}_completion_token_agreement"] = r.get("turns_matching_completion_tokens", 0) / n if n else None
         stats["tokenize_reports"] = reports
 
         explorer = CoverageExplorer.from_run(run_dir, params, tokenizer=tok)
