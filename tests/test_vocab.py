@@ -253,6 +253,13 @@ def test_count_masked_tokens_matches_speculators(tmp_path):
     counts = count_masked_tokens(t, 12)
     assert counts.dtype == np.int64 and counts.shape == (12,)
     assert {i: int(c) for i, c in enumerate(counts) if c} == {3: 2, 5: 2, 7: 1, 9: 1}
+    assert np.array_equal(count_masked_tokens(datasets.Dataset(t), 12), counts)
+    assert count_masked_tokens(datasets.Dataset(t).select([1]), 12)[[3, 5, 7]].tolist() == [1, 0, 1]
+    pq_path = tmp_path / "t.parquet"
+    import pyarrow.parquet as pq
+
+    pq.write_table(t, pq_path)
+    assert np.array_equal(count_masked_tokens(pq_path, 12, batch_rows=1), counts)
     save_token_frequency_distribution(datasets.Dataset(t).with_format("torch"), tmp_path / "f.pt")
     assert torch.load(tmp_path / "f.pt") == {3: 2, 5: 2, 7: 1, 9: 1}
     with pytest.raises(VocabError, match="row 'b': input_ids has 3 tokens but loss_mask has 2"):

@@ -110,9 +110,12 @@ def test_run_size_from_coverage_and_full_size(tmp_path):
     assert st["draft_vocab_size_from"] == "target_coverage"
     assert st["draft_vocab_size"] == cov.size_for(0.9) and st["coverage"] >= 0.9 > cov.at(st["draft_vocab_size"] - 1)
 
-    rd2 = _run_dir(tmp_path, "full")
+    only_train = [dict(x, split="train") for x in _samples()]  # no held-out split at all
+    rd2 = _run_dir(tmp_path, "full", only_train)
     st = run(_params(tmp_path, "vocab.draft_vocab_size=49152"), rd2)
-    assert st["full_size"] is True and st["heldout_oov_rate"] == 0.0 and st["coverage"] == 1.0
+    assert st["full_size"] is True and st["coverage"] == 1.0 and st["padded_ids"] == 0
+    assert st["heldout_samples"] == 0 and st["heldout_oov_rate"] is None
+    assert load_tokenized(rd2, "heldout").num_rows == 0 and load_tokenized(rd2, "train").num_rows == 12
     assert not (rd2 / "02_vocab" / "vocab_mapping.safetensors").exists()
     assert load_mapping(rd2) == (None, None)
 

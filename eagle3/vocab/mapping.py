@@ -55,6 +55,8 @@ def _record_batches(data: Any, batch_rows: int):
         cols = [c for c in ("id", "input_ids", "loss_mask") if c in pf.schema_arrow.names]
         yield from pf.iter_batches(batch_size=batch_rows, columns=cols)
         return
+    if getattr(data, "_indices", None) is not None:  # a datasets.Dataset after select/shuffle/filter
+        data = data.flatten_indices()
     table = getattr(data, "data", data)  # datasets.Dataset -> its arrow table
     table = getattr(table, "table", table)
     if not isinstance(table, pa.Table):
