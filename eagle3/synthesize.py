@@ -2,8 +2,9 @@
 
 Reads the prompt sources of ``params.synthesize`` (:mod:`eagle3.prompts`), writes
 ``01_synthesize/samples.jsonl`` (one conversation per line, schema below), ``stats.json``,
-``progress.json``, ``throughput.jsonl`` (one ``{"t", "id", "completion_tokens"}`` line per sample
-written: the throughput-over-time plot), ``errors.json`` (only when samples failed) and the figures.
+``progress.json``, ``throughput.jsonl`` (a ``{"t", "session_start"}`` line when a session starts
+generating, then one ``{"t", "id", "completion_tokens"}`` line per sample written: the
+throughput-over-time plot), ``errors.json`` (only when samples failed) and the figures.
 
 Backends (``synthesize.backend``):
 
@@ -79,6 +80,8 @@ __all__ = [
     "summarize_samples",
     "make_figures",
     "summary_table",
+    "preview_rows",
+    "throughput_series",
     "run",
 ]
 
@@ -886,11 +889,44 @@ def _read_timeline(path: Path) -> list[dict]:
     return out
 
 
+def throughput_series(events: list[dict]) -> list[tuple[tuple[float, float], float]]:
+    """Completion tokens/s over wall-clock intervals from ``throughput.jsonl`` events.
+
+    Events are ``{"t", "session_start": true}`` (written when a session starts generating) and
+    ``{"t", "id", "completion_tokens"}`` (one per sample written). Within each session, writes are
+    grouped until a group spans at least 1/30 of the session (batched backends write a whole batch
+    at once); a group's rate is its tokens over the time since the previous group ended (the session
+    start for the first). Returns ``[((t_from, t_to), tokens_per_s), ...]`` in unix seconds.
+    """
+    out: list[tuple[tuple[float, float], float]] = []
+    sessions: list[list[dict]] = []
+    for e in sorted(events, key=lambda r: (r["t"], "session_start" not in r)):
+        if e.get("session_start") or not sessions:
+            sessions.append([e])
+        else:
+            sessions[-1].append(e)
+    for sess in sessions:
+        start = sess[0]["t"]
+        writes = [e for e in sess if "completion_tokens" in e]
+        if not writes:
+            continue
+        min_span = (writes[-1]["t"] - start) / 30
+        prev, tokens = start, 0
+        for i, e in enumerate(writes):
+            tokens += e["completion_tokens"]
+            last = i == len(writes) - 1
+            if (e["t"] - prev >= min_span and (last or writes[i + 1]["t"] > e["t"])) or last:
+                if e["t"] > prev:
+                    out.append(((prev, e["t"]), tokens / (e["t"] - prev)))
+                prev, tokens = e["t"], 0
+    return out
+
+
 def make_figures(run_dir: str | Path) -> dict:
     """Matplotlib figures of a stage-1 output (no pyplot state): ``completion_lengths`` (histogram of
     completion tokens per assistant turn, ``max_new_tokens`` marked), ``finish_reasons`` (bar),
     ``throughput`` (cumulative completion tokens and tokens/s over wall-clock time, from
-    ``throughput.jsonl``) and, when any turn has reasoning, ``reasoning_share`` (histogram of the
+    ``throughput.jsonl`` via :func:`throughput_series`) and, when any turn has reasoning, ``reasoning_share`` (histogram of the
     reasoning share of characters per turn)."""
     from matplotlib.figure import Figure
 
@@ -902,7 +938,8 @@ def make_figures(run_dir: str | Path) -> dict:
 
     fig = Figure(figsize=(6, 3.2))
     ax = fig.subplots()
-    ax.hist(per_turn, bins=min(40, max(5, len(set(per_turn)))), color="#4c72b0")
+    hi = max([max_new or 0, *per_turn]) + 1
+    ax.hist(per_turn, bins=min(40, hi), range=(0, hi), color="#4c72b0")
     if max_new:
         ax.axvline(max_new, color="#c44e52", ls="--", label=f"max_new_tokens={max_new}")
         ax.legend()
@@ -920,25 +957,19 @@ def make_figures(run_dir: str | Path) -> dict:
     ax.set_title("Finish reasons")
     figs["finish_reasons"] = fig
 
-    tl = sorted(_read_timeline(sd / THROUGHPUT_FILE), key=lambda r: r["t"])
+    tl = _read_timeline(sd / THROUGHPUT_FILE)
     fig = Figure(figsize=(7, 3.2))
     ax1, ax2 = fig.subplots(1, 2)
-    if tl:
-        t0 = tl[0]["t"]
-        ts = [(r["t"] - t0) / 60 for r in tl]
+    writes = sorted((r for r in tl if "completion_tokens" in r), key=lambda r: r["t"])
+    if writes:
+        t0 = min(r["t"] for r in tl)
         cum, acc = [], 0
-        for r in tl:
+        for r in writes:
             acc += r["completion_tokens"]
             cum.append(acc)
-        ax1.plot(ts, cum, color="#4c72b0")
-        k = max(1, len(tl) // 20)
-        rate_t, rate = [], []
-        for i in range(k, len(tl)):
-            dt = tl[i]["t"] - tl[i - k]["t"]
-            if dt > 0:
-                rate_t.append(ts[i])
-                rate.append((cum[i] - cum[i - k]) / dt)
-        ax2.plot(rate_t, rate, color="#dd8452", marker=".")
+        ax1.plot([(r["t"] - t0) / 60 for r in writes], cum, color="#4c72b0", drawstyle="steps-post")
+        for t_end, rate in throughput_series(tl):
+            ax2.plot([(t_end[0] - t0) / 60, (t_end[1] - t0) / 60], [rate, rate], color="#dd8452", lw=2)
     ax1.set_xlabel("minutes")
     ax1.set_ylabel("completion tokens (cumulative)")
     ax2.set_xlabel("minutes")
@@ -973,6 +1004,20 @@ def summary_table(stats: dict) -> dict:
     out["bad_input"] = json.dumps({k: v for k, v in stats.get("bad_input", {}).items() if v})
     out["errors"] = json.dumps(stats.get("errors", {}))
     return out
+
+
+def preview_rows(samples: list[dict], n: int = 8, width: int = 120) -> list[dict]:
+    """The first ``n`` samples as flat rows (id, split, turns, finish reasons, tokens, the last
+    prompt and answer cut to ``width`` characters) for a notebook table."""
+    rows = []
+    for s in samples[:n]:
+        last_user = next((m["content"] for m in reversed(s["messages"]) if m["role"] == "user"), "")
+        answer = s["messages"][-1]
+        rows.append({"id": s["id"], "split": s["split"], "turns": len(s["finish_reasons"]),
+                     "finish": ",".join(s["finish_reasons"]), "completion_tokens": s["completion_tokens"],
+                     "prompt": last_user[:width], "answer": answer["content"][:width],
+                     "reasoning": (answer.get("reasoning") or "")[:width]})
+    return rows
 
 
 # ----------------------------------------------------------------------------- the stage
@@ -1036,10 +1081,12 @@ def run(params: Params, run_dir: str | Path) -> dict:
             else:
                 backend = ServerBackend(params)
             settings["model"] = backend.model_name
+            renderer = _server_renderer(params) if isinstance(backend, ServerBackend) else None
             load_s = time.time() - t0
             t1 = time.time()
+            sess.timeline.write(json.dumps({"t": round(t1, 3), "session_start": True}) + "\n")
             if isinstance(backend, ServerBackend):
-                tripped = _run_server(backend, pending, sess, _server_renderer(params), params.target.max_model_len,
+                tripped = _run_server(backend, pending, sess, renderer, params.target.max_model_len,
                                       syn.max_new_tokens, syn.server.breaker_failures)
             else:
                 _run_batched(backend, pending, sess, syn.batch_size, syn.max_new_tokens)

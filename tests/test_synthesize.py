@@ -371,3 +371,20 @@ def test_unreachable_server_is_a_clear_error(tmp_path):
     params = _params(tmp_path, f"http://127.0.0.1:{free_port()}/v1", prompts, server={"max_retries": 1})
     with pytest.raises(SynthesisError, match=r"cannot list models at http://127.0.0.1:\d+/v1/models .*ConnectError"):
         _go(params)
+
+
+def test_throughput_series_batched_and_streaming_writes():
+    from eagle3.synthesize import throughput_series
+
+    # a batched backend writes 8 samples at once: one batch of 8 x 48 tokens every 32 s -> 12 tokens/s;
+    # a resumed session starts its own clock
+    ev = ([{"t": 100.0, "session_start": True}]
+          + [{"t": 132.0, "id": f"a{i}", "completion_tokens": 48} for i in range(8)]
+          + [{"t": 164.0, "id": f"b{i}", "completion_tokens": 48} for i in range(8)]
+          + [{"t": 500.0, "session_start": True}, {"t": 510.0, "id": "c", "completion_tokens": 100}])
+    assert throughput_series(ev) == [((100.0, 132.0), 12.0), ((132.0, 164.0), 12.0), ((500.0, 510.0), 10.0)]
+    # a server writes one sample every 0.1 s: groups of >= 1/30 of the session, 10 tokens / 0.1 s
+    ev = [{"t": 0.0, "session_start": True}] + [{"t": 0.1 * (i + 1), "id": str(i), "completion_tokens": 10}
+                                                for i in range(100)]
+    series = throughput_series(ev)
+    assert len(series) == 25 and all(abs(r - 100.0) < 1e-6 for _, r in series)
