@@ -400,3 +400,28 @@ def test_vllm_shipped_thinking_template(embedded_target):
     rows, _ = rows_of([sample(msgs=msgs[:1] + [{"role": "assistant", "content": "Hello!"}],
                               settings={"enable_thinking": False})], ChatRenderer(t, {2}))
     assert supervised_text(t, rows[0]) == "Hello!<|im_end|>"  # the injected empty think block is not
+
+
+def test_explorer_numbers_and_slider(tok):
+    from eagle3.vocab.explore import CoverageExplorer
+
+    held = np.zeros(12, np.int64)
+    held[[0, 9, 2, 4]] = [5, 2, 2, 1]  # 10 held-out masked tokens; 2 and 4 fall outside the top 4
+    by_source = {"a": HAND.copy(), "b": np.bincount([2, 2, 0], minlength=12)}
+    ex = CoverageExplorer(HAND, held, by_source, tokenizer=tok, chosen_size=4, lengths=np.array([10, 50, 90]), max_seq_len=64)
+    s = ex.summary(4)
+    assert s["coverage"] == pytest.approx(27 / 29) and s["masked_tokens_lost"] == 2 and s["distinct_tokens_lost"] == 2
+    assert s["heldout_coverage"] == pytest.approx(0.7) and s["heldout_oov_rate"] == pytest.approx(0.3)
+    lost = ex.top_lost(4)
+    assert lost["token_id"].tolist() == [2, 11] and lost["rank"].tolist() == [5, 6]
+    assert lost["token"].tolist() == [repr(tok.decode([2])), repr(tok.decode([11]))]
+    assert lost["mass_%"].tolist() == pytest.approx([100 / 29, 100 / 29])
+    src = ex.by_source_table(4).set_index("source")
+    assert src.loc["a", "coverage"] == pytest.approx(27 / 29) and src.loc["b", "coverage"] == pytest.approx(1 / 3)
+    assert ex.sizes_table()["draft_vocab_size"].tolist() == [4]  # 8K.. exceed this 12-token vocab
+    assert set(ex.figures()) == {"coverage_curve", "rank_frequency", "sequence_lengths"}
+    box = ex.widget()
+    slider, out = box.children[0].children[0], box.children[1]
+    assert "draft vocab 4</b>" in out.value and "93.1034%" in out.value
+    slider.value = 6
+    assert "draft vocab 6</b>" in out.value and "100.0000%" in out.value and "lost 0 of 29" in out.value
