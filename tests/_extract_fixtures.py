@@ -23,8 +23,8 @@ def conversations(n: int, seed: int = 0) -> list[list[dict]]:
     out = []
     for i in range(n):
         topic = TOPICS[i % len(TOPICS)]
-        reps = rng.randint(1, 6)
-        user = f"Explain {topic} in Python." + " Please be precise." * rng.randint(0, 3)
+        reps = rng.randint(1, 4)
+        user = f"Explain {topic} in Python." + " Please be precise." * rng.randint(0, 2)
         reply = " ".join([f"Here is how {topic} works: step {k + 1} uses a loop and a function call."
                           for k in range(reps)])
         out.append([{"role": "user", "content": user}, {"role": "assistant", "content": reply}])

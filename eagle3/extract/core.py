@@ -48,6 +48,9 @@ __all__ = [
     "storage_dtype",
     "check_sample_file",
     "sha256_file",
+    "pad_batch",
+    "extract_batches",
+    "iter_journal",
 ]
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -348,6 +351,21 @@ class TokenizedRows:
         self._mask_flat = np.array(cols["loss_mask"][0], dtype=np.int8)
         self._offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
 
+    @classmethod
+    def from_lists(cls, ids: Sequence[str], input_ids: Sequence[Sequence[int]],
+                   loss_mask: Sequence[Sequence[int]] | None = None, source: str = "memory") -> "TokenizedRows":
+        """Rows held in memory (no parquet file; used by the benchmark). Loss masks default to all ones."""
+        self = cls.__new__(cls)
+        self.path = Path(f"<{source}>")
+        self.ids = [str(x) for x in ids]
+        self.sources = [source] * len(self.ids)
+        self.lengths = np.array([len(x) for x in input_ids], dtype=np.int64)
+        self._ids_flat = np.concatenate([np.asarray(x, dtype=np.int64) for x in input_ids]) if len(input_ids) else np.zeros(0, np.int64)
+        masks = loss_mask if loss_mask is not None else [np.ones(len(x), np.int8) for x in input_ids]
+        self._mask_flat = np.concatenate([np.asarray(x, dtype=np.int8) for x in masks]) if len(masks) else np.zeros(0, np.int8)
+        self._offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        return self
+
     def __len__(self) -> int:
         return len(self.ids)
 
@@ -472,11 +490,23 @@ def _default_write(tmp_path: Path, data: bytes) -> None:
 
 
 def _atomic_write(path: Path, data: bytes, write_fn: Callable[[Path, bytes], None]) -> None:
-    """Write ``data`` to a temp file beside ``path`` (via ``write_fn``) and rename it over ``path``."""
-    from eagle3.io import atomic_path
+    """Write ``data`` to a temp file beside ``path`` (via ``write_fn``) and rename it over ``path``.
 
-    with atomic_path(path) as tmp:
-        write_fn(tmp, data)
+    The same protocol as :func:`eagle3.io.atomic_path` (temp name ``.<name>.<random>.tmp`` in the same
+    folder, removed on any failure), kept here so that this module needs only torch, numpy and
+    safetensors (the GPU benchmark runs on machines without the project's other dependencies).
+    """
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_p = Path(tmp)
+    try:
+        write_fn(tmp_p, data)
+        os.replace(tmp_p, path)
+    except BaseException:
+        tmp_p.unlink(missing_ok=True)
+        raise
 
 
 def first_non_finite(hs: torch.Tensor, stored_layers: Sequence[int]) -> str:
@@ -565,8 +595,9 @@ class SampleWriter:
                     f"{where}. Nothing was written for it; check the target's dtype (float16 overflows are "
                     f"common: use bfloat16) and the sample."
                 )
-            data = save({k: v.contiguous() for k, v in tensors.items()},
-                        metadata={"id": str(entry["id"]), "row": str(entry["row"])})
+            # one metadata key only: safetensors keeps metadata in a hash map whose order changes
+            # from process to process, and the bytes (and sha256) of a file must not
+            data = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"id": str(entry["id"])})
             digest = hashlib.sha256(data).hexdigest()
             path = self.stage_dir / entry["file"]
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -574,11 +605,11 @@ class SampleWriter:
                 _atomic_write(path, data, self.write_fn)
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:
-                    from eagle3.io import free_bytes
+                    import shutil
 
                     raise ExtractError(
                         f"disk full while writing {path} ({len(data)} bytes): {exc}. Free space now: "
-                        f"{free_bytes(self.stage_dir)} bytes; this run wrote {self.bytes_written} bytes in "
+                        f"{shutil.disk_usage(self.stage_dir).free} bytes; this run wrote {self.bytes_written} bytes in "
                         f"{self.files_written} files before it. Finished files are kept and the partial "
                         f"file was removed: free space (or move the run) and re-run to resume."
                     ) from exc
@@ -620,6 +651,92 @@ class SampleWriter:
         except OSError:
             pass
         self.raise_if_failed()
+
+
+# ----------------------------------------------------------------------------------------------
+# The extraction loop (used by the stage, online mode and the benchmark)
+# ----------------------------------------------------------------------------------------------
+
+
+def _to_host(hs: torch.Tensor, mask: torch.Tensor | None, lens: Sequence[int]):
+    """``(hs_cpu, finite [B] bool CPU, ready)``: device-to-host copy overlapped with later compute."""
+    fin = torch.isfinite(hs).flatten(2).all(-1)  # [B, T]
+    if mask is not None:
+        fin = fin | (mask == 0)
+    fin = fin.all(-1)
+    if hs.device.type != "cuda":
+        return hs, fin, None
+    host = torch.empty(hs.shape, dtype=hs.dtype, pin_memory=True)
+    host.copy_(hs, non_blocking=True)
+    fin_host = torch.empty(fin.shape, dtype=torch.bool, pin_memory=True)
+    fin_host.copy_(fin, non_blocking=True)
+    ev = torch.cuda.Event()
+    ev.record()
+    return host, fin_host, ev
+
+
+def extract_batches(capture: HiddenStateCapture, rows: TokenizedRows, batches: Sequence[Sequence[int]],
+                    writer: SampleWriter | None, *, shard_size: int, skip: set[int] | frozenset = frozenset(),
+                    pad_id: int = 0, on_batch: Callable[[int, int, int], None] | None = None) -> dict:
+    """Run ``batches`` through ``capture`` and queue every sample not in ``skip`` on ``writer``.
+
+    A batch is always computed whole (even when some of its rows are done) so that a resumed run
+    computes every sample in the same batch shape as an uninterrupted one: identical tensors.
+
+    Args:
+        capture: the hooked target.
+        rows: the tokenized samples.
+        batches: lists of row indices (from :func:`plan_batches`).
+        writer: where samples go (None: compute only, e.g. a benchmark).
+        shard_size: rows per ``rows_*`` folder.
+        skip: rows whose files are already done.
+        on_batch: ``on_batch(new_samples, new_tokens, computed_tokens)`` after each batch.
+
+    Returns:
+        dict: ``samples``, ``tokens`` (new), ``computed_tokens``, ``seconds`` (loop wall time,
+        the writer drained).
+
+    Raises:
+        NonFiniteError / ExtractError: from the writer (NaN/Inf sample, disk full).
+    """
+    t0 = time.perf_counter()
+    new_samples = new_tokens = computed = 0
+    dev = capture.device
+    for batch in batches:
+        ids, mask, lens = pad_batch(rows, batch, pad_id)
+        ids = ids.to(dev, non_blocking=True)
+        mask = mask.to(dev, non_blocking=True) if mask is not None else None
+        hs = capture.capture(ids, mask)
+        hs_host, fin, ready = _to_host(hs, mask, lens)
+        n_new = t_new = 0
+        for j, r in enumerate(batch):
+            if r in skip:
+                continue
+            n_new += 1
+            t_new += lens[j]
+            if writer is None:
+                if ready is None and not bool(fin[j]):
+                    raise NonFiniteError(f"non-finite hidden states in sample id {rows.ids[r]} (row {r}): "
+                                         f"{first_non_finite(hs_host[j, : lens[j]], capture.stored_layers)}")
+                continue
+            tensors = {"token_ids": torch.from_numpy(rows.tokens(r).copy()),
+                       "loss_mask": torch.from_numpy(rows.loss_mask(r).copy()),
+                       "hidden_states": hs_host[j, : lens[j]]}
+            writer.submit({"row": r, "id": rows.ids[r], "file": sample_relpath(r, shard_size)}, tensors,
+                          finite=fin[j], ready=ready)
+        if ready is not None and writer is None:
+            ready.synchronize()
+        new_samples += n_new
+        new_tokens += t_new
+        computed += sum(lens)
+        if on_batch is not None:
+            on_batch(n_new, t_new, sum(lens))
+    if writer is not None:
+        writer.close()
+    elif dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return {"samples": new_samples, "tokens": new_tokens, "computed_tokens": computed,
+            "seconds": time.perf_counter() - t0}
 
 
 def iter_journal(path: str | Path) -> Iterable[dict]:

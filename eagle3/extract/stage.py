@@ -38,7 +38,9 @@ from eagle3.extract.core import (
     NonFiniteError,
     SampleWriter,
     TokenizedRows,
+    _to_host,
     check_sample_file,
+    extract_batches,
     first_non_finite,
     iter_journal,
     pad_batch,
@@ -472,92 +474,6 @@ class _ExtractProgress(Progress):
                 f.write(json.dumps(point) + "\n")
         if self.tracker is not None:
             self.tracker.log({k: v for k, v in point.items() if k not in ("t", "status")})
-
-
-# ----------------------------------------------------------------------------------------------
-# The extraction loop (shared with the benchmark)
-# ----------------------------------------------------------------------------------------------
-
-
-def _to_host(hs: torch.Tensor, mask: torch.Tensor | None, lens: Sequence[int]):
-    """``(hs_cpu, finite [B] bool CPU, ready)``: device-to-host copy overlapped with later compute."""
-    fin = torch.isfinite(hs).flatten(2).all(-1)  # [B, T]
-    if mask is not None:
-        fin = fin | (mask == 0)
-    fin = fin.all(-1)
-    if hs.device.type != "cuda":
-        return hs, fin, None
-    host = torch.empty(hs.shape, dtype=hs.dtype, pin_memory=True)
-    host.copy_(hs, non_blocking=True)
-    fin_host = torch.empty(fin.shape, dtype=torch.bool, pin_memory=True)
-    fin_host.copy_(fin, non_blocking=True)
-    ev = torch.cuda.Event()
-    ev.record()
-    return host, fin_host, ev
-
-
-def extract_batches(capture: HiddenStateCapture, rows: TokenizedRows, batches: Sequence[Sequence[int]],
-                    writer: SampleWriter | None, *, shard_size: int, skip: set[int] | frozenset = frozenset(),
-                    pad_id: int = 0, on_batch: Callable[[int, int, int], None] | None = None) -> dict:
-    """Run ``batches`` through ``capture`` and queue every sample not in ``skip`` on ``writer``.
-
-    A batch is always computed whole (even when some of its rows are done) so that a resumed run
-    computes every sample in the same batch shape as an uninterrupted one: identical tensors.
-
-    Args:
-        capture: the hooked target.
-        rows: the tokenized samples.
-        batches: lists of row indices (from :func:`plan_batches`).
-        writer: where samples go (None: compute only, e.g. a benchmark).
-        shard_size: rows per ``rows_*`` folder.
-        skip: rows whose files are already done.
-        on_batch: ``on_batch(new_samples, new_tokens, computed_tokens)`` after each batch.
-
-    Returns:
-        dict: ``samples``, ``tokens`` (new), ``computed_tokens``, ``seconds`` (loop wall time,
-        the writer drained).
-
-    Raises:
-        NonFiniteError / ExtractError: from the writer (NaN/Inf sample, disk full).
-    """
-    t0 = time.perf_counter()
-    new_samples = new_tokens = computed = 0
-    dev = capture.device
-    for batch in batches:
-        ids, mask, lens = pad_batch(rows, batch, pad_id)
-        ids = ids.to(dev, non_blocking=True)
-        mask = mask.to(dev, non_blocking=True) if mask is not None else None
-        hs = capture.capture(ids, mask)
-        hs_host, fin, ready = _to_host(hs, mask, lens)
-        n_new = t_new = 0
-        for j, r in enumerate(batch):
-            if r in skip:
-                continue
-            n_new += 1
-            t_new += lens[j]
-            if writer is None:
-                if ready is None and not bool(fin[j]):
-                    raise NonFiniteError(f"non-finite hidden states in sample id {rows.ids[r]} (row {r}): "
-                                         f"{first_non_finite(hs_host[j, : lens[j]], capture.stored_layers)}")
-                continue
-            tensors = {"token_ids": torch.from_numpy(rows.tokens(r).copy()),
-                       "loss_mask": torch.from_numpy(rows.loss_mask(r).copy()),
-                       "hidden_states": hs_host[j, : lens[j]]}
-            writer.submit({"row": r, "id": rows.ids[r], "file": sample_relpath(r, shard_size)}, tensors,
-                          finite=fin[j], ready=ready)
-        if ready is not None and writer is None:
-            ready.synchronize()
-        new_samples += n_new
-        new_tokens += t_new
-        computed += sum(lens)
-        if on_batch is not None:
-            on_batch(n_new, t_new, sum(lens))
-    if writer is not None:
-        writer.close()
-    elif dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    return {"samples": new_samples, "tokens": new_tokens, "computed_tokens": computed,
-            "seconds": time.perf_counter() - t0}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,241 @@
+"""Stage 3 benchmark: hidden-state extraction against a plain forward of the same batches.
+
+Three passes over the same token-budget batches (longest first, right-padded), side by side:
+
+* ``plain forward`` — the target's decoder (no LM head), ``use_cache=False``, no hooks, nothing kept;
+* ``capture only`` — :class:`eagle3.extract.core.HiddenStateCapture` (hooks on the stored layers,
+  forward stopped after layer N) plus the NaN/Inf check and the device-to-host copy, nothing written;
+* ``extract + write`` — the stage's loop (:func:`eagle3.extract.core.extract_batches`) with its
+  background :class:`SampleWriter`: safetensors per sample, sha256, atomic rename, journal line.
+
+Each pass is timed end to end (device synchronised, writer drained), repeated ``--repeats`` times
+in alternation; the best time of each is reported. The goal is extraction >= 0.9x plain forward.
+
+Modes:
+
+* CPU (default): the embedded SmolLM2-135M target (needs the project's venv) on synthetic token
+  sequences;
+* GPU (``--device cuda``): a Llama-3.1-8B-shaped model (hidden 4096, 32 layers, 32 heads, 8 KV
+  heads, intermediate 14336, vocab 128256) with RANDOM weights in bfloat16 — nothing downloaded.
+  Needs only torch, transformers, numpy and safetensors (``eagle3.extract.core`` imports nothing
+  else). Also reports model FLOP utilisation: ``MFU = 2 x P x tokens / time / peak`` with ``P`` the
+  decoder-layer parameters (embedding and LM head are never multiplied in a prefill that keeps
+  hidden states; attention's ``T^2`` FLOPs are not counted) and ``peak = 989e12`` FLOP/s (H100/H200
+  SXM dense bf16 tensor-core peak; ``--peak-flops`` to change).
+
+Usage (from the repository root)::
+
+    .venv/bin/python benchmarks/bench_extract.py                 # CPU, embedded model
+    python benchmarks/bench_extract.py --device cuda             # one H200: 8B-shaped, bf16
+
+Files are written under a temporary folder (``--out`` to choose; removed afterwards unless
+``--keep``). Prints a Markdown table (the format of benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from eagle3.extract.core import (  # noqa: E402
+    HiddenStateCapture,
+    SampleWriter,
+    TokenizedRows,
+    _to_host,
+    decoder_layers,
+    extract_batches,
+    pad_batch,
+    plan_batches,
+)
+
+H200_PEAK_BF16 = 989e12
+
+
+def llama8b_random(dtype: torch.dtype, device: str):
+    """A Llama-3.1-8B-shaped LlamaForCausalLM with random weights, built directly on ``device``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                      rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.eval()
+
+
+def embedded_model():
+    """The embedded SmolLM2-135M target in float32 on CPU (needs the project's environment)."""
+    from eagle3.config import TargetParams
+    from eagle3.target import load_target
+
+    model, _, _ = load_target(TargetParams(model="embedded:smollm2-135m", dtype="float32", device="cpu"))
+    return model
+
+
+def synthetic_rows(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> TokenizedRows:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    seqs = [torch.randint(100, vocab - 1, (k,), generator=g).tolist() for k in lens]
+    return TokenizedRows.from_lists([f"s{i}" for i in range(n)], seqs, source="synthetic")
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+@torch.inference_mode()
+def plain_forward(model, rows: TokenizedRows, batches) -> float:
+    dec, _ = decoder_layers(model)
+    dev = next(model.parameters()).device
+    sync(dev)
+    t0 = time.perf_counter()
+    for b in batches:
+        ids, mask, _ = pad_batch(rows, b)
+        dec(input_ids=ids.to(dev, non_blocking=True),
+            attention_mask=mask.to(dev, non_blocking=True) if mask is not None else None, use_cache=False)
+    sync(dev)
+    return time.perf_counter() - t0
+
+
+def capture_only(cap: HiddenStateCapture, rows: TokenizedRows, batches) -> float:
+    """Hooks, the finite check and the device-to-host copy, nothing written."""
+    dev = cap.device
+    sync(dev)
+    t0 = time.perf_counter()
+    for b in batches:
+        ids, mask, lens = pad_batch(rows, b)
+        m = mask.to(dev, non_blocking=True) if mask is not None else None
+        hs = cap.capture(ids.to(dev, non_blocking=True), m)
+        _, fin, ready = _to_host(hs, m, lens)
+        if ready is not None:
+            ready.synchronize()
+        bool(fin.all())
+    sync(dev)
+    return time.perf_counter() - t0
+
+
+def extract_write(cap: HiddenStateCapture, rows: TokenizedRows, batches, out: Path, threads: int,
+                  pending_mb: int) -> tuple[float, int, float]:
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    writer = SampleWriter(out, out / "journal.jsonl", cap.stored_layers, threads=threads,
+                          max_pending_bytes=pending_mb << 20)
+    res = extract_batches(cap, rows, batches, writer, shard_size=2000)
+    return res["seconds"], writer.bytes_written, writer.busy_s
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--samples", type=int, default=None, help="synthetic samples (default: cpu 24, cuda 160)")
+    ap.add_argument("--min-len", type=int, default=None, help="default: cpu 64, cuda 512")
+    ap.add_argument("--max-len", type=int, default=None, help="default: cpu 384, cuda 3072")
+    ap.add_argument("--token-budget", type=int, default=None, help="padded tokens per batch (cpu 2048, cuda 32768)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--writer-threads", type=int, default=None, help="default: cpu 1, cuda 8")
+    ap.add_argument("--pending-mb", type=int, default=4096)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="storage dtype")
+    ap.add_argument("--peak-flops", type=float, default=H200_PEAK_BF16)
+    ap.add_argument("--out", default=None, help="folder for the written files (default: a temp folder)")
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--json", default=None, help="also write the results as JSON here")
+    a = ap.parse_args(argv)
+    gpu = a.device == "cuda"
+    n = a.samples or (160 if gpu else 24)
+    lo, hi = a.min_len or (512 if gpu else 64), a.max_len or (3072 if gpu else 384)
+    budget = a.token_budget or (32768 if gpu else 2048)
+    threads = a.writer_threads or (8 if gpu else 1)
+    sdtype = getattr(torch, a.dtype)
+
+    t0 = time.perf_counter()
+    if gpu:
+        model = llama8b_random(torch.bfloat16, "cuda")
+        name = "Llama-3.1-8B-shaped, random weights, bf16"
+    else:
+        model = embedded_model()
+        name = "SmolLM2-135M (embedded), float32"
+    load_s = time.perf_counter() - t0
+    cfg = model.config
+    dec, layers = decoder_layers(model)
+    params_layers = sum(p.numel() for p in layers.parameters())
+    rows = synthetic_rows(n, lo, hi, cfg.vocab_size)
+    batches = plan_batches(rows.lengths, budget)
+    tokens = rows.total_tokens
+    padded = sum(len(b) * int(rows.lengths[b[0]]) for b in batches)
+    cap = HiddenStateCapture(model, None, sdtype)
+    out_root = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="bench_extract_"))
+    print(f"model: {name}; {params_layers / 1e9:.3f} B decoder-layer params; loaded in {load_s:.1f} s", flush=True)
+    print(f"data: {n} samples, {tokens} tokens ({lo}-{hi} per sample), {len(batches)} batches of <= {budget} "
+          f"padded tokens (padding efficiency {tokens / padded:.3f}); stored layers {cap.stored_layers}, "
+          f"{a.dtype}; writer threads {threads}; files under {out_root}", flush=True)
+
+    # warm-up: one batch of each pass (kernels, allocator, autotuning)
+    warm = batches[:1]
+    plain_forward(model, rows, warm)
+    capture_only(cap, rows, warm)
+    extract_write(cap, rows, warm, out_root / "warm", threads, a.pending_mb)
+
+    best = {"plain": float("inf"), "capture": float("inf"), "extract": float("inf")}
+    written, busy = 0, 0.0
+    for r in range(a.repeats):
+        best["plain"] = min(best["plain"], plain_forward(model, rows, batches))
+        best["capture"] = min(best["capture"], capture_only(cap, rows, batches))
+        s, written, busy_r = extract_write(cap, rows, batches, out_root / "run", threads, a.pending_mb)
+        if s < best["extract"]:
+            best["extract"], busy = s, busy_r
+        print(f"repeat {r + 1}: plain {best['plain']:.2f} s, capture {best['capture']:.2f} s, "
+              f"extract {s:.2f} s", flush=True)
+    files = sum(1 for _ in (out_root / "run").rglob("*.safetensors"))
+    if not a.keep:
+        shutil.rmtree(out_root, ignore_errors=True)
+
+    def row(label: str, secs: float, wrote: int | None) -> dict:
+        d = {"pass": label, "seconds": round(secs, 3), "tokens_per_s": round(tokens / secs, 1),
+             "ratio_vs_plain": round(best["plain"] / secs, 3)}
+        if gpu:
+            d["mfu"] = round(2 * params_layers * tokens / secs / a.peak_flops, 4)
+        if wrote is not None:
+            d["written_MB"] = round(wrote / 1e6, 1)
+            d["write_MB_per_s"] = round(wrote / secs / 1e6, 1)
+        return d
+
+    table = [row("plain forward", best["plain"], None), row("capture only", best["capture"], None),
+             row("extract + write", best["extract"], written)]
+    cols = ["pass", "seconds", "tokens_per_s", "ratio_vs_plain"] + (["mfu"] if gpu else []) + ["written_MB", "write_MB_per_s"]
+    print()
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for d in table:
+        print("| " + " | ".join(str(d.get(c, "")) for c in cols) + " |")
+    env = {"device": torch.cuda.get_device_name() if gpu else platform.processor() or platform.machine(),
+           "cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
+           "transformers": __import__("transformers").__version__, "files": files,
+           "writer_busy_s": round(busy, 2), "peak_flops": a.peak_flops if gpu else None,
+           "decoder_params": params_layers, "tokens": tokens, "batches": len(batches)}
+    print("\n" + json.dumps(env))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"table": table, "env": env}, indent=1))
+    ok = table[2]["ratio_vs_plain"] >= 0.9
+    print(f"extraction / plain forward = {table[2]['ratio_vs_plain']:.3f} (goal >= 0.9: {'met' if ok else 'NOT met'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
