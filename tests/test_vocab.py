@@ -425,3 +425,24 @@ def test_explorer_numbers_and_slider(tok):
     assert "draft vocab 4</b>" in out.value and "93.1034%" in out.value
     slider.value = 6
     assert "draft vocab 6</b>" in out.value and "100.0000%" in out.value and "lost 0 of 29" in out.value
+
+
+def test_boundary_fallback_and_unstable_template_rejected(embedded_target):
+    from transformers import AutoTokenizer
+
+    chatml = ("{%- for m in messages -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor -%}"
+              "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif -%}")
+    t = AutoTokenizer.from_pretrained(embedded_target.path)
+    # DeepSeek-R1-like: the generation prompt opens a think block that the rendered turn does not have;
+    # the boundary falls back to the common prefix (the history render is a prefix of the turn render)
+    t.chat_template = chatml
+    rows, rep = rows_of([sample()], ChatRenderer(t, {2}))
+    assert supervised_text(t, rows[0]) == "Hello!<|im_end|>" and rep.boundary_fallback_turns == 1
+    # a template whose history differs with and without the generation prompt: no boundary, rejected
+    t.chat_template = "{%- if add_generation_prompt -%}A{%- else -%}B{%- endif -%}" + chatml
+    with pytest.raises(VocabError, match=r"rejected \(template error / unstable boundary\): 1"):
+        rows_of([sample("bad")], ChatRenderer(t, {2}))
+    chunks, rep = tokenize_samples([sample("bad")], ChatRenderer(t, {2}), 4096)
+    with pytest.raises(VocabError):
+        list(chunks)
+    assert rep.failed_samples == 1 and rep.failed[0]["id"] == "bad" and "boundary unstable" in rep.failed[0]["reason"]

@@ -41,7 +41,6 @@ def _params(tmp_path, *sets):
 
 
 def test_run_end_to_end_and_resume(tmp_path):
-    import datasets
     from speculators.train.vocab_mapping import save_token_frequency_distribution
 
     rd = _run_dir(tmp_path)

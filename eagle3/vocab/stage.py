@@ -27,7 +27,7 @@ import numpy as np
 from eagle3.config import Params
 from eagle3.io import Progress, atomic_path, atomic_write_json, read_json, stage_dir, write_stats
 from eagle3.vocab.mapping import COMMON_SIZES, Coverage, cached_vocab_mapping, count_masked_tokens, default_cache_dir, validate_vocab_mapping
-from eagle3.vocab.render import ChatRenderer, TokenizeReport, VocabError, read_samples, stop_token_ids, tokenize_samples
+from eagle3.vocab.render import ChatRenderer, VocabError, read_samples, stop_token_ids, tokenize_samples
 
 __all__ = [
     "run",
