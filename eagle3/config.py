@@ -245,6 +245,10 @@ class EvaluateParams(_Section):
         None, description="evaluate this speculators-format drafter instead of the run's 04_train export"
     )
     vllm_timeout_s: float = Field(1800.0, gt=0, description="limit per vLLM measurement (engine start included)")
+    vllm_methods: list[Literal["eagle3", "ngram", "none"]] = Field(
+        default_factory=lambda: ["eagle3", "ngram", "none"],
+        description="vLLM measurements: the drafter, the n-gram baseline, no speculation (one engine each)",
+    )
 
 
 class Params(_Section):
