@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -163,7 +164,17 @@ class Progress:
         self.extra: dict = {}
         self.history: list[tuple[float, int, int]] = []
         self.bar = tqdm(total=total, initial=done, unit=f" {unit}", desc=desc or self.dir.name, dynamic_ncols=True)
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
         self._write("running", force=True)
+        # Heartbeat: keep progress.json fresh while a long unit of work (a generate batch, a
+        # forward pass) runs, so that `eagle3 status` can tell "busy" from "dead".
+        self._beat = threading.Thread(target=self._heartbeat, name="progress-heartbeat", daemon=True)
+        self._beat.start()
+
+    def _heartbeat(self) -> None:
+        while not self._closed.wait(max(self.interval_s, 1.0) * 2.5):
+            self._write("running", force=True)
 
     def update(self, n: int = 1, tokens: int = 0, **extra: Any) -> None:
         """Record ``n`` more finished units and ``tokens`` more tokens; ``extra`` goes in the file."""
@@ -209,13 +220,19 @@ class Progress:
         now = time.time()
         if not force and now - self._last < self.interval_s:
             return
-        self._last = now
-        self.history.append((now - self.t0, self.done, self.tokens))
-        atomic_write_json(self.path, self.snapshot(status))
+        with self._lock:
+            if self._closed.is_set() and status == "running":
+                return
+            self._last = now
+            self.history.append((now - self.t0, self.done, self.tokens))
+            atomic_write_json(self.path, self.snapshot(status))
 
     def close(self, status: str = "done") -> None:
         """Write the final state (``done`` or ``failed``) and close the bar."""
+        if self._closed.is_set():
+            return
         self._write(status, force=True)
+        self._closed.set()
         self.bar.close()
 
     def __enter__(self) -> "Progress":

@@ -60,3 +60,16 @@ def test_parse_stages():
     assert parse_stages("2,4-5") == [2, 4, 5]
     with pytest.raises(ValueError, match="stage 6 does not exist"):
         parse_stages("5-6")
+
+
+def test_progress_heartbeat_keeps_file_fresh_during_long_work(tmp_path):
+    prog = Progress(tmp_path, total=2, interval_s=0.2)
+    first = read_json(tmp_path / "progress.json")["updated"]
+    time.sleep(1.5)  # one long unit of work, no update() call
+    snap = read_json(tmp_path / "progress.json")
+    assert snap["updated"] > first and snap["status"] == "running" and snap["done"] == 0
+    prog.close()
+    closed = read_json(tmp_path / "progress.json")
+    time.sleep(1.0)
+    assert read_json(tmp_path / "progress.json") == closed  # nothing writes after close
+    assert closed["status"] == "done"
