@@ -1,0 +1,562 @@
+"""Stage 3 (extract hidden states) on the embedded SmolLM2 target: conventions, files, resume,
+bad input, data parallel, online mode and the vLLM adoption path.
+
+A module-scoped reference run (10 rendered chat conversations, bf16 storage, 4 rows per shard)
+is extracted once; the resume / data-parallel / adoption tests compare their files with it byte
+for byte.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _extract_fixtures import write_train_parquet  # noqa: E402
+
+from eagle3.config import load_params  # noqa: E402
+from eagle3.extract import (  # noqa: E402
+    ExtractError,
+    HiddenStateCapture,
+    HiddenStatesDataset,
+    NonFiniteError,
+    SampleWriter,
+    check_sample_file,
+    extract_batches,
+    load_rows,
+    online_samples,
+    plan_batches,
+    preflight,
+    resolve_layer_ids,
+    run,
+    verify,
+)
+from eagle3.io import prepare_run_dir, read_json  # noqa: E402
+
+N_ROWS = 10
+EXTRACT = {"token_budget": 384, "shard_size": 4, "dtype": "bfloat16"}
+
+
+def make_params(out: Path, name: str, **extract):
+    return load_params(None, {
+        "run": {"name": name, "output_dir": str(out)},
+        "tracking": {"mode": "disabled"},
+        "target": {"dtype": "float32", "device": "cpu"},
+        "vocab": {"max_seq_len": 512},
+        "extract": {**EXTRACT, **extract},
+    })
+
+
+def new_run(out: Path, name: str, tok, n: int = N_ROWS, extra_rows=(), **extract):
+    params = make_params(out, name, **extract)
+    rd = prepare_run_dir(params, out / name)
+    write_train_parquet(rd, tok, n=n, extra_rows=extra_rows)
+    return params, rd
+
+
+def assert_same_outputs(a: Path, b: Path) -> None:
+    """Identical manifest.jsonl and identical bytes in every sample file."""
+    ma = (a / "03_extract" / "manifest.jsonl").read_bytes()
+    assert ma == (b / "03_extract" / "manifest.jsonl").read_bytes()
+    for line in ma.decode().splitlines():
+        rel = json.loads(line)["file"]
+        assert (a / "03_extract" / rel).read_bytes() == (b / "03_extract" / rel).read_bytes(), rel
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """One intra-op thread for this module (restored after): small CPU forwards are several times
+    slower with 2 OpenMP threads when other processes compete for the 2 cores, and one thread keeps
+    the in-process runs and the subprocesses (torchrun sets OMP_NUM_THREADS=1) on the same kernels."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tok(embedded_target):
+    from eagle3.target import load_tokenizer
+
+    return load_tokenizer(embedded_target)
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory, tok):
+    """(params, run_dir, stats) of an uninterrupted single-process extraction."""
+    out = tmp_path_factory.mktemp("extract_ref")
+    params, rd = new_run(out, "ref", tok)
+    stats = run(params, rd)
+    return params, rd, stats
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure logic
+# ------------------------------------------------------------------------------------------------
+
+
+def test_layer_ids_default_and_bad_ids():
+    assert resolve_layer_ids(None, 30) == [2, 15, 27]
+    assert resolve_layer_ids([1, 29], 30) == [1, 29]
+    with pytest.raises(ExtractError, match=r"\[30\] out of range.*1 <= k < 30"):
+        resolve_layer_ids([2, 30], 30)
+    with pytest.raises(ExtractError, match=r"\[0\] out of range"):
+        resolve_layer_ids([0, 5], 30)
+    with pytest.raises(ExtractError, match=r"duplicated id\(s\) \[5\]"):
+        resolve_layer_ids([5, 5, 9], 30)
+    with pytest.raises(ExtractError, match="ascending"):
+        resolve_layer_ids([9, 5], 30)
+    with pytest.raises(ExtractError, match="at least one"):
+        resolve_layer_ids([], 30)
+
+
+def test_plan_batches_token_budget_longest_first():
+    # sorted by length desc: 1(9) 3(9) 0(5) 2(3) 4(1); budget 18 -> [1,3] (2x9), [0,2,4] (3x5)
+    assert plan_batches([5, 9, 3, 9, 1], 18) == [[1, 3], [0, 2, 4]]
+    # a sample longer than the budget gets a batch of its own
+    assert plan_batches([50, 2, 2], 10) == [[0], [1, 2]]
+    for b in plan_batches(list(range(1, 40)), 64):
+        lens = [i + 1 for i in b]
+        assert len(b) * max(lens) <= 64 or len(b) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Convention check on the embedded model
+# ------------------------------------------------------------------------------------------------
+
+
+def test_stored_slots_match_transformers_hidden_states(target_model, tok):
+    model, _ = target_model
+    from _extract_fixtures import conversations, tokenize
+
+    seqs = [tokenize(tok, c)[0][:L] for c, L in zip(conversations(3, seed=7), (48, 30, 41))]
+    n = model.config.num_hidden_layers
+    norm_calls = []
+    h_norm = model.model.norm.register_forward_hook(lambda *a: norm_calls.append(1))
+    cap = HiddenStateCapture(model, None, torch.float32)
+    try:
+        assert cap.stored_layers == [2, 15, 27, 30] and len(cap._handles) == 4
+        singles = []
+        for ids in seqs:
+            x = torch.tensor([ids])
+            got = cap.capture(x)[0]  # [seq, 4, 576]
+            assert got.shape == (len(ids), 4, 576)
+            assert not norm_calls, "the forward must stop after the last decoder layer"
+            with torch.inference_mode():
+                ref = model(input_ids=x, output_hidden_states=True, use_cache=False).hidden_states
+            for slot, k in enumerate([2, 15, 27]):
+                torch.testing.assert_close(got[:, slot], ref[k][0], rtol=0, atol=1e-5)
+            # last slot is layer N before the final norm: norm(last) == hidden_states[N] != last
+            with torch.inference_mode():
+                torch.testing.assert_close(model.model.norm(got[:, 3]), ref[n][0], rtol=0, atol=1e-4)
+            assert (got[:, 3] - ref[n][0]).abs().max() > 1.0
+            norm_calls.clear()  # the reference forward and the check above ran the norm, capture() must not
+            singles.append(got)
+        # a padded batch of three == one at a time (float32 tolerance)
+        lens = [len(s) for s in seqs]
+        x = torch.zeros(3, max(lens), dtype=torch.long)
+        mask = torch.zeros(3, max(lens), dtype=torch.long)
+        for j, s in enumerate(seqs):
+            x[j, : len(s)] = torch.tensor(s)
+            mask[j, : len(s)] = 1
+        batch = cap.capture(x, mask)
+        for j, s in enumerate(singles):  # other reduction shapes: float32 rounding only
+            torch.testing.assert_close(batch[j, : lens[j]], s, rtol=1e-3, atol=1e-3)
+        # bfloat16 storage is the float32 capture rounded once
+        cap16 = HiddenStateCapture(model, None, torch.bfloat16)
+        try:
+            assert torch.equal(cap16.capture(torch.tensor([seqs[0]]))[0], singles[0].to(torch.bfloat16))
+        finally:
+            cap16.close()
+    finally:
+        cap.close()
+        h_norm.remove()
+    # hooks removed: the model runs as before
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([seqs[0]]), use_cache=False)
+
+
+def test_layer_count_disagreeing_with_the_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                      num_key_value_heads=1, vocab_size=64)
+    model = LlamaForCausalLM(cfg).eval()
+    del model.model.layers[3]
+    with pytest.raises(ExtractError, match="num_hidden_layers = 4 but the model has 3 decoder layers"):
+        HiddenStateCapture(model, [1, 2], torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# The stage's files
+# ------------------------------------------------------------------------------------------------
+
+
+def test_run_writes_the_contract_files(ref):
+    params, rd, stats = ref
+    sd = rd / "03_extract"
+    rows = load_rows(rd)
+    meta = read_json(sd / "meta.json")
+    assert meta["aux_layer_ids"] == [2, 15, 27] and meta["stored_layers"] == [2, 15, 27, 30]
+    assert (meta["num_hidden_layers"], meta["hidden_size"], meta["dtype"]) == (30, 576, "bfloat16")
+    assert Path(meta["target"]).is_dir()
+    assert sorted(p.name for p in sd.glob("rows_*")) == ["rows_000000-000004", "rows_000004-000008",
+                                                         "rows_000008-000012"]
+    manifest = [json.loads(x) for x in (sd / "manifest.jsonl").read_text().splitlines()]
+    assert [e["row"] for e in manifest] == list(range(N_ROWS))
+    import hashlib
+
+    for e in manifest:
+        p = sd / e["file"]
+        assert e["file"] == f"rows_{e['row'] // 4 * 4:06d}-{e['row'] // 4 * 4 + 4:06d}/{e['row']:06d}.safetensors"
+        assert e["id"] == rows.ids[e["row"]] and e["num_tokens"] == rows.lengths[e["row"]]
+        assert e["bytes"] == p.stat().st_size and e["sha256"] == hashlib.sha256(p.read_bytes()).hexdigest()
+    # preflight: projected hidden bytes = sum(tokens) x (3 + 1) x 576 x 2, hand-checked against the parquet
+    import pyarrow.parquet as pq
+
+    tokens = sum(len(x) for x in pq.read_table(rd / "02_vocab" / "train.parquet")["input_ids"].to_pylist())
+    pf = read_json(sd / "preflight.json")
+    assert pf["tokens"] == tokens and pf["projected_hidden_bytes"] == tokens * 4 * 576 * 2
+    assert pf["fits"] and pf["free_bytes"] > 0 and pf["projected_seconds"] > 0
+    assert pf["calibration"]["tokens_per_s"] > 0
+    # the projection is within 1% of what was written
+    assert abs(stats["bytes"] / pf["projected_bytes"] - 1) < 0.01
+    assert stats["bytes"] == sum(e["bytes"] for e in manifest)
+    prog = read_json(sd / "progress.json")
+    assert prog["status"] == "done" and prog["done"] == prog["total"] == N_ROWS
+    assert prog["tokens"] == prog["total_tokens"] == tokens and prog["eta_s"] == 0.0
+    assert prog["tokens_per_s"] > 0 and prog["bytes_written"] == stats["bytes"] == prog["bytes_on_disk"]
+    assert prog["projected_bytes"] == pf["projected_bytes"]
+    assert stats["complete"] and stats["samples_extracted"] == N_ROWS and stats["tokens_per_s"] > 0
+    assert (sd / "timeline.jsonl").read_text().strip()
+    for fig in ("throughput", "bytes_per_token", "layer_norms"):
+        assert (sd / f"{fig}.png").stat().st_size > 1000
+    assert not list(sd.glob("manifest.part-*")) and not list(sd.rglob("*.tmp"))
+    # the dataset API
+    ds = HiddenStatesDataset(rd)
+    assert len(ds) == N_ROWS and ds.meta["stored_layers"] == [2, 15, 27, 30]
+    item = ds[3]
+    assert item["hidden_states"].shape == (rows.lengths[3], 4, 576) and item["hidden_states"].dtype == torch.bfloat16
+    assert item["token_ids"].dtype == torch.int64 and item["token_ids"].tolist() == rows.tokens(3).tolist()
+    assert item["loss_mask"].dtype == torch.int8 and item["loss_mask"].tolist() == rows.loss_mask(3).tolist()
+    assert bool(torch.isfinite(item["hidden_states"]).all())
+    # a finished stage is not redone
+    t0 = time.time()
+    assert run(params, rd)["finished_at"] == stats["finished_at"] and time.time() - t0 < 5
+
+
+def test_online_samples_equal_the_stored_ones(ref):
+    params, rd, _ = ref
+    ds = HiddenStatesDataset(rd)
+    got = list(online_samples(params, rd, rows=[4, 1, 7]))
+    assert len(got) == 3
+    for r, item in zip([4, 1, 7], got):
+        stored = ds[r]
+        assert set(item) == set(stored)
+        assert torch.equal(item["token_ids"], stored["token_ids"]) and torch.equal(item["loss_mask"], stored["loss_mask"])
+        assert item["hidden_states"].dtype == torch.bfloat16
+        # other batch shapes than the stored run: equal up to bfloat16 rounding
+        torch.testing.assert_close(item["hidden_states"].float(), stored["hidden_states"].float(), rtol=2e-2, atol=2e-2)
+
+
+def test_verify_finds_a_flipped_byte(ref, tmp_path):
+    _, rd, _ = ref
+    dst = tmp_path / "copy"
+    shutil.copytree(rd, dst)
+    assert verify(dst)["problems"] == []
+    f = dst / "03_extract" / "rows_000000-000004" / "000002.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x40  # inside the hidden-state data: the header stays valid
+    f.write_bytes(bytes(data))
+    rep = verify(dst)
+    assert [(p["row"], p["problem"]) for p in rep["problems"]] == [(2, "sha256 differs from the manifest")]
+    with pytest.raises(ExtractError, match=r"row 2 .*sha256"):
+        verify(dst, raise_on_problem=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Resume
+# ------------------------------------------------------------------------------------------------
+
+
+def _unfinish(rd: Path) -> None:
+    """Make a finished folder look like an interrupted one: no stats, no manifest."""
+    sd = rd / "03_extract"
+    (sd / "stats.json").unlink()
+    lines = (sd / "manifest.jsonl").read_text()
+    (sd / "manifest.jsonl").unlink()
+    (sd / "manifest.part-000.jsonl").write_text(lines)
+
+
+def test_resume_redoes_truncated_corrupt_and_wrong_shape_files(ref, tmp_path):
+    from safetensors.torch import save_file
+
+    params, rd, _ = ref
+    dst = tmp_path / "ref"
+    shutil.copytree(rd, dst)
+    _unfinish(dst)
+    sd = dst / "03_extract"
+    f = {r: sd / f"rows_{r // 4 * 4:06d}-{r // 4 * 4 + 4:06d}/{r:06d}.safetensors" for r in range(N_ROWS)}
+    data = f[1].read_bytes()
+    f[1].write_bytes(data[: len(data) - 1000])  # truncated
+    f[5].write_bytes(b"\xff" * 8 + f[5].read_bytes()[8:])  # unreadable header
+    good = HiddenStatesDataset(rd)[8]
+    save_file({**good, "hidden_states": good["hidden_states"][:, :3].contiguous()}, str(f[8]))  # wrong shape
+    f[9].unlink()  # missing
+    (sd / "rows_000000-000004" / ".000003.safetensors.abc.tmp").write_bytes(b"partial")  # killed writer
+    stats = run(params, dst)
+    assert stats["files_redone"] == 3 and stats["samples_extracted"] == 4 and stats["samples_skipped"] == 6
+    assert_same_outputs(rd, dst)
+    assert not list(sd.rglob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_sigkill_at_a_random_point_then_resume_is_identical(ref, tmp_path, tok):
+    params, rd, _ = ref
+    p2, rd2 = new_run(tmp_path, "killed", tok)
+    seed = int.from_bytes(os.urandom(2), "little")
+    rng = random.Random(seed)
+    k, extra_sleep = rng.randint(1, N_ROWS // 2), rng.uniform(0.0, 0.4)
+    journal = rd2 / "03_extract" / "manifest.part-000.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3.extract", str(rd2 / "params.yaml"), "--run-dir", str(rd2)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and proc.poll() is None:
+            if journal.exists() and len(journal.read_text().splitlines()) >= k:
+                break
+            time.sleep(0.02)
+        time.sleep(extra_sleep)
+        assert proc.poll() is None, f"the run finished before the kill (seed {seed})"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not (rd2 / "03_extract" / "stats.json").exists()
+    n_before = len(list((rd2 / "03_extract").glob("rows_*/*.safetensors")))
+    assert 0 < n_before < N_ROWS, (seed, n_before)
+    stats = run(p2, rd2)
+    assert stats["samples_skipped"] >= 1, seed
+    assert_same_outputs(rd, rd2)
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------------
+
+
+def test_bad_aux_ids_fail_before_loading_the_model(tmp_path, tok):
+    params, rd = new_run(tmp_path, "aux", tok, n=2, aux_layer_ids=[2, 31])
+    with pytest.raises(ExtractError, match=r"\[31\] out of range for a target with num_hidden_layers N = 30"):
+        run(params, rd)
+    params, rd = new_run(tmp_path, "dup", tok, n=2, aux_layer_ids=[4, 4, 20])
+    with pytest.raises(ExtractError, match=r"duplicated id\(s\) \[4\]"):
+        run(params, rd)
+    assert not list((rd / "03_extract").glob("rows_*"))
+
+
+def test_row_longer_than_max_seq_len(tmp_path, tok):
+    params, rd = new_run(tmp_path, "long", tok, n=2, extra_rows=[("too-long", [5] * 600, [1] * 600)])
+    with pytest.raises(ExtractError, match=r"row 2 \(id too-long\) has 600 tokens, more than vocab.max_seq_len = 512"):
+        run(params, rd)
+
+
+def test_meta_of_another_model_is_refused(ref, tmp_path):
+    params, rd, _ = ref
+    dst = tmp_path / "ref"
+    shutil.copytree(rd, dst)
+    _unfinish(dst)
+    meta = read_json(dst / "03_extract" / "meta.json")
+    meta.update(hidden_size=4096, num_hidden_layers=32)
+    (dst / "03_extract" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ExtractError, match=r"num_hidden_layers: 32 .* 30 now(.|\n)*hidden_size: 4096 .* 576 now(.|\n)*disagrees"):
+        run(params, dst)
+    assert len(list((dst / "03_extract").glob("rows_*/*.safetensors"))) == N_ROWS  # nothing lost
+
+
+def test_foreign_file_in_the_output_dir(ref, tmp_path):
+    params, rd, _ = ref
+    dst = tmp_path / "ref"
+    shutil.copytree(rd, dst)
+    _unfinish(dst)
+    junk = dst / "03_extract" / "rows_000004-000008" / "notes.txt"
+    junk.write_text("mine")
+    with pytest.raises(ExtractError, match=r"not written by Stage 3(.|\n)*notes.txt"):
+        run(params, dst)
+    assert junk.read_text() == "mine"
+    assert len(list((dst / "03_extract").glob("rows_*/*.safetensors"))) == N_ROWS
+
+
+def test_preflight_refuses_when_the_projection_does_not_fit(tmp_path, tok):
+    params, rd = new_run(tmp_path, "nodisk", tok, n=3, disk_margin=1e12)
+    pf = preflight(params, rd)
+    assert not pf["fits"] and pf["required_free_bytes"] == int(pf["todo_bytes"] * 1e12)
+    with pytest.raises(ExtractError) as ei:
+        run(params, rd)
+    msg = str(ei.value)
+    for part in ("not enough free disk", "4 layers x 576 hidden x 2 bytes = 4608 bytes", "free:", "vocab.max_seq_len",
+                 "train.online: true", "fewer samples"):
+        assert part in msg, part
+    assert read_json(rd / "03_extract" / "preflight.json")["fits"] is False
+    assert not list((rd / "03_extract").glob("rows_*"))
+
+
+def test_full_disk_is_a_clean_error_and_resumable(ref, tmp_path, tok):
+    _, rd_ref, _ = ref
+    params, rd = new_run(tmp_path, "full", tok)
+    calls = {"n": 0}
+
+    def disk_fills_up(tmp: Path, data: bytes) -> None:
+        calls["n"] += 1
+        with open(tmp, "wb") as f:
+            if calls["n"] > 3:
+                f.write(data[: len(data) // 2])
+                raise OSError(errno.ENOSPC, "No space left on device")
+            f.write(data)
+
+    with pytest.raises(ExtractError, match=r"disk full while writing .*\.safetensors(.|\n)*re-run to resume"):
+        run(params, rd, write_fn=disk_fills_up)
+    sd = rd / "03_extract"
+    assert read_json(sd / "progress.json")["status"] == "failed"
+    assert not list(sd.rglob("*.tmp")), "partial files must be removed"
+    files = sorted(sd.glob("rows_*/*.safetensors"))
+    assert 3 <= len(files) < N_ROWS
+    rows = load_rows(rd)
+    journal = [json.loads(x) for x in (sd / "manifest.part-000.jsonl").read_text().splitlines()]
+    assert len(journal) == len(files)
+    for e in journal:
+        assert check_sample_file(sd / e["file"], rows.tokens(e["row"]), 4, 576, torch.bfloat16) is None
+    stats = run(params, rd)
+    assert stats["samples_skipped"] == len(files)
+    assert_same_outputs(rd_ref, rd)
+
+
+def test_nan_sample_stops_the_run_naming_it(target_model, tmp_path, tok):
+    model, _ = target_model
+    params, rd = new_run(tmp_path, "nan", tok, n=4, extra_rows=[("poisoned", [1, 48000, 3, 4, 5], [0, 1, 1, 1, 1])])
+    rows = load_rows(rd)
+    assert sum(int((rows.tokens(r) == 48000).sum()) for r in range(len(rows))) == 1
+    emb = model.model.embed_tokens.weight
+    saved = emb[48000].clone()
+    (rd / "03_extract").mkdir()
+    cap = HiddenStateCapture(model, None, torch.bfloat16)
+    writer = SampleWriter(rd / "03_extract", rd / "03_extract" / "j.jsonl", cap.stored_layers)
+    try:
+        with torch.no_grad():
+            emb[48000] = float("nan")
+        with pytest.raises(NonFiniteError, match=r"sample id poisoned \(row 4\): layer id 2 \(slot 0\), token 1"):
+            extract_batches(cap, rows, plan_batches(rows.lengths, 384), writer, shard_size=4)
+    finally:
+        with torch.no_grad():
+            emb[48000] = saved
+        cap.close()
+    written = {p.name for p in (rd / "03_extract").glob("rows_*/*.safetensors")}
+    assert "000004.safetensors" not in written
+
+
+# ------------------------------------------------------------------------------------------------
+# Data parallel
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_torchrun_two_cpu_processes_write_the_same_files(ref, tmp_path, tok):
+    _, rd_ref, _ = ref
+    params, rd = new_run(tmp_path, "dp", tok, data_parallel=2)
+    stats = run(params, rd)  # launches torchrun --nproc-per-node 2 -m eagle3.extract
+    assert stats["world_size"] == 2 and stats["samples_extracted"] == N_ROWS
+    assert_same_outputs(rd_ref, rd)
+    assert not list((rd / "03_extract").glob(".rank*"))
+
+
+# ------------------------------------------------------------------------------------------------
+# vLLM backend: what runs without a GPU
+# ------------------------------------------------------------------------------------------------
+
+
+def test_vllm_launch_configs_match_speculators(ref):
+    import argparse
+
+    from hs_connectors.transfer import FileBackend
+
+    from eagle3.extract.vllm_backend import serve_command
+
+    params, rd, _ = ref
+    cmd = serve_command(params, rd, port=8123)
+    assert cmd[:2] == ["vllm", "serve"] and Path(cmd[2]).is_dir()
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and cmd[cmd.index("--port") + 1] == "8123"
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec == {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                    "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27, 30]}}}
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    staging = str(rd / "03_extract" / "vllm_staging")
+    assert kv == FileBackend.build_kv_transfer_config(argparse.Namespace(hidden_states_path=staging))
+
+
+def test_vllm_input_is_what_the_speculators_client_reads(ref, tmp_path):
+    import datasets
+    from speculators.train.data import build_client_item
+
+    from eagle3.extract.vllm_backend import write_vllm_input
+
+    _, rd, _ = ref
+    rows = load_rows(rd)
+    out = write_vllm_input(rows, [3, 1], tmp_path / "vllm_input")
+    ds = datasets.load_from_disk(str(out))
+    assert build_client_item(ds[0]) == {"input_ids": rows.tokens(3).tolist()}
+    assert build_client_item(ds[1]) == {"input_ids": rows.tokens(1).tolist()}
+    assert ds.with_format(None)["row"] == [3, 1]
+
+
+def test_adopting_vllm_files_gives_the_transformers_layout(ref, tmp_path, tok):
+    from safetensors.torch import save_file
+
+    from eagle3.extract.vllm_backend import adopt_vllm_outputs
+
+    params_ref, rd_ref, _ = ref
+    params, rd = new_run(tmp_path, "adopt", tok, backend="vllm")
+    ds = HiddenStatesDataset(rd_ref)
+    raw = rd / "03_extract" / "vllm_raw"
+    raw.mkdir(parents=True)
+    row_map = list(reversed(range(N_ROWS)))  # hs_i is row N-1-i, as a client input of todo rows would be
+    for i, r in enumerate(row_map):  # what ExampleHiddenStatesConnector writes: hidden_states + token_ids
+        item = ds[r]
+        tokens = item["token_ids"].clone()
+        if r == 0:
+            tokens[1] += 1  # a mismatching file: rejected, row 0 stays missing
+        save_file({"hidden_states": item["hidden_states"], "token_ids": tokens}, str(raw / f"hs_{i}.safetensors"))
+    (raw / "hs_99.safetensors").write_bytes(b"not a safetensors file")
+    out = adopt_vllm_outputs(params, rd, row_map=row_map)
+    assert out["adopted"] == N_ROWS - 1 and out["missing"] == [0] and out["stats"] is None
+    problems = sorted(p["problem"] for p in out["problems"])
+    assert problems[0].startswith("index 99 not in the input") and "token_ids differ from row 0" in problems[1]
+    assert sorted(p.name for p in raw.iterdir()) == ["hs_99.safetensors"]  # adopted raw files are deleted
+    (raw / "hs_99.safetensors").unlink()
+    item = ds[0]  # the retried row, in float32 as a float32 vLLM engine would write it
+    save_file({"hidden_states": item["hidden_states"].float(), "token_ids": item["token_ids"]},
+              str(raw / f"hs_{N_ROWS - 1}.safetensors"))
+    out = adopt_vllm_outputs(params, rd, row_map=row_map)
+    assert out["adopted"] == 1 and out["missing"] == [] and out["stats"]["complete"]
+    assert out["stats"]["backend"] == "vllm"
+    assert_same_outputs(rd_ref, rd)
+
+
+def test_vllm_backend_on_cpu_refuses_clearly(tmp_path, tok):
+    params, rd = new_run(tmp_path, "vcpu", tok, n=2, backend="vllm")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(ExtractError, match="needs a GPU(.|\n)*backend: transformers on CPU"):
+        run(params, rd)
