@@ -65,7 +65,7 @@ def test_parse_stages():
 def test_progress_heartbeat_keeps_file_fresh_during_long_work(tmp_path):
     prog = Progress(tmp_path, total=2, interval_s=0.2)
     first = read_json(tmp_path / "progress.json")["updated"]
-    time.sleep(1.5)  # one long unit of work, no update() call
+    time.sleep(3.0)  # one long unit of work (longer than the 2.5 s heartbeat), no update() call
     snap = read_json(tmp_path / "progress.json")
     assert snap["updated"] > first and snap["status"] == "running" and snap["done"] == 0
     prog.close()
