@@ -722,21 +722,12 @@ def _train_ids(run_dir: Path) -> set[str]:
 
 
 def _other_prompt_set(source) -> list[dict]:
-    """Records ``{"id", "source", "messages"}`` of ``evaluate.prompts`` through Stage 1's loader."""
-    try:
-        from eagle3 import prompts as prompts_mod
-    except ImportError as exc:
-        raise EvaluateError(f"evaluate.prompts needs eagle3.prompts (stage 1): {exc}") from None
-    loader = getattr(prompts_mod, "load_source", None) or getattr(prompts_mod, "load_prompts", None)
-    if loader is None:
-        raise EvaluateError("eagle3.prompts has no load_source/load_prompts function")
-    out = []
-    for i, rec in enumerate(loader(source)):
-        rec = rec if isinstance(rec, dict) else dict(rec)
-        msgs = rec.get("messages") or [{"role": "user", "content": rec.get("prompt", "")}]
-        out.append({"id": str(rec.get("id", f"p{i:06d}")), "source": rec.get("source") or source.label or source.name,
-                    "messages": msgs, "prompt_hash": rec.get("prompt_hash")})
-    return out
+    """Records ``{"id", "source", "messages", "prompt_hash"}`` of ``evaluate.prompts`` (Stage 1's loader;
+    the first system/user turn group of each prompt)."""
+    from eagle3.prompts import load_source
+
+    return [{"id": p.id, "source": p.source, "messages": p.first_messages(), "prompt_hash": p.prompt_hash}
+            for p in load_source(source, dedup=True)]
 
 
 def heldout_prompts(params, run_dir: str | Path, tokenizer) -> tuple[list[dict], dict]:
@@ -1345,7 +1336,7 @@ def run(params, run_dir: str | Path) -> dict:
     drafter_key = _key([_file_sha(drafter_dir / "model.safetensors"), _read_config(drafter_dir)])
     prompts_key = _key([[p["id"], p["prompt_ids"]] for p in prompts])
     t_dtype = str(model.dtype).replace("torch.", "")
-    units = (len(prompts) if "offline" in ev.backends else 0) + (3 if "vllm" in ev.backends else 0)
+    units = (len(prompts) if "offline" in ev.backends else 0) + (len(ev.vllm_methods) if "vllm" in ev.backends else 0)
     backends: dict[str, dict] = {}
     offline_recs: list[dict] | None = None
     vllm_results: dict[str, dict] = {}
@@ -1363,7 +1354,7 @@ def run(params, run_dir: str | Path) -> dict:
         if "vllm" in ev.backends:
             logs = sd / "logs"
             logs.mkdir(exist_ok=True)
-            for method in ("eagle3", "ngram", "none"):
+            for method in ev.vllm_methods:
                 job = {"target": str(resolved.path), "dtype": params.target.dtype if params.target.dtype != "auto" else "auto",
                        "max_model_len": params.target.max_model_len, "seed": params.run.seed, "method": method,
                        "drafter": str(drafter_dir) if method == "eagle3" else None, "k": k,

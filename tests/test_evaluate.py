@@ -1,0 +1,297 @@
+"""Stage 5: acceptance metrics, speculative sampling, lossless offline EAGLE-3 decoding, held-out
+prompts, the train/serve diagnosis, and (slow) the stage end to end through vLLM with its parity check."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from _evaluate_fixtures import AUX_IDS, EVAL_QUESTIONS, TRAIN_QUESTIONS, greedy, make_drafter, render
+from eagle3.evaluate import (
+    DrafterSettings,
+    ParityError,
+    acceptance_metrics,
+    context_bucket,
+    diagnose,
+    evaluate_offline,
+    heldout_prompts,
+    load_drafter,
+    parity_check,
+    speculative_accept,
+    speculative_generate,
+    summarize_rounds,
+    vllm_serve_command,
+)
+
+# ------------------------------------------------------------------------------------- metrics
+
+
+def test_tau_on_a_logged_example():
+    """k=4, rounds accepting 2, 0, 4 -> tau = 1 + 6/3 = 3.0 (hand-computed)."""
+    m = acceptance_metrics([2, 0, 4], k=4)
+    assert m["tau"] == pytest.approx(3.0)
+    assert m["rounds"] == 3 and m["accepted_tokens"] == 6 and m["draft_tokens"] == 12
+    assert m["draft_acceptance_rate"] == pytest.approx(0.5)
+    # position 1: 2 of 3 rounds; position 2: of the 2 rounds past 1, both; 3: 1 of 2; 4: 1 of 1
+    assert m["per_position_conditional"] == pytest.approx([2 / 3, 1.0, 0.5, 1.0])
+    assert m["per_position_unconditional"] == pytest.approx([2 / 3, 2 / 3, 1 / 3, 1 / 3])
+    assert m["tokens_per_forward"] == pytest.approx(3.0)
+
+
+def test_tokens_per_forward_counts_rounds_without_drafts():
+    # n-gram style: 5 verification steps, 2 of them without any draft (1 token each)
+    m = acceptance_metrics([2, 0, 1], k=3, drafted=[3, 2, 1], verification_steps=5)
+    assert m["tau"] == pytest.approx(2.0)
+    assert m["tokens_per_forward"] == pytest.approx((5 + 3) / 5)
+    # position 2 was drafted in 2 rounds; only the first had position 1 accepted
+    assert m["per_position_conditional"] == pytest.approx([2 / 3, 1.0, 0.0])
+    with pytest.raises(ValueError):
+        acceptance_metrics([3], k=2)
+
+
+def test_summary_by_source_and_context_bucket():
+    recs = [{"source": "a", "rounds": [[100, 3, 3], [104, 3, 1]]},
+            {"source": "b", "rounds": [[300, 3, 0]]}]
+    s = summarize_rounds(recs, 3)
+    assert s["overall"]["tau"] == pytest.approx(1 + 4 / 3)
+    assert s["by_source"]["a"]["tau"] == pytest.approx(3.0) and s["by_source"]["b"]["tau"] == 1.0
+    assert list(s["by_context"]) == ["64-127", "256-511"]
+    assert s["by_context"]["64-127"]["tau"] == pytest.approx(3.0)
+    assert s["accepted_histogram"] == [1, 1, 0, 1]
+    assert context_bucket(5) == "0-63" and context_bucket(70000) == "65536-131071"
+
+
+def test_parity_check_and_serve_command():
+    assert parity_check(2.0, 1.8, 0.15) == (True, pytest.approx(0.1))
+    assert parity_check(2.0, 1.5, 0.15)[0] is False
+    cmd = vllm_serve_command("org/model", "/d/drafter", 3)
+    assert cmd == ("vllm serve org/model --speculative-config "
+                   "'{\"method\": \"eagle3\", \"model\": \"/d/drafter\", \"num_speculative_tokens\": 3}'")
+
+
+def _tv(samples: list[int], p: torch.Tensor) -> float:
+    emp = torch.bincount(torch.tensor(samples), minlength=p.numel()).double() / len(samples)
+    return 0.5 * float((emp - p.double()).abs().sum())
+
+
+def test_rejection_sampling_preserves_the_target_distribution():
+    """Emitted tokens follow the target, whatever the draft distribution (Leviathan et al. Thm 3.5)."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.5, 0.2, 0.1, 0.1, 0.1, 0.0],
+                      [0.05, 0.05, 0.6, 0.1, 0.1, 0.1],
+                      [0.2, 0.2, 0.2, 0.2, 0.1, 0.1]])
+    q = torch.tensor([[0.1, 0.1, 0.1, 0.1, 0.1, 0.5],  # far from p: many rejections
+                      [0.05, 0.05, 0.5, 0.2, 0.1, 0.1]])
+    first, second, naive = [], [], []
+    n = 20000
+    for _ in range(n):
+        d = torch.stack([torch.multinomial(q[i], 1, generator=g)[0] for i in range(2)])
+        a, nxt = speculative_accept(p, q, d, g)
+        emitted = [int(x) for x in d[:a]] + [nxt]
+        first.append(emitted[0])
+        if len(emitted) > 1:
+            second.append(emitted[1])
+        naive.append(int(d[0]))  # "always accept": distributed as q
+    assert _tv(first, p[0]) < 0.02
+    assert _tv(second, p[1]) < 0.03 and len(second) > 1000
+    assert _tv(naive, p[0]) > 0.3  # the bound separates a wrong rule
+
+
+# ------------------------------------------------------------------------------------- offline
+
+
+@pytest.fixture(scope="module")
+def random_drafter(embedded_target, target_model, tmp_path_factory):
+    model, tok = target_model
+    return make_drafter(embedded_target.path, tmp_path_factory.mktemp("rd") / "drafter", model, tok)
+
+
+def test_saved_drafter_is_speculators_format(random_drafter, embedded_target):
+    cfg = json.loads((random_drafter / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == AUX_IDS
+    assert cfg["draft_vocab_size"] == 2048 and cfg["norm_before_residual"] is True
+    assert diagnose(random_drafter, embedded_target.path) == []
+
+
+def test_lossless_greedy_with_random_drafter(random_drafter, target_model):
+    """Temperature 0: the speculative output is the target's own greedy output, token for token."""
+    model, tok = target_model
+    dm = load_drafter(random_drafter, model)
+    ids = render(tok, EVAL_QUESTIONS[0])
+    r = speculative_generate(model, dm, ids, 3, 12, AUX_IDS, stop_ids=[model.config.eos_token_id])
+    assert r["tokens"] == greedy(model, ids, 12)
+    assert all(rd[1] == 3 for rd in r["rounds"]) and r["rounds"][0][0] == len(ids) + 1
+    assert r["target_forwards"] == r["verification_steps"] + 1
+
+
+@pytest.fixture(scope="module")
+def fitted_drafter(embedded_target, target_model, tmp_path_factory):
+    """A drafter fitted for a few dozen TTT steps on the target's own states (accepts drafts)."""
+    model, tok = target_model
+    return make_drafter(embedded_target.path, tmp_path_factory.mktemp("fd") / "drafter", model, tok,
+                        train_steps=40, gen_tokens=40)
+
+
+def _eval_prompts(tok, n=2):
+    return [{"id": f"e{i}", "source": "test", "prompt_ids": render(tok, q),
+             "messages": [{"role": "user", "content": q}]} for i, q in enumerate(EVAL_QUESTIONS[:n])]
+
+
+@pytest.mark.slow
+def test_lossless_with_accepting_drafter_and_resume(fitted_drafter, target_model, tmp_path):
+    model, tok = target_model
+    dm = load_drafter(fitted_drafter, model)
+    prompts = _eval_prompts(tok)
+    out = tmp_path / "records.jsonl"
+    recs = evaluate_offline(model, tok, dm, prompts, 3, 24, AUX_IDS, out_file=out, key="k1")
+    assert sum(r[2] for rec in recs for r in rec["rounds"]) > 0, "the fitted drafter should accept some drafts"
+    for p, rec in zip(prompts, recs):
+        assert rec["tokens"] == greedy(model, p["prompt_ids"], 24)
+    # resume: the file is reused (a torn tail is dropped), nothing recomputed
+    with open(out, "a") as f:
+        f.write('{"key": "k1", "id": "e9", "tok')
+    again = evaluate_offline(model, tok, dm, prompts[:1], 3, 24, AUX_IDS, out_file=out, key="k1")
+    assert again[0]["rounds"] == recs[0]["rounds"] and again[0]["time_s"] == recs[0]["time_s"]
+    assert len(out.read_text().splitlines()) == 2
+
+
+# ------------------------------------------------------------------------------------- diagnosis
+
+
+def _copy(src: Path, dst: Path, **cfg_changes) -> Path:
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for k, v in cfg_changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_diagnosis_names_planted_mismatches(random_drafter, embedded_target, tmp_path):
+    trained = DrafterSettings(aux_layer_ids=AUX_IDS, norm_before_residual=True, source="03_extract/meta.json")
+    assert diagnose(random_drafter, embedded_target.path, reference=trained) == []
+    moved = _copy(random_drafter, tmp_path / "ids", eagle_aux_hidden_state_layer_ids=[4, 18, 29])
+    probs = diagnose(moved, embedded_target.path, reference=trained)
+    assert probs and probs[0].startswith("layer ids:") and "[4, 18, 29]" in probs[0] and "[2, 15, 27]" in probs[0]
+    unsorted = _copy(random_drafter, tmp_path / "order", eagle_aux_hidden_state_layer_ids=[27, 2, 15])
+    assert any("not ascending" in p for p in diagnose(unsorted, embedded_target.path))
+    noflag = _copy(random_drafter, tmp_path / "flag", norm_before_residual=None)
+    assert any(p.startswith("norm flags: norm_before_residual is not written") for p in diagnose(noflag, embedded_target.path))
+    wrongflag = _copy(random_drafter, tmp_path / "flag2", norm_before_residual=False)
+    assert any(p.startswith("norm flags: config.json has norm_before_residual=False")
+               for p in diagnose(wrongflag, embedded_target.path, reference=trained))
+    # vocab mapping: shift one d2t entry so that two draft ids map to the same target id
+    from safetensors.torch import load_file, save_file
+
+    bad = _copy(random_drafter, tmp_path / "vocab")
+    sd = load_file(str(bad / "model.safetensors"))
+    sd["d2t"][5] = sd["d2t"][5] - 1 + (sd["d2t"][4] - sd["d2t"][5])
+    save_file(sd, str(bad / "model.safetensors"))
+    assert any(p.startswith("vocab mapping:") for p in diagnose(bad, embedded_target.path))
+
+
+def test_parity_error_message_carries_the_diagnosis():
+    err = ParityError("parity check failed", ["layer ids: config.json lists [4] but ..."])
+    assert err.diagnosis == ["layer ids: config.json lists [4] but ..."]
+    assert "- layer ids:" in str(err)
+
+
+# ------------------------------------------------------------------------------------- prompts
+
+
+def _write_run(tmp_params, questions_heldout, questions_train, extra_yaml=""):
+    from eagle3.config import load_params
+    from eagle3.io import prepare_run_dir
+    from eagle3.paths import resolve_run_dir
+
+    params = load_params(tmp_params("target:\n  model: embedded:smollm2-135m\n  dtype: float32\n  device: cpu\n"
+                                    "  max_model_len: 1024\n" + extra_yaml))
+    run_dir = prepare_run_dir(params, resolve_run_dir(params))
+    lines = []
+    for split, qs in (("heldout", questions_heldout), ("train", questions_train)):
+        for i, q in enumerate(qs):
+            lines.append({"id": f"{split}-{i}", "source": "human-eval" if i % 2 else "mine", "split": split,
+                          "prompt_hash": f"h-{q}", "messages": [{"role": "user", "content": q},
+                                                                {"role": "assistant", "content": "x"}],
+                          "finish_reasons": ["stop"], "prompt_tokens": 1, "completion_tokens": 1, "settings": {}})
+    d = run_dir / "01_synthesize"
+    d.mkdir(parents=True)
+    (d / "samples.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return params, run_dir
+
+
+def test_heldout_prompts_never_include_training_prompts(tmp_params, target_model):
+    model, tok = target_model
+    leak = TRAIN_QUESTIONS[0]
+    params, run_dir = _write_run(tmp_params, [EVAL_QUESTIONS[0], leak, EVAL_QUESTIONS[1]], TRAIN_QUESTIONS[:3])
+    prompts, info = heldout_prompts(params, run_dir, tok)
+    assert [p["messages"][0]["content"] for p in prompts] == [EVAL_QUESTIONS[0], EVAL_QUESTIONS[1]]
+    assert info["excluded_training"] == 1 and info["count"] == 2
+    assert prompts[0]["prompt_ids"] == render(tok, EVAL_QUESTIONS[0])
+    assert prompts[0]["messages"] == [{"role": "user", "content": EVAL_QUESTIONS[0]}]  # no assistant turn
+    text = tok.decode(prompts[0]["prompt_ids"])
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+# ------------------------------------------------------------------------------------- stage + vLLM
+
+
+def _stage_run_dir(tmp_params, drafter: Path, k_cfg=None):
+    params, run_dir = _write_run(
+        tmp_params, EVAL_QUESTIONS[:2], TRAIN_QUESTIONS,
+        "evaluate:\n  num_speculative_tokens: 3\n  max_new_tokens: 24\n  parity_tolerance: 0.15\n"
+        "  vllm_methods: [eagle3]\n")
+    (run_dir / "03_extract").mkdir()
+    (run_dir / "03_extract" / "meta.json").write_text(json.dumps({"aux_layer_ids": AUX_IDS, "num_hidden_layers": 30}))
+    dst = run_dir / "04_train" / "drafter"
+    shutil.copytree(drafter, dst)
+    if k_cfg:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg.update(k_cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    (run_dir / "04_train" / "stats.json").write_text(json.dumps({"drafter_dir": str(dst), "complete": True}))
+    return params, run_dir
+
+
+@pytest.mark.slow
+def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_params):
+    from eagle3.evaluate import run
+
+    params, run_dir = _stage_run_dir(tmp_params, fitted_drafter)
+    stats = run(params, run_dir)
+    sd = run_dir / "05_evaluate"
+    res = json.loads((sd / "results.json").read_text())
+    v = res["backends"]["vllm/eagle3"]
+    c = v["counters"]
+    assert c["vllm:spec_decode_num_drafts"] > 0
+    assert c["vllm:spec_decode_num_draft_tokens"] == 3 * c["vllm:spec_decode_num_drafts"]
+    assert len(c["per_pos"]) == 3 and c["vllm:spec_decode_num_accepted_tokens"] == sum(c["per_pos"])
+    assert v["per_request_check"] == {"drafts": v["rounds"], "accepted": v["accepted_tokens"]}
+    assert stats["parity_ok"] is True and stats["tau_offline"] > 1.2
+    assert abs(stats["tau_offline"] - stats["tau_vllm"]) / stats["tau_offline"] <= 0.15
+    assert res["diagnosis"] == []
+    assert stats["vllm_serve_command"].startswith("vllm serve ") and "eagle3" in stats["vllm_serve_command"]
+    for key in ("tau_offline", "tau_vllm", "tokens_per_forward_vllm", "tau_ngram", "tokens_per_forward_ngram", "parity_ok"):
+        assert key in stats
+    assert json.loads((sd / "stats.json").read_text())["complete"] is True
+    assert (sd / "per_position.png").exists()
+
+
+@pytest.mark.slow
+def test_stage_parity_fails_on_layer_ids_changed_after_training(fitted_drafter, tmp_params):
+    from eagle3.evaluate import run
+
+    params, run_dir = _stage_run_dir(tmp_params, fitted_drafter, {"eagle_aux_hidden_state_layer_ids": [4, 18, 29]})
+    with pytest.raises(ParityError) as ei:
+        run(params, run_dir)
+    assert ei.value.diagnosis[0].startswith("layer ids: config.json lists [4, 18, 29] but the drafter was trained on [2, 15, 27]")
+    st = json.loads((run_dir / "05_evaluate" / "stats.json").read_text())
+    assert st["parity_ok"] is False and st["complete"] is False
