@@ -49,6 +49,7 @@ generation). Prompts longer than the context (``target.max_model_len``) are skip
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import json
 import logging
@@ -503,8 +504,10 @@ class ServerBackend:
 class SampleStore:
     """Append-only ``samples.jsonl`` with crash recovery.
 
-    On open: a last line without its newline (a write torn by a crash) is cut off (``torn_lines``);
-    every complete line must be JSON with an ``id`` (else :class:`SynthesisError` naming the line).
+    On open: an exclusive lock on ``.samples.jsonl.lock`` (``fcntl.flock``; released by the OS when
+    the process dies, even by SIGKILL) keeps a second process from appending to the same file; a
+    last line without its newline (a write torn by a crash) is cut off (``torn_lines``); every
+    complete line must be JSON with an ``id`` (else :class:`SynthesisError` naming the line).
 
     Attributes:
         done: ids present, mapped to their ``completion_tokens``.
@@ -516,6 +519,15 @@ class SampleStore:
         self.done: dict[str, int] = {}
         self.torn_lines = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = open(self.path.parent / f".{self.path.name}.lock", "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock.close()
+            raise SynthesisError(
+                f"{self.path} is being written by another process (stage 1 already running on this run "
+                f"directory?); wait for it or stop it first."
+            ) from None
         if self.path.exists() and self.path.stat().st_size:
             with open(self.path, "rb") as f:
                 f.seek(-1, os.SEEK_END)
@@ -553,11 +565,16 @@ class SampleStore:
             self._f.flush()
             os.fsync(self._f.fileno())
             self._f.close()
+        if not self._lock.closed:
+            self._lock.close()  # releases the flock
 
     def finalize(self, order: list[str]) -> int:
-        """Close, then rewrite the file atomically with lines in ``order`` (ids not in ``order`` follow
-        in file order). Returns the number of such extra lines. No-op when already in order."""
-        self.close()
+        """Rewrite the file atomically with lines in ``order`` (ids not in ``order`` follow in file
+        order), then close and unlock. Returns the number of such extra lines. No rewrite when the
+        file is already in order."""
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
         lines: dict[str, bytes] = {}
         file_order: list[str] = []
         with open(self.path, "rb") as f:
@@ -576,6 +593,7 @@ class SampleStore:
                         out.write(lines[sid])
                     out.flush()
                     os.fsync(out.fileno())
+        self.close()
         return len(extra)
 
 
@@ -669,7 +687,13 @@ def _prepare(conv: _Conv, renderer: ChatRenderer | None, context_len: int, max_n
     msgs = conv.request_messages()
     if renderer is None:
         return TurnRequest(conv.prompt.id, msgs, max_new, None)
-    n = renderer.count(msgs)
+    try:
+        n = renderer.count(msgs)
+    except Exception as exc:  # noqa: BLE001 - jinja raises template-defined errors
+        raise SynthesisError(
+            f"sample {conv.prompt.id} ({conv.prompt.origin}), turn {conv.turn + 1}: the target's chat template "
+            f"cannot render this conversation: {type(exc).__name__}: {exc}"
+        ) from None
     room = context_len - n
     if room < 1:
         conv.too_long(n)
@@ -770,6 +794,7 @@ def _run_server(backend: ServerBackend, prompts: list[Prompt], sess: _Session, r
                 except _SampleFailed as exc:
                     sess.failed.append({"id": conv.prompt.id, "origin": conv.prompt.origin, "kind": exc.kind,
                                         "message": exc.message, "attempts": exc.attempts, "turn": conv.turn})
+                    sess.progress.update(1, failed=len(sess.failed))
                     consecutive[0] += 1
                     if consecutive[0] >= breaker_failures and not backend.stop.is_set():
                         tripped[0] = True
@@ -788,12 +813,15 @@ def _run_server(backend: ServerBackend, prompts: list[Prompt], sess: _Session, r
             if backend.stop.is_set():
                 for t in tasks:
                     t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
             stopper.cancel()
             try:
                 await everything
-            except BaseException:  # noqa: BLE001 - cancellations already accounted for
+            except BaseException:  # noqa: BLE001 - inspected just below
                 pass
+            bugs = [r for r in results if isinstance(r, Exception)]
+            if bugs:  # anything but the handled failures and cancellations stops the stage loudly
+                raise bugs[0]
         return tripped[0]
 
     return _run_async(main)

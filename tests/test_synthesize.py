@@ -388,3 +388,17 @@ def test_throughput_series_batched_and_streaming_writes():
                                                 for i in range(100)]
     series = throughput_series(ev)
     assert len(series) == 25 and all(abs(r - 100.0) < 1e-6 for _, r in series)
+
+
+def test_a_second_writer_is_refused(tmp_path):
+    from eagle3.synthesize import SampleStore
+
+    path = tmp_path / "01_synthesize" / "samples.jsonl"
+    first = SampleStore(path)
+    first.append({"id": "a", "completion_tokens": 3})
+    with pytest.raises(SynthesisError, match="being written by another process"):
+        SampleStore(path)
+    first.close()
+    again = SampleStore(path)  # the lock is released on close (and by the OS when a process dies)
+    assert again.done == {"a": 3}
+    again.close()
