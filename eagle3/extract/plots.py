@@ -73,22 +73,26 @@ def timeline(run_dir: str | Path) -> list[dict]:
 
 
 def fig_throughput(run_dir: str | Path):
-    """Tokens/s (instantaneous, between progress points) and samples done over wall time."""
+    """Tokens done over wall time (left; the slope is the throughput) and tokens/s (right: the running
+    average of each run as ``progress.json`` reports it, and the rate between progress points)."""
     import matplotlib.pyplot as plt
 
-    pts = timeline(run_dir)
+    pts = [p for p in timeline(run_dir) if p.get("tokens") is not None]
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.2))
-    if len(pts) >= 2:
+    if pts:
         t0 = pts[0]["t"]
         t = np.array([p["t"] - t0 for p in pts])
-        tok = np.array([p["tokens"] or 0 for p in pts], dtype=float)
+        tok = np.array([p["tokens"] for p in pts], dtype=float)
+        ax[0].plot(t, tok, marker=".")
+        ax[1].plot(t, [p.get("tokens_per_s") or 0.0 for p in pts], marker=".", label="running average")
         dt = np.diff(t)
         ok = dt > 0
-        rate = np.diff(tok)[ok] / dt[ok]
-        ax[0].plot(t[1:][ok], rate, marker=".")
-        ax[1].plot(t, [p["done"] for p in pts], marker=".")
-    ax[0].set(xlabel="wall time (s)", ylabel="tokens / s", title="extraction throughput")
-    ax[1].set(xlabel="wall time (s)", ylabel="samples done", title="progress")
+        if ok.any():
+            ax[1].scatter(t[1:][ok], np.diff(tok)[ok] / dt[ok], s=10, color="C1", alpha=0.6,
+                          label="between progress points")
+        ax[1].legend(fontsize=8)
+    ax[0].set(xlabel="wall time (s)", ylabel="tokens done", title="progress")
+    ax[1].set(xlabel="wall time (s)", ylabel="tokens / s", title="extraction throughput")
     for a in ax:
         a.grid(alpha=0.3)
     fig.tight_layout()
@@ -185,7 +189,8 @@ def convention_check(params, run_dir: str | Path, n_samples: int = 2, model=None
         model: an already loaded target (default: loaded here on ``target.device``).
 
     Returns:
-        tuple: (rows ``{"layer_id", "slot", "compared_with", "max_abs_diff", "ref_scale"}``, figure of
+        tuple: (rows ``{"layer_id", "slot", "compared_with", "max_abs_diff", "ref_scale", "relative"}``
+        with ``relative = max_abs_diff / ref_scale`` (``ref_scale`` = max |reference|), figure of
         every layer's mean norm with the stored slots overlaid).
     """
     import matplotlib.pyplot as plt
@@ -228,8 +233,8 @@ def convention_check(params, run_dir: str | Path, n_samples: int = 2, model=None
         all_norms += np.array([float(h[0].float().norm(dim=-1).sum()) for h in hsl])
         stored_norms += got.norm(dim=-1).sum(0).numpy()
         count += got.shape[0]
-    rows = [{"layer_id": k, "slot": s, "compared_with": name, "max_abs_diff": v[0], "ref_scale": v[1]}
-            for (k, s, name), v in worst.items()]
+    rows = [{"layer_id": k, "slot": s, "compared_with": name, "max_abs_diff": v[0], "ref_scale": v[1],
+             "relative": v[0] / v[1] if v[1] else 0.0} for (k, s, name), v in worst.items()]
     fig, ax = plt.subplots(figsize=(7, 3.4))
     ax.plot(range(n + 1), all_norms / max(count, 1), marker=".", color="0.5",
             label="transformers hidden_states[k] (k = N is after the final norm)")

@@ -426,15 +426,18 @@ def preflight(params: Params, run_dir: str | Path, write: bool = True) -> dict:
 
 
 class _ExtractProgress(Progress):
+    """:class:`eagle3.io.Progress` with a token-based ETA, bytes written, other ranks folded in and a
+    ``timeline.jsonl`` point per write (the notebook's throughput-over-time plot)."""
+
     def __init__(self, sd: Path, own_dir: Path, *, total: int, total_tokens: int, done: int, tokens: int,
                  projected_bytes: int, done_bytes: int, writer_ref: Callable[[], int], other_dirs: Sequence[Path],
-                 timeline: Path | None, tracker=None) -> None:
+                 timeline: Path | None) -> None:
         self.total_tokens = total_tokens
+        self.last_point: dict = {}
         self.done_bytes = done_bytes
         self.writer_ref = writer_ref
         self.other_dirs = list(other_dirs)
         self.timeline = timeline
-        self.tracker = tracker
         own_dir.mkdir(parents=True, exist_ok=True)
         super().__init__(own_dir, total=total, unit="samples", done=done, tokens=tokens, desc=STAGE_NAME,
                          bytes_dir=own_dir / "_none_", projected_bytes=projected_bytes)
@@ -457,23 +460,14 @@ class _ExtractProgress(Progress):
         snap["bytes_on_disk"] = self.done_bytes + written
         snap["extra"] = dict(snap["extra"], bytes_written=self.writer_ref(), start_done=self._start_done,
                              start_tokens=self._start_tokens)
-        return snap
-
-    def _write(self, status: str, force: bool = False) -> None:
-        now = time.time()
-        if not force and now - self._last < self.interval_s:
-            return
-        self._last = now
-        snap = self.snapshot(status)
-        self.history.append((now - self.t0, snap["done"], snap["tokens"]))
-        atomic_write_json(self.path, snap)
-        point = {"t": round(now, 3), "elapsed_s": snap["elapsed_s"], "done": snap["done"], "tokens": snap["tokens"],
-                 "tokens_per_s": snap["tokens_per_s"], "bytes_written": snap["bytes_written"], "status": status}
+        # called by Progress._write (under its lock, also from its heartbeat thread): one timeline point
+        self.last_point = {"t": round(time.time(), 3), "elapsed_s": snap["elapsed_s"], "done": done,
+                           "tokens": tokens, "tokens_per_s": snap["tokens_per_s"], "bytes_written": written,
+                           "status": status}
         if self.timeline is not None:
             with open(self.timeline, "a", encoding="utf-8") as f:
-                f.write(json.dumps(point) + "\n")
-        if self.tracker is not None:
-            self.tracker.log({k: v for k, v in point.items() if k not in ("t", "status")})
+                f.write(json.dumps(self.last_point) + "\n")
+        return snap
 
 
 # ----------------------------------------------------------------------------------------------
@@ -585,7 +579,7 @@ def _prepare(params: Params, run_dir: Path, sd: Path, dist: _Dist) -> _Prepared:
                      done_rows, done_tokens, done_bytes)
 
 
-def _make_progress(sd: Path, dist: _Dist, prep: _Prepared, writer_ref: Callable[[], int], tracker) -> _ExtractProgress:
+def _make_progress(sd: Path, dist: _Dist, prep: _Prepared, writer_ref: Callable[[], int]) -> _ExtractProgress:
     """Rank 0 reports the whole stage in ``progress.json`` (other ranks' shares folded in from their
     ``.rankRRR/progress.json``); other ranks report their own share there."""
     rows = prep.setup.rows
@@ -593,14 +587,13 @@ def _make_progress(sd: Path, dist: _Dist, prep: _Prepared, writer_ref: Callable[
         return _ExtractProgress(
             sd, sd, total=len(rows), total_tokens=rows.total_tokens, done=prep.done_rows, tokens=prep.done_tokens,
             projected_bytes=prep.pf["projected_bytes"], done_bytes=prep.done_bytes, writer_ref=writer_ref,
-            other_dirs=[sd / f".rank{r:03d}" for r in range(1, dist.world)], timeline=sd / "timeline.jsonl",
-            tracker=tracker)
+            other_dirs=[sd / f".rank{r:03d}" for r in range(1, dist.world)], timeline=sd / "timeline.jsonl")
     own = prep.valid.values()
     return _ExtractProgress(
         sd, sd / f".rank{dist.rank:03d}", total=len(prep.my_rows),
         total_tokens=int(sum(rows.lengths[r] for r in prep.my_rows)), done=len(prep.valid),
         tokens=sum(e["num_tokens"] for e in own), projected_bytes=prep.pf["projected_bytes"],
-        done_bytes=sum(e["bytes"] for e in own), writer_ref=writer_ref, other_dirs=[], timeline=None, tracker=None)
+        done_bytes=sum(e["bytes"] for e in own), writer_ref=writer_ref, other_dirs=[], timeline=None)
 
 
 def _run_transformers(params: Params, run_dir: Path, sd: Path, write_fn) -> dict:
@@ -617,7 +610,7 @@ def _run_transformers(params: Params, run_dir: Path, sd: Path, write_fn) -> dict
     loop: dict = {"samples": 0, "tokens": 0, "computed_tokens": 0, "seconds": 0.0}
     writer = None
     calib: dict = {}
-    progress = _make_progress(sd, dist, prep, lambda: writer.bytes_written if writer is not None else 0, tracker)
+    progress = _make_progress(sd, dist, prep, lambda: writer.bytes_written if writer is not None else 0)
     try:
         if todo_batches:
             from eagle3.target import load_target, pick_device
@@ -639,6 +632,9 @@ def _run_transformers(params: Params, run_dir: Path, sd: Path, write_fn) -> dict
                 state["batches"] += 1
                 state["computed"] += computed
                 progress.update(n_new, tokens=t_new)
+                if tracker is not None and time.perf_counter() - state.get("logged", 0.0) > 5.0:
+                    state["logged"] = time.perf_counter()
+                    tracker.log({k: v for k, v in progress.last_point.items() if k not in ("t", "status")})
                 if state["batches"] == ep.calibration_batches and not calib:
                     dt = time.perf_counter() - state["t0"]
                     rate = state["computed"] / dt if dt > 0 else 0.0

@@ -311,7 +311,7 @@ def run_vllm(params: Params, run_dir: str | Path) -> dict:
         f.unlink()
     todo = [r for r in range(len(setup.rows)) if r not in done]
     tracker = Tracker(params, run_dir, STAGE_NAME)
-    progress = _make_progress(sd, dist, prep, lambda: writer.bytes_written, tracker)
+    progress = _make_progress(sd, dist, prep, lambda: writer.bytes_written)
     t0 = time.perf_counter()
     try:
         if todo:
