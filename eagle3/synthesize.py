@@ -83,6 +83,7 @@ __all__ = [
     "summary_table",
     "preview_rows",
     "throughput_series",
+    "overall_rate",
     "run",
 ]
 
@@ -950,6 +951,17 @@ def throughput_series(events: list[dict]) -> list[tuple[tuple[float, float], flo
     return out
 
 
+def overall_rate(events: list[dict]) -> float | None:
+    """Completion tokens per second of generation over all sessions of ``throughput.jsonl``: the
+    tokens written divided by the summed (last write - session start) of each session; None when
+    nothing was generated."""
+    tokens, seconds = 0, 0.0
+    for (t_from, t_to), rate in throughput_series(events):
+        tokens += rate * (t_to - t_from)
+        seconds += t_to - t_from
+    return round(tokens / seconds, 2) if seconds > 0 else None
+
+
 def make_figures(run_dir: str | Path) -> dict:
     """Matplotlib figures of a stage-1 output (no pyplot state): ``completion_lengths`` (histogram of
     completion tokens per assistant turn, ``max_new_tokens`` marked), ``finish_reasons`` (bar),
@@ -1071,7 +1083,8 @@ def run(params: Params, run_dir: str | Path) -> dict:
         ``skipped`` (ids and reasons), ``errors`` (failed attempts by kind), ``retries``,
         ``failed_samples``, ``torn_lines_dropped``, ``resumed_from`` (samples found on start),
         ``generated_this_session``, ``completion_tokens_this_session``, ``generation_s``,
-        ``tokens_per_s`` (completion tokens per second of generation this session),
+        ``tokens_per_s_this_session``, ``tokens_per_s`` (completion tokens per second of generation
+        over all sessions, :func:`overall_rate`),
         ``load_s``, ``elapsed_s``, ``backend``, ``settings``.
 
     Raises:
@@ -1156,7 +1169,8 @@ def run(params: Params, run_dir: str | Path) -> dict:
         "completion_tokens_this_session": sess.tokens,
         "load_s": round(load_s, 2),
         "generation_s": round(gen_s, 2),
-        "tokens_per_s": round(sess.tokens / gen_s, 2) if gen_s > 0 else None,
+        "tokens_per_s_this_session": round(sess.tokens / gen_s, 2) if gen_s > 0 else None,
+        "tokens_per_s": overall_rate(_read_timeline(sd / THROUGHPUT_FILE)),
         "elapsed_s": round(time.time() - t_start, 2),
     })
     if not ok:

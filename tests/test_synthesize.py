@@ -302,6 +302,7 @@ def test_torn_last_line_dropped_and_regenerated(tmp_path):
     # a complete run re-run does no work at all
     stats3 = run(params, rd)
     assert stats3["generated_this_session"] == 0 and path.read_bytes() == good
+    assert stats3["tokens_per_s_this_session"] is None and stats3["tokens_per_s"] > 0  # over both sessions
 
 
 def test_corrupt_middle_line_is_reported(tmp_path):
@@ -383,6 +384,9 @@ def test_throughput_series_batched_and_streaming_writes():
           + [{"t": 164.0, "id": f"b{i}", "completion_tokens": 48} for i in range(8)]
           + [{"t": 500.0, "session_start": True}, {"t": 510.0, "id": "c", "completion_tokens": 100}])
     assert throughput_series(ev) == [((100.0, 132.0), 12.0), ((132.0, 164.0), 12.0), ((500.0, 510.0), 10.0)]
+    from eagle3.synthesize import overall_rate
+
+    assert overall_rate(ev) == round((16 * 48 + 100) / (64 + 10), 2)  # the gap between sessions not counted
     # a server writes one sample every 0.1 s: groups of >= 1/30 of the session, 10 tokens / 0.1 s
     ev = [{"t": 0.0, "session_start": True}] + [{"t": 0.1 * (i + 1), "id": str(i), "completion_tokens": 10}
                                                 for i in range(100)]
