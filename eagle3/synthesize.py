@@ -735,7 +735,14 @@ class _Session:
 def _run_batched(backend, prompts: list[Prompt], sess: _Session, batch_size: int, max_new: int) -> None:
     """Transformers / in-process vLLM: chunks of ``batch_size`` conversations, turn by turn."""
     renderer = backend.renderer
-    lens = {p.id: renderer.count(p.first_messages()) for p in prompts}
+
+    def length(p: Prompt) -> int:
+        try:
+            return renderer.count(p.first_messages())
+        except Exception:  # noqa: BLE001 - _prepare reports template errors with the sample id
+            return 0
+
+    lens = {p.id: length(p) for p in prompts}
     order = sorted(prompts, key=lambda p: (lens[p.id], p.id))  # similar lengths share a batch
     for i in range(0, len(order), batch_size):
         convs = [_Conv(p) for p in order[i:i + batch_size]]

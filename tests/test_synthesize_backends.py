@@ -139,3 +139,18 @@ def test_vllm_in_process_synthesizes_samples(tmp_path, target_model):
     samples = load_samples(rd)
     assert len(samples) == 3 and stats["complete"] and stats["backend"] == "vllm"
     _check_turn_counts(samples, ChatRenderer(target_model[1]), 16)
+
+
+def test_chat_template_error_names_the_sample(target_model):
+    import copy
+
+    from eagle3.prompts import Prompt
+    from eagle3.synthesize import SynthesisError, _Conv, _prepare
+
+    tok = copy.deepcopy(target_model[1])
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    p = Prompt(id="src-0123", source="src", prompt_hash="0" * 64, split="train", origin="data.jsonl:7",
+               turns=[[{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]])
+    with pytest.raises(SynthesisError, match=r"sample src-0123 \(data.jsonl:7\), turn 1: .*System role not supported"):
+        _prepare(_Conv(p), ChatRenderer(tok), 1024, 16)
