@@ -360,6 +360,9 @@ def export_drafter(model, out_dir: str | Path, verifier_name: str, dtype=None, i
         atomic_write_json(tmp / "config.json", cfg)
         if info:
             atomic_write_json(tmp / "training_info.json", info)
+        for f in tmp.iterdir():  # readable by whoever serves it (mkstemp/mkdtemp create 0600/0700)
+            f.chmod(0o644)
+        tmp.chmod(0o755)
         old = None
         if out_dir.exists():
             old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}"
