@@ -500,7 +500,7 @@ class Eagle3Drafter:
         pos = positions[None]
         pe = m.rotary_emb(h, pos)
         kv = past + q
-        mask = torch.full((q, kv), float("-inf"), dtype=emb.dtype)
+        mask = torch.full((q, kv), float("-inf"), dtype=emb.dtype, device=emb.device)
         mask = torch.triu(mask, diagonal=past + 1)[None, None]
         for layer in m.layers:
             h = layer(h, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
@@ -520,8 +520,8 @@ class Eagle3Drafter:
 
         if self.d2t is None:
             return probs
-        out = torch.zeros(self.m.verifier_vocab_size, dtype=probs.dtype)
-        out[torch.arange(probs.shape[0]) + self.d2t] = probs
+        out = torch.zeros(self.m.verifier_vocab_size, dtype=probs.dtype, device=probs.device)
+        out[torch.arange(probs.shape[0], device=probs.device) + self.d2t.to(probs.device)] = probs
         return out
 
     def crop(self, length: int) -> None:
@@ -584,7 +584,7 @@ def speculative_generate(target, drafter_model, prompt_ids: Sequence[int], k: in
     def pick(logits_row):
         if greedy:
             return int(torch.argmax(logits_row))
-        p = torch.softmax(logits_row.float() / temperature, dim=-1)
+        p = torch.softmax(logits_row.float().cpu() / temperature, dim=-1)
         return int(torch.multinomial(p, 1, generator=generator))
 
     try:
@@ -616,10 +616,10 @@ def speculative_generate(target, drafter_model, prompt_ids: Sequence[int], k: in
                     if greedy:
                         di = torch.argmax(lg)[None]
                     else:
-                        qd = torch.softmax(lg.float() / temperature, dim=-1)
+                        qd = torch.softmax(lg.float().cpu() / temperature, dim=-1)
                         di = torch.multinomial(qd, 1, generator=generator)
                         qs.append(dr.draft_probs_target(qd))
-                    tid = dr.to_target(di)
+                    tid = dr.to_target(di.to(dev))
                     drafts.append(int(tid))
                     if j + 1 < k:
                         lgs, h = dr.step(tid.to(dev), h, torch.tensor([L - 1 + j], device=dev))
@@ -634,7 +634,7 @@ def speculative_generate(target, drafter_model, prompt_ids: Sequence[int], k: in
                         a += 1
                     nxt = int(tgt[a])
                 else:
-                    p = torch.softmax(vlogits.float() / temperature, dim=-1)
+                    p = torch.softmax(vlogits.float().cpu() / temperature, dim=-1)
                     a, nxt = speculative_accept(p, torch.stack(qs), torch.tensor(drafts), generator)
                 rounds.append([L, k, a])
                 tokens.extend(drafts[:a] + [nxt])
@@ -1025,6 +1025,7 @@ def probe_layer_ids(target, drafter_model, sequences: list[list[int]], candidate
     from transformers import DynamicCache
 
     res = {}
+    dev = next(target.parameters()).device
     for name, ids in candidates.items():
         hit = tot = 0
         runner = TargetAuxRunner(target, ids)
@@ -1033,11 +1034,12 @@ def probe_layer_ids(target, drafter_model, sequences: list[list[int]], candidate
                 for seq in sequences:
                     if len(seq) < 3:
                         continue
-                    logits, aux = runner.forward(torch.tensor([seq]), DynamicCache())
+                    logits, aux = runner.forward(torch.tensor([seq], device=dev), DynamicCache())
                     dr = Eagle3Drafter(drafter_model)
                     if dr.m.fc.in_features != aux.shape[-1]:
                         break
-                    dl, _ = dr.step(torch.tensor(seq[1:]), dr.combine(aux[:-1]), torch.arange(len(seq) - 1))
+                    dl, _ = dr.step(torch.tensor(seq[1:], device=dev), dr.combine(aux[:-1]),
+                                    torch.arange(len(seq) - 1, device=dev))
                     pred = dr.to_target(dl.argmax(-1))
                     tgt = logits[1:].argmax(-1)
                     hit += int((pred == tgt).sum())
@@ -1180,7 +1182,8 @@ def diagnose(drafter_dir: str | Path, target_dir: str | Path, reference: Drafter
         probs.append("vocab mapping: full-size draft vocab but a non-identity d2t in the weights")
 
     # dtype / embeddings
-    ck_dtype = str(next(iter(weights.values())).dtype).replace("torch.", "") if weights else None
+    floats = [t for kk, t in weights.items() if t.is_floating_point()]
+    ck_dtype = str(floats[0].dtype).replace("torch.", "") if floats else None
     t_dtype = str(tcfg.get("dtype") or tcfg.get("torch_dtype") or "")
     emb = weights.get("embed_tokens.weight")
     if emb is not None:

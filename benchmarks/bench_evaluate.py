@@ -1,0 +1,86 @@
+"""Decoding speed with and without the drafter, measured side by side on the same held-out prompts.
+
+    python benchmarks/bench_evaluate.py --params params/ci.yaml [--drafter DIR] [--prompts 4] [--vllm]
+
+Prints one table: target-only greedy decoding (transformers ``generate``) vs offline EAGLE-3
+speculation (:func:`eagle3.evaluate.speculative_generate`), and with ``--vllm`` vLLM with the drafter,
+with n-gram lookup and without speculation (one engine per subprocess, one request at a time).
+The drafter defaults to the run's ``04_train`` export; the prompts are the run's held-out prompts.
+Offline speculation in eager PyTorch is not expected to be faster (Python overhead per round); the
+vLLM rows are the ones that matter for serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+
+def main() -> None:
+    import torch
+
+    from eagle3.config import load_params
+    from eagle3.evaluate import (_stop_ids, find_drafter, heldout_prompts, load_drafter, run_vllm_job,
+                                 speculative_generate, training_reference)
+    from eagle3.paths import resolve_run_dir
+    from eagle3.target import load_target, resolve_target
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--params", default="params/ci.yaml")
+    ap.add_argument("--drafter", default=None)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--vllm", action="store_true")
+    a = ap.parse_args()
+    params = load_params(a.params, {"evaluate": {"num_prompts": a.prompts, **({"drafter_dir": a.drafter} if a.drafter else {})}})
+    run_dir = resolve_run_dir(params)
+    ev = params.evaluate
+    model, tok, _ = load_target(params.target)
+    prompts, _ = heldout_prompts(params, run_dir, tok)
+    drafter = find_drafter(params, run_dir)
+    ref = training_reference(params, run_dir, drafter)
+    dm = load_drafter(drafter, model, ref, device=str(model.device))
+    stops = _stop_ids(tok, model)
+    rows = []
+    t0, n = time.time(), 0
+    for p in prompts:
+        out = model.generate(torch.tensor([p["prompt_ids"]], device=model.device), max_new_tokens=ev.max_new_tokens,
+                             do_sample=False, pad_token_id=tok.eos_token_id)
+        n += out.shape[1] - len(p["prompt_ids"])
+    rows.append(("transformers greedy (no speculation)", n / (time.time() - t0), "-"))
+    t0, n, acc, rounds = time.time(), 0, 0, 0
+    for p in prompts:
+        r = speculative_generate(model, dm, p["prompt_ids"], ev.num_speculative_tokens, ev.max_new_tokens,
+                                 ref.aux_layer_ids, stop_ids=stops)
+        n += len(r["tokens"])
+        acc += sum(x[2] for x in r["rounds"])
+        rounds += len(r["rounds"])
+    rows.append((f"transformers EAGLE-3 offline (k={ev.num_speculative_tokens})", n / (time.time() - t0),
+                 f"{1 + acc / max(rounds, 1):.2f}"))
+    if a.vllm:
+        import tempfile
+        from pathlib import Path
+
+        tmp = Path(tempfile.mkdtemp(prefix="bench-eval-"))
+        for method in ("none", "ngram", "eagle3"):
+            job = {"target": str(resolve_target(params.target).path), "dtype": params.target.dtype,
+                   "max_model_len": params.target.max_model_len, "seed": 0, "method": method,
+                   "drafter": str(drafter), "k": ev.num_speculative_tokens,
+                   "prompt_lookup_min": ev.ngram.prompt_lookup_min, "prompt_lookup_max": ev.ngram.prompt_lookup_max,
+                   "temperature": 0.0, "max_new_tokens": ev.max_new_tokens, "chat_template_kwargs": None,
+                   "prompts": [{"id": p["id"], "messages": p["messages"], "prompt_ids": p["prompt_ids"]} for p in prompts]}
+            res = run_vllm_job(job, tmp / f"{method}.json")
+            c = res["counters"]
+            d = c["vllm:spec_decode_num_drafts"]
+            tau = f"{1 + c['vllm:spec_decode_num_accepted_tokens'] / d:.2f}" if d else "-"
+            rows.append((f"vLLM {method}", res["tokens_per_s"], tau))
+    print(f"{'method':<48}{'tokens/s':>10}{'tau':>8}")
+    for name, tps, tau in rows:
+        print(f"{name:<48}{tps:>10.1f}{tau:>8}")
+    base = rows[0][1]
+    print(f"\noffline speculation / greedy: {rows[1][1] / base:.2f}x")
+    if a.vllm:
+        print(f"vLLM eagle3 / vLLM none: {rows[-1][1] / rows[2][1]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
