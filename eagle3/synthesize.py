@@ -1197,13 +1197,17 @@ def run(params: Params, run_dir: str | Path) -> dict:
         )
     (sd / ERRORS_FILE).unlink(missing_ok=True)
 
-    tracker = Tracker(params, run_dir, "01_synthesize")
     try:
-        tracker.log({k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
-        tracker.summary(stats)
-        for name, fig in make_figures(run_dir).items():
-            tracker.figure(name, fig)
-    finally:
-        tracker.finish()
+        tracker = Tracker(params, run_dir, "01_synthesize")
+        try:
+            tracker.log({k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+            tracker.summary(stats)
+            for name, fig in make_figures(run_dir).items():
+                tracker.figure(name, fig)
+        finally:
+            tracker.finish()
+    except BaseException:
+        progress.close("failed")
+        raise
     progress.close("done")
     return write_stats(sd, stats)
