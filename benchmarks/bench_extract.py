@@ -14,7 +14,7 @@ in alternation; the best time of each is reported. The goal is extraction >= 0.9
 Modes:
 
 * CPU (default): the embedded SmolLM2-135M target (needs the project's venv) on synthetic token
-  sequences;
+  sequences; ``--model smollm2-shaped`` uses the same architecture with random weights (no venv);
 * GPU (``--device cuda``): a Llama-3.1-8B-shaped model (hidden 4096, 32 layers, 32 heads, 8 KV
   heads, intermediate 14336, vocab 128256) with RANDOM weights in bfloat16 — nothing downloaded.
   Needs only torch, transformers, numpy and safetensors (``eagle3.extract.core`` imports nothing
@@ -52,7 +52,7 @@ from eagle3.extract.core import (  # noqa: E402
     HiddenStateCapture,
     SampleWriter,
     TokenizedRows,
-    _to_host,
+    to_host,
     decoder_layers,
     extract_batches,
     pad_batch,
@@ -77,6 +77,17 @@ def llama8b_random(dtype: torch.dtype, device: str):
     finally:
         torch.set_default_dtype(prev)
     return model.eval()
+
+
+def smollm2_shaped_random():
+    """A SmolLM2-135M-shaped model (hidden 576, 30 layers, 9 heads, 3 KV heads) with random float32
+    weights: the CPU benchmark where the embedded model is not installed (same cost, no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+                      rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval()
 
 
 def embedded_model():
@@ -123,7 +134,7 @@ def capture_only(cap: HiddenStateCapture, rows: TokenizedRows, batches) -> float
         ids, mask, lens = pad_batch(rows, b)
         m = mask.to(dev, non_blocking=True) if mask is not None else None
         hs = cap.capture(ids.to(dev, non_blocking=True), m)
-        _, fin, ready = _to_host(hs, m, lens)
+        _, fin, ready = to_host(hs, m, lens)
         if ready is not None:
             ready.synchronize()
         bool(fin.all())
@@ -144,6 +155,9 @@ def extract_write(cap: HiddenStateCapture, rows: TokenizedRows, batches, out: Pa
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--model", default="auto", choices=["auto", "embedded", "smollm2-shaped", "llama8b-shaped"],
+                    help="auto: embedded on cpu, llama8b-shaped on cuda; smollm2-shaped: random weights, CPU "
+                         "machines without the project's environment")
     ap.add_argument("--samples", type=int, default=None, help="synthetic samples (default: cpu 24, cuda 160)")
     ap.add_argument("--min-len", type=int, default=None, help="default: cpu 64, cuda 512")
     ap.add_argument("--max-len", type=int, default=None, help="default: cpu 384, cuda 3072")
@@ -165,11 +179,15 @@ def main(argv=None) -> int:
     sdtype = getattr(torch, a.dtype)
 
     t0 = time.perf_counter()
-    if gpu:
-        model = llama8b_random(torch.bfloat16, "cuda")
+    which = a.model if a.model != "auto" else ("llama8b-shaped" if gpu else "embedded")
+    if which == "llama8b-shaped":
+        model = llama8b_random(torch.bfloat16, a.device)
         name = "Llama-3.1-8B-shaped, random weights, bf16"
+    elif which == "smollm2-shaped":
+        model = smollm2_shaped_random().to(a.device)
+        name = "SmolLM2-135M-shaped, random weights, float32"
     else:
-        model = embedded_model()
+        model = embedded_model().to(a.device)
         name = "SmolLM2-135M (embedded), float32"
     load_s = time.perf_counter() - t0
     cfg = model.config

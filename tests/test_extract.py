@@ -419,8 +419,11 @@ def test_full_disk_is_a_clean_error_and_resumable(ref, tmp_path, tok):
     params, rd = new_run(tmp_path, "full", tok)
     calls = {"n": 0}
 
-    def disk_fills_up(tmp: Path, data: bytes) -> None:
+    def disk_fills_up(tmp: Path, tensors: dict, metadata: dict) -> None:
+        from safetensors.torch import save
+
         calls["n"] += 1
+        data = save(tensors, metadata=metadata)
         with open(tmp, "wb") as f:
             if calls["n"] > 3:
                 f.write(data[: len(data) // 2])

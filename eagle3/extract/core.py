@@ -51,6 +51,9 @@ __all__ = [
     "pad_batch",
     "extract_batches",
     "iter_journal",
+    "finite_flags",
+    "to_host",
+    "save_sample",
 ]
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
@@ -484,17 +487,30 @@ def check_sample_file(path: str | Path, tokens: np.ndarray | None, num_slots: in
     return None
 
 
-def _default_write(tmp_path: Path, data: bytes) -> None:
-    with open(tmp_path, "wb") as f:
-        f.write(data)
+def save_sample(tmp_path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write one sample with ``safetensors.torch.save_file`` (from the tensors' memory, without the GIL
+    held for the copy in safetensors >= 0.8)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(tmp_path), metadata=metadata)
 
 
-def _atomic_write(path: Path, data: bytes, write_fn: Callable[[Path, bytes], None]) -> None:
-    """Write ``data`` to a temp file beside ``path`` (via ``write_fn``) and rename it over ``path``.
+def _is_disk_full(exc: BaseException) -> bool:
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    msg = str(exc)
+    return "No space left on device" in msg or "os error 28" in msg
+
+
+def _atomic_save(path: Path, tensors: dict, metadata: dict, write_fn: Callable) -> tuple[int, str]:
+    """Save to a temp file beside ``path`` (via ``write_fn``), hash it, rename it over ``path``.
 
     The same protocol as :func:`eagle3.io.atomic_path` (temp name ``.<name>.<random>.tmp`` in the same
     folder, removed on any failure), kept here so that this module needs only torch, numpy and
     safetensors (the GPU benchmark runs on machines without the project's other dependencies).
+
+    Returns:
+        tuple: ``(bytes, sha256 hex)`` of the file.
     """
     import tempfile
 
@@ -502,11 +518,13 @@ def _atomic_write(path: Path, data: bytes, write_fn: Callable[[Path, bytes], Non
     os.close(fd)
     tmp_p = Path(tmp)
     try:
-        write_fn(tmp_p, data)
+        write_fn(tmp_p, tensors, metadata)
+        size, digest = tmp_p.stat().st_size, sha256_file(tmp_p)
         os.replace(tmp_p, path)
     except BaseException:
         tmp_p.unlink(missing_ok=True)
         raise
+    return size, digest
 
 
 def first_non_finite(hs: torch.Tensor, stored_layers: Sequence[int]) -> str:
@@ -531,8 +549,9 @@ class SampleWriter:
         stored_layers: layer ids per slot (named in non-finite errors).
         threads: writer threads (safetensors and hashlib release the GIL for large buffers).
         max_pending_bytes: back-pressure threshold.
-        write_fn: ``write_fn(tmp_path, data)`` writes the bytes (tests pass one that fails like a full
-            disk); the rename and the removal of the temp file on failure are done here.
+        write_fn: ``write_fn(tmp_path, tensors, metadata)`` writes one file (default :func:`save_sample`;
+            tests pass one that fails like a full disk); the hash, the rename and the removal of the
+            temp file on failure are done here.
 
     Raises (from :meth:`submit`, :meth:`raise_if_failed`, :meth:`close`):
         NonFiniteError: a sample with NaN/Inf (nothing written for it).
@@ -541,11 +560,11 @@ class SampleWriter:
 
     def __init__(self, stage_dir: str | Path, journal: str | Path, stored_layers: Sequence[int],
                  threads: int = 2, max_pending_bytes: int = 1 << 30,
-                 write_fn: Callable[[Path, bytes], None] | None = None) -> None:
+                 write_fn: Callable[[Path, dict, dict], None] | None = None) -> None:
         self.stage_dir = Path(stage_dir)
         self.journal_path = Path(journal)
         self.stored_layers = list(stored_layers)
-        self.write_fn = write_fn or _default_write
+        self.write_fn = write_fn or save_sample
         self.max_pending_bytes = max_pending_bytes
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="eagle3-extract-writer")
         self._journal = open(self.journal_path, "a", encoding="utf-8")
@@ -580,8 +599,6 @@ class SampleWriter:
         self._pool.submit(self._task, dict(entry), tensors, finite, ready, nbytes, after)
 
     def _task(self, entry: dict, tensors: dict, finite, ready, nbytes: int, after=None) -> None:
-        from safetensors.torch import save
-
         t0 = time.perf_counter()
         try:
             if self.error is not None:
@@ -597,30 +614,30 @@ class SampleWriter:
                 )
             # one metadata key only: safetensors keeps metadata in a hash map whose order changes
             # from process to process, and the bytes (and sha256) of a file must not
-            data = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"id": str(entry["id"])})
-            digest = hashlib.sha256(data).hexdigest()
+            meta = {"id": str(entry["id"])}
             path = self.stage_dir / entry["file"]
             path.parent.mkdir(parents=True, exist_ok=True)
             try:
-                _atomic_write(path, data, self.write_fn)
-            except OSError as exc:
-                if exc.errno == errno.ENOSPC:
+                nbytes_file, digest = _atomic_save(path, {k: v.contiguous() for k, v in tensors.items()}, meta,
+                                                   self.write_fn)
+            except Exception as exc:
+                if _is_disk_full(exc):
                     import shutil
 
                     raise ExtractError(
-                        f"disk full while writing {path} ({len(data)} bytes): {exc}. Free space now: "
+                        f"disk full while writing {path}: {exc}. Free space now: "
                         f"{shutil.disk_usage(self.stage_dir).free} bytes; this run wrote {self.bytes_written} bytes in "
                         f"{self.files_written} files before it. Finished files are kept and the partial "
                         f"file was removed: free space (or move the run) and re-run to resume."
                     ) from exc
-                raise ExtractError(f"writing {path} failed: {exc}") from exc
+                raise ExtractError(f"writing {path} failed: {type(exc).__name__}: {exc}") from exc
             line = {"row": int(entry["row"]), "id": str(entry["id"]), "num_tokens": int(tensors["token_ids"].shape[0]),
-                    "file": entry["file"], "bytes": len(data), "sha256": digest}
+                    "file": entry["file"], "bytes": nbytes_file, "sha256": digest}
             with self._lock:
                 self._journal.write(json.dumps(line) + "\n")
                 self._journal.flush()
                 self.entries.append(line)
-                self.bytes_written += len(data)
+                self.bytes_written += nbytes_file
                 self.files_written += 1
             if after is not None:
                 after()
@@ -658,12 +675,27 @@ class SampleWriter:
 # ----------------------------------------------------------------------------------------------
 
 
-def _to_host(hs: torch.Tensor, mask: torch.Tensor | None, lens: Sequence[int]):
-    """``(hs_cpu, finite [B] bool CPU, ready)``: device-to-host copy overlapped with later compute."""
+def finite_flags(hs: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """bool ``[B]`` on ``hs``'s device: sample ``b`` has no NaN/Inf in its real (unpadded) tokens."""
     fin = torch.isfinite(hs).flatten(2).all(-1)  # [B, T]
     if mask is not None:
         fin = fin | (mask == 0)
-    fin = fin.all(-1)
+    return fin.all(-1)
+
+
+def to_host(hs: torch.Tensor, mask: torch.Tensor | None, lens: Sequence[int]):
+    """Start copying a captured batch to the host.
+
+    Args:
+        hs: ``[B, T, slots, hidden]`` from :meth:`HiddenStateCapture.capture`.
+        mask: ``[B, T]`` attention mask or None. lens: true lengths.
+
+    Returns:
+        tuple: ``(hs_host, finite, ready)``: on CUDA a pinned host tensor and a bool ``[B]`` flag tensor
+        being filled asynchronously, and the CUDA event that completes them (``ready.synchronize()``
+        before reading; the writer threads do); on CPU the inputs themselves and ``ready = None``.
+    """
+    fin = finite_flags(hs, mask)
     if hs.device.type != "cuda":
         return hs, fin, None
     host = torch.empty(hs.shape, dtype=hs.dtype, pin_memory=True)
@@ -707,7 +739,7 @@ def extract_batches(capture: HiddenStateCapture, rows: TokenizedRows, batches: S
         ids = ids.to(dev, non_blocking=True)
         mask = mask.to(dev, non_blocking=True) if mask is not None else None
         hs = capture.capture(ids, mask)
-        hs_host, fin, ready = _to_host(hs, mask, lens)
+        hs_host, fin, ready = to_host(hs, mask, lens)
         n_new = t_new = 0
         for j, r in enumerate(batch):
             if r in skip:

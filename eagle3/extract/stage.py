@@ -38,9 +38,9 @@ from eagle3.extract.core import (
     NonFiniteError,
     SampleWriter,
     TokenizedRows,
-    _to_host,
     check_sample_file,
     extract_batches,
+    finite_flags,
     first_non_finite,
     iter_journal,
     pad_batch,
@@ -398,8 +398,8 @@ def preflight(params: Params, run_dir: str | Path, write: bool = True) -> dict:
     """Project Stage 3's disk footprint without loading the model (``preflight.json``).
 
     Projected bytes = Σ tokens × (n_aux + 1) × hidden × bytes per element (DESIGN "Scale"), plus
-    9 bytes per token (token ids, loss mask) and ~384 bytes of header per file. Files already in the
-    folder count as done when their header, shapes and token ids are right.
+    9 bytes per token (token ids, loss mask) and ~384 bytes of header per file. Files that a journal or
+    the manifest records and that exist count as done (:func:`run` checks them fully before it starts).
 
     Returns:
         dict: the preflight numbers (``fits`` says whether ``todo_bytes x disk_margin <= free_bytes``).
@@ -925,10 +925,10 @@ def online_samples(params: Params, run_dir: str | Path, rows: Iterable[int] | No
         dev = ex.capture.device
         mask_d = mask.to(dev) if mask is not None else None
         hs = ex.capture.capture(ids.to(dev), mask_d)
-        _, fin, _ = _to_host(hs, mask_d, lens) if hs.device.type != "cuda" else (None, None, None)
+        fin = finite_flags(hs, mask_d).tolist()
         for j, r in enumerate(batch):
             h = hs[j, : lens[j]]
-            if fin is not None and not bool(fin[j]) or fin is None and not bool(torch.isfinite(h).all()):
+            if not fin[j]:
                 raise NonFiniteError(f"non-finite hidden states in sample id {data.ids[r]} (row {r}): "
                                      f"{first_non_finite(h.cpu(), ex.capture.stored_layers)}")
             yield {"token_ids": torch.from_numpy(data.tokens(r).copy()).to(out_device),
