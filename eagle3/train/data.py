@@ -268,9 +268,11 @@ class MicroBatches:
     """
 
     def __init__(self, index_lists: Sequence[np.ndarray], collate: Callable, dataset=None,
-                 fetch: Callable[[list[int]], list[dict]] | None = None, num_workers: int = 0) -> None:
+                 fetch: Callable[[list[int]], list[dict]] | None = None, num_workers: int = 0,
+                 pin_memory: bool = False) -> None:
         self.index_lists = [list(map(int, b)) for b in index_lists]
         self.collate, self.dataset, self.fetch, self.num_workers = collate, dataset, fetch, num_workers
+        self.pin_memory = pin_memory
 
     def __len__(self) -> int:
         return len(self.index_lists)
@@ -283,7 +285,7 @@ class MicroBatches:
         from torch.utils.data import DataLoader
 
         loader = DataLoader(self.dataset, batch_sampler=self.index_lists, collate_fn=self.collate,
-                            num_workers=self.num_workers,
+                            num_workers=self.num_workers, pin_memory=self.pin_memory,
                             prefetch_factor=2 if self.num_workers else None,
                             persistent_workers=False)
         return (_strip(b) for b in loader)

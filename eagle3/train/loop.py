@@ -507,7 +507,8 @@ class _Trainer:
         coll = collate_fn(self.tp.token_budget, self.inputs.hidden_size, self.inputs.n_aux, dtype)
         return MicroBatches(index_lists, coll, dataset=self.val_ds if val else self.train_ds,
                             fetch=self.vfetch if val else self.fetch,
-                            num_workers=0 if self.tp.online else self.tp.num_workers)
+                            num_workers=0 if self.tp.online else self.tp.num_workers,
+                            pin_memory=self.ctx.device.type == "cuda")
 
     def _model(self):
         import torch
@@ -702,7 +703,7 @@ class _Trainer:
                     sums = dict(zip(keys, vec[:len(keys)].tolist()))
                     rec = {"kind": "train", "step": step, "epoch": epoch, "lr": lr, **summarize(sums, tp.ttt_steps),
                            "grad_norm": float(gnorm), "tokens": ntok, "tokens_per_s": ntok / max(dt, 1e-9),
-                           "tokens_seen": state["tokens_seen"], "time_s": round(dt, 4)}
+                           "tokens_seen": state["tokens_seen"], "time_s": round(dt, 4), "t": round(time.time(), 3)}
                     self._log(rec)
                     if prog is not None:
                         prog.update(1, tokens=ntok, loss=round(rec["loss"], 4), tau_hat=round(rec["tau_hat"], 3))

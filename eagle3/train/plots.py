@@ -7,7 +7,7 @@ from pathlib import Path
 
 from eagle3.io import read_json
 
-__all__ = ["load_metrics", "checkpoint_table", "plot_training", "plot_validation"]
+__all__ = ["load_metrics", "checkpoint_table", "plot_training", "plot_validation", "inputs_table", "export_summary"]
 
 
 def load_metrics(run_dir: str | Path):
@@ -98,3 +98,51 @@ def plot_validation(df):
         a.set_xlabel("optimizer step")
     fig.tight_layout()
     return fig
+
+
+def inputs_table(params, run_dir: str | Path) -> dict:
+    """What Stage 4 will train on: target, draft vocab, aux layer ids, samples and the step plan."""
+    from eagle3.train.data import heldout_ids, read_manifest, split_by_id
+    from eagle3.train.model import resolve_inputs
+
+    inp = resolve_inputs(params, run_dir)
+    out = {"target": str(inp.target_path), "exported verifier name": inp.target_name,
+           "target hidden size": inp.hidden_size, "target layers": inp.num_hidden_layers,
+           "target vocab": inp.target_vocab_size, "draft vocab": inp.draft_vocab_size,
+           "aux hidden state layer ids": inp.aux_layer_ids}
+    if not params.train.online:
+        refs = read_manifest(Path(run_dir) / "03_extract")
+        held = heldout_ids(run_dir)
+        train, val = split_by_id([r for r in refs if r.id not in held], params.train.val_fraction)
+        out.update({"train samples": len(train), "validation samples": len(val),
+                    "train tokens": sum(r.num_tokens for r in train)})
+    tp = params.train
+    out.update({"draft layers": tp.num_layers, "TTT steps": tp.ttt_steps, "token budget / micro-batch": tp.token_budget,
+                "global batch (micro-batches)": tp.grad_accum * tp.data_parallel, "epochs": tp.epochs, "lr": tp.lr})
+    return out
+
+
+def export_summary(run_dir: str | Path) -> dict:
+    """The exported drafter: which checkpoint and why, its check against the target, how to serve it."""
+    from eagle3.train.model import check_drafter
+
+    sd = Path(run_dir) / "04_train"
+    stats = read_json(sd / "stats.json", {}) or {}
+    d = sd / "drafter"
+    if not stats.get("complete") or not d.exists():
+        return {"exported": False}
+    cfg = json.loads((d / "config.json").read_text())
+    verifier = cfg["speculators_config"]["verifier"]["name_or_path"]
+    problems = check_drafter(d, _target_dir(run_dir) if (Path(run_dir) / "params.yaml").exists() else verifier)
+    spec = json.dumps({"method": "eagle3", "model": str(d), "num_speculative_tokens": cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]})
+    return {"drafter": str(d), "exported checkpoint": f"step_{stats['best_step']:06d}", "why": stats.get("export_reason"),
+            "best validation tau_hat": stats.get("best_val_tau_hat"), "final validation tau_hat": stats.get("final_val_tau_hat"),
+            "verifier in config.json": verifier, "check_drafter problems": problems or "none",
+            "serve with": f"vllm serve {verifier} --speculative-config '{spec}'"}
+
+
+def _target_dir(run_dir: str | Path) -> str:
+    from eagle3.config import load_params
+    from eagle3.target import resolve_target
+
+    return str(resolve_target(load_params(Path(run_dir) / "params.yaml").target).path)

@@ -1,0 +1,265 @@
+"""Stage 4 benchmark: training throughput of our loop against a bare speculators step on the same batches.
+
+  python benchmarks/bench_train.py                       # CPU: SmolLM2-135M-shaped target, draft vocab 2048
+  python benchmarks/bench_train.py --device cuda         # GPU: Llama-3.1-8B-shaped target (no download)
+
+Both modes write a synthetic run directory (02_vocab mapping + 03_extract files of random hidden
+states in the contract layout) and time, on the same packed micro-batches:
+
+* ``ours``: ``eagle3.train.run`` end to end (reading the files, collate, forward/backward, clip,
+  AdamW, metrics, metrics.jsonl, progress.json), tokens/s between the end of the warm-up steps and
+  the end of the last step (from the per-step timestamps in metrics.jsonl);
+* ``bare``: the same ``Eagle3DraftModel`` built the same way, batches collated beforehand and kept
+  in memory, and a plain loop of forward, backward, grad clip, AdamW step.
+
+The loop's overhead is ``1 - ours / bare`` (goal: <= 10 %). On GPU it also prints the model FLOP
+utilisation (training FLOPs per token from the layer shapes, below, against the bf16 dense peak of
+the card, 989 TFLOP/s for an H200 SXM) and the peak memory. The target is built in code, so nothing
+is downloaded: a config.json with the shapes (GPU: Llama-3.1-8B, hidden 4096, 32 layers, 32/8 heads,
+intermediate 14336, vocab 128256, llama3 rope; CPU: SmolLM2-135M, the embedded default) and random
+``embed_tokens``/``lm_head``/``norm`` weights, which is all speculators reads from a verifier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                rms_norm_eps=1e-5, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                    rms_norm_eps=1e-5, tie_word_embeddings=True,
+                    rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def fake_target(path: Path, shape: dict, dtype=torch.bfloat16, seed: int = 0) -> Path:
+    """config.json + model.safetensors (embed_tokens, lm_head, final norm only) for a Llama-shaped verifier."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = LlamaConfig(**shape, dtype=str(dtype).replace("torch.", ""))
+    cfg.architectures = ["LlamaForCausalLM"]
+    cfg.save_pretrained(path)
+    g = torch.Generator().manual_seed(seed)
+    V, H = shape["vocab_size"], shape["hidden_size"]
+    save_file({"model.embed_tokens.weight": (torch.randn(V, H, generator=g) * 0.02).to(dtype),
+               "lm_head.weight": (torch.randn(V, H, generator=g) * 0.02).to(dtype),
+               "model.norm.weight": torch.ones(H, dtype=dtype)}, str(path / "model.safetensors"))
+    return path
+
+
+def synthetic_run(run_dir: Path, H: int, N: int, V: int, draft: int, lengths: list[int], seed: int = 0) -> None:
+    """02_vocab/ (random draft vocab of ``draft`` ids) and 03_extract/ (random hidden states, bf16)."""
+    from safetensors.torch import save_file
+
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    d2 = run_dir / "02_vocab"
+    d2.mkdir(parents=True, exist_ok=True)
+    kept = np.sort(rng.choice(V, size=draft, replace=False)) if draft < V else np.arange(V)
+    if draft < V:
+        t2d = torch.zeros(V, dtype=torch.bool)
+        t2d[torch.from_numpy(kept)] = True
+        save_file({"d2t": torch.from_numpy(kept - np.arange(draft)).long(), "t2d": t2d}, str(d2 / "vocab_mapping.safetensors"))
+    (d2 / "mapping.json").write_text(json.dumps({"draft_vocab_size": draft, "target_vocab_size": V, "cache_key": "bench"}))
+    aux = [2, N // 2, N - 3]
+    d3 = run_dir / "03_extract"
+    (d3 / "rows_000000-002000").mkdir(parents=True, exist_ok=True)
+    (d3 / "meta.json").write_text(json.dumps({"aux_layer_ids": aux, "num_hidden_layers": N, "hidden_size": H,
+                                              "dtype": "bfloat16", "target": "bench", "stored_layers": [*aux, N]}))
+    with open(d3 / "manifest.jsonl", "w") as f:
+        for row, L in enumerate(lengths):
+            rel = f"rows_000000-002000/{row:06d}.safetensors"
+            ids = torch.from_numpy(kept[rng.integers(0, draft, size=L)]).long()
+            lm = torch.ones(L, dtype=torch.int8)
+            lm[: L // 4] = 0
+            hs = torch.randn(L, len(aux) + 1, H, generator=g).to(torch.bfloat16)
+            save_file({"token_ids": ids, "loss_mask": lm, "hidden_states": hs}, str(d3 / rel))
+            f.write(json.dumps({"row": row, "id": f"b{row:05d}", "num_tokens": L, "file": rel, "bytes": 0, "sha256": ""}) + "\n")
+
+
+def params_for(target: str, device: str, token_budget: int, steps: int, epochs: int, **train):
+    from eagle3.config import load_params
+
+    t = {"token_budget": token_budget, "epochs": epochs, "max_steps": steps, "lr": 1e-4, "warmup_steps": 2,
+         "eval_every": 10**6, "checkpoint_every": 10**6, "val_fraction": 0.0, "device": device}
+    t.update(train)
+    return load_params(None, {"target": {"model": target, "dtype": "auto", "device": device},
+                              "tracking": {"mode": "disabled"}, "train": t})
+
+
+def run_ours(params, run_dir: Path, warmup: int) -> dict:
+    from eagle3.train import run
+
+    shutil.rmtree(run_dir / "04_train", ignore_errors=True)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    run(params, run_dir)
+    recs = [json.loads(x) for x in (run_dir / "04_train" / "metrics.jsonl").read_text().splitlines()]
+    recs = [r for r in recs if r["kind"] == "train"]
+    meas = recs[warmup:]
+    wall = meas[-1]["t"] - recs[warmup - 1]["t"]
+    toks = sum(r["tokens"] for r in meas)
+    out = {"steps": len(meas), "tokens": toks, "wall_s": wall, "tokens_per_s": toks / wall}
+    if torch.cuda.is_available():
+        out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def run_bare(params, run_dir: Path, warmup: int) -> dict:
+    """speculators' model, our batches pre-collated in memory, plain fwd/bwd/clip/AdamW loop."""
+    from eagle3.train.data import ExtractedSamples, MicroBatches, build_schedule, collate_fn, read_manifest
+    from eagle3.train.model import build_drafter, default_attn_implementation, resolve_inputs
+    from speculators.losses import resolve_loss_config
+
+    dev = torch.device("cuda:0" if params.train.device.startswith("cuda") else "cpu")
+    tp = params.train
+    inp = resolve_inputs(params, run_dir)
+    refs = read_manifest(run_dir / "03_extract")
+    sched = build_schedule([r.num_tokens - 1 for r in refs], tp.token_budget, tp.seed, tp.epochs, 1, tp.max_steps)
+    ds = ExtractedSamples(refs, inp.n_aux, inp.hidden_size, inp.target_vocab_size, tp.token_budget)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    batches = [{k: v.to(dev) for k, v in b.items()} for b in
+               MicroBatches([g[0] for _, g in sched], collate_fn(tp.token_budget, inp.hidden_size, inp.n_aux, dtype), dataset=ds)]
+    torch.manual_seed(tp.seed)
+    model = build_drafter(params, inp, default_attn_implementation(dev.type)).to(dev)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tp.lr, betas=(0.9, 0.95),
+                            fused=dev.type == "cuda" or None)
+    kw = dict(ttt_steps=tp.ttt_steps, ttt_step_loss_decay=tp.ttt_step_loss_decay,
+              loss_config=resolve_loss_config(tp.loss, "fused" if dev.type == "cuda" else "eager"))
+    ac = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if dev.type == "cuda" else (lambda: torch.autocast("cpu", enabled=False))
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    toks, t0 = 0, None
+    for i, b in enumerate(batches):
+        if i == warmup:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.time()
+        with ac():
+            _, loss, _ = model(**b, **kw)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], tp.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= warmup:
+            toks += int((b["document_ids"] != -1).sum())
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.time() - t0
+    out = {"steps": len(batches) - warmup, "tokens": toks, "wall_s": wall, "tokens_per_s": toks / wall}
+    if dev.type == "cuda":
+        out["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def train_flops_per_token(shape: dict, draft_vocab: int, n_aux: int, ttt: int, doc_len: float, layers: int = 1) -> float:
+    """Training FLOPs per token of the Eagle-3 drafter (one Llama layer), 2 FLOPs per multiply-add.
+
+    Trainable matmuls (fc once; q/k/v from 2H, o, gate/up/down per TTT step): x6 (forward + two
+    backward products). Frozen draft lm_head per TTT step: x4 (forward + input gradient only).
+    Frozen verifier head (teacher logits, once): x2. Attention per TTT step: QK^T and PV over the
+    causal context, on average doc_len/2 keys, x6.
+    """
+    H, I = shape["hidden_size"], shape["intermediate_size"]
+    hd = shape.get("head_dim") or H // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
+    layer = 2 * H * (q + 2 * kv) + q * H + 3 * H * I
+    trainable = n_aux * H * H + ttt * layers * layer
+    attn = ttt * layers * 2 * q * (doc_len / 2)
+    return 6 * trainable + 4 * ttt * H * draft_vocab + 2 * H * draft_vocab + 6 * attn
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--steps", type=int, default=None, help="measured steps (default 6 CPU, 20 GPU)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 2 CPU, 4 GPU)")
+    ap.add_argument("--token-budget", type=int, default=None, help="tokens per micro-batch (default 1024 CPU, 8192 GPU)")
+    ap.add_argument("--doc-len", type=int, default=None, help="tokens per sample (default 256 CPU, 2048 GPU)")
+    ap.add_argument("--draft-vocab", type=int, default=None, help="default 2048 CPU, 32000 GPU")
+    ap.add_argument("--repeats", type=int, default=2, help="alternating ours/bare measurements; the best of each is kept")
+    ap.add_argument("--only", choices=["ours", "bare"], default=None)
+    ap.add_argument("--workdir", default=None, help="where the synthetic run goes (default: a temp dir, removed)")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--num-workers", type=int, default=None, help="train.num_workers for ours (default 0 CPU, 4 GPU)")
+    ap.add_argument("--max-samples", type=int, default=None, help="synthetic samples (default 32 GPU, enough CPU)")
+    a = ap.parse_args(argv)
+    cuda = a.device == "cuda"
+    steps = a.steps or (20 if cuda else 6)
+    warmup = a.warmup or (4 if cuda else 2)
+    budget = a.token_budget or (8192 if cuda else 1024)
+    doc = a.doc_len or (2048 if cuda else 256)
+    work = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="bench_train-"))
+    try:
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        shape = LLAMA_8B if cuda else SMOLLM2_135M
+        draft = a.draft_vocab or (32000 if cuda else 2048)
+        target_s = str(fake_target(work / "target", shape, torch.bfloat16 if cuda else torch.float32))
+        per_step = max(1, budget // doc)
+        n_samples = min(per_step * (steps + warmup), a.max_samples or (32 if cuda else 10**6))
+        epochs = -(-(steps + warmup) * per_step // n_samples) + 1
+        rd = work / "run"
+        if not (rd / "03_extract" / "manifest.jsonl").exists():
+            t0 = time.time()
+            synthetic_run(rd, shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"], draft,
+                          [doc + 1] * n_samples)
+            print(f"synthetic data: {n_samples} samples x {doc + 1} tokens in {time.time() - t0:.0f} s", flush=True)
+        workers = a.num_workers if a.num_workers is not None else (4 if cuda else 0)
+        params = params_for(target_s, "cuda" if cuda else "cpu", budget, steps + warmup, epochs, num_workers=workers)
+        res = {"ours": [], "bare": []}
+        for _ in range(a.repeats):
+            for name, fn in (("bare", run_bare), ("ours", run_ours)):
+                if a.only and name != a.only:
+                    continue
+                r = fn(params, rd, warmup)
+                print(f"  {name}: {r['tokens_per_s']:.1f} tokens/s ({r['steps']} steps, {r['wall_s']:.2f} s)", flush=True)
+                res[name].append(r)
+        best = {k: max(v, key=lambda r: r["tokens_per_s"]) for k, v in res.items() if v}
+        fl = train_flops_per_token(shape, draft, 3, 3, doc)
+        peak = next((v for k, v in PEAK_BF16.items() if cuda and k in torch.cuda.get_device_name()), None)
+        print()
+        dev_name = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+        print(f"device: {dev_name}; target hidden {shape['hidden_size']}, vocab {shape['vocab_size']}, draft vocab {draft}, "
+              f"1 draft layer, 3 TTT steps, token budget {budget}, samples of {doc} tokens")
+        print(f"| {'loop':6} | {'tokens/s':>10} | {'steps':>5} | {'wall s':>7} | {'TFLOP/s':>8} | {'MFU':>6} | {'peak GiB':>8} |")
+        print(f"|{'-' * 8}|{'-' * 12}|{'-' * 7}|{'-' * 9}|{'-' * 10}|{'-' * 8}|{'-' * 10}|")
+        for k, r in best.items():
+            tf = r["tokens_per_s"] * fl
+            r.update({"tflops": tf / 1e12, "mfu": tf / peak if peak else None})
+            mfu = f"{r['mfu'] * 100:5.1f}%" if r["mfu"] is not None else "     -"
+            mem = f"{r['peak_mem_gib']:8.1f}" if "peak_mem_gib" in r else "       -"
+            print(f"| {k:6} | {r['tokens_per_s']:10.1f} | {r['steps']:5d} | {r['wall_s']:7.2f} | {tf / 1e12:8.3f} | {mfu} | {mem} |")
+        if len(best) == 2:
+            ratio = best["ours"]["tokens_per_s"] / best["bare"]["tokens_per_s"]
+            print(f"\nours / bare = {ratio:.3f}  (loop overhead {100 * (1 - ratio):.1f}%; goal <= 10%)")
+            best["ratio"] = ratio
+        best["flops_per_token"] = fl
+        if a.json:
+            Path(a.json).write_text(json.dumps({"args": vars(a), "all": res, "best": best}, indent=1))
+    finally:
+        if not a.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
