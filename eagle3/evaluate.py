@@ -276,6 +276,8 @@ class DrafterSettings:
         aux_layer_ids: aux hidden state layer ids, in the order they are concatenated for ``fc``.
         norm_before_residual, norm_before_fc, fc_norm, norm_output: speculators' norm flags.
         source: where these values came from (e.g. "config.json", "03_extract/meta.json").
+        vocab_mapping: a ``vocab_mapping.safetensors`` (``d2t``, ``t2d``) to use instead of the
+            checkpoint's (the mapping the training data used, ``02_vocab``); None = the checkpoint's.
     """
 
     aux_layer_ids: list[int]
@@ -284,6 +286,7 @@ class DrafterSettings:
     fc_norm: bool = False
     norm_output: bool = False
     source: str = "config.json"
+    vocab_mapping: str | None = None
 
 
 def _read_config(drafter_dir: str | Path) -> dict:
@@ -381,6 +384,12 @@ def load_drafter(drafter_dir: str | Path, target_model, settings: DrafterSetting
     for name, t in sd.items():
         if tuple(t.shape) != tuple(own[name].shape):
             raise EvaluateError(f"{wfile}: {name} has shape {tuple(t.shape)}, the config implies {tuple(own[name].shape)}")
+    if settings is not None and settings.vocab_mapping and model.use_draft_vocab:
+        vm = load_file(str(settings.vocab_mapping))
+        if vm["d2t"].shape != sd["d2t"].shape:
+            raise EvaluateError(f"{settings.vocab_mapping}: d2t has {vm['d2t'].numel()} entries, the drafter "
+                                f"{sd['d2t'].numel()}")
+        sd["d2t"], sd["t2d"] = vm["d2t"].long(), vm["t2d"].bool()
     model.load_state_dict(sd, strict=False)
     with torch.no_grad():
         if "embed_tokens.weight" not in sd:
@@ -1279,7 +1288,8 @@ def find_drafter(params, run_dir: str | Path) -> Path:
 
 def training_reference(params, run_dir: str | Path, drafter_dir: str | Path) -> DrafterSettings:
     """What the drafter learned with: aux ids from ``03_extract/meta.json``, norm flags from
-    ``params.train`` when the drafter is this run's Stage 4 export; otherwise the config as written.
+    ``params.train`` and the draft vocab mapping from ``02_vocab/vocab_mapping.safetensors`` when the
+    drafter is this run's Stage 4 export; otherwise the config and weights as written.
 
     The offline evaluator uses these values, vLLM uses the exported config: a difference is a
     train/serve mismatch that the parity check catches.
@@ -1301,7 +1311,24 @@ def training_reference(params, run_dir: str | Path, drafter_dir: str | Path) -> 
     else:
         flags = dict(norm_before_residual=cfg.norm_before_residual, norm_before_fc=cfg.norm_before_fc,
                      fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
-    return DrafterSettings(aux_layer_ids=ids, **flags, source="; ".join(srcs) or "config.json")
+    vm = run_dir / "02_vocab" / "vocab_mapping.safetensors"
+    mapping = None
+    if own and vm.is_file():
+        mapping = str(vm)
+        srcs.append("vocab mapping: 02_vocab/vocab_mapping.safetensors")
+    return DrafterSettings(aux_layer_ids=ids, **flags, source="; ".join(srcs) or "config.json", vocab_mapping=mapping)
+
+
+def _stage4_check(drafter_dir: Path, target_dir: Path) -> list[str] | None:
+    """Stage 4's ``check_drafter`` problems (None when that module is unavailable)."""
+    try:
+        from eagle3.train import check_drafter
+    except ImportError:
+        return None
+    try:
+        return list(check_drafter(drafter_dir, target_dir))
+    except Exception as exc:  # a crash of the checker is itself worth reporting, not fatal here
+        return [f"check_drafter raised {type(exc).__name__}: {exc}"]
 
 
 def run(params, run_dir: str | Path) -> dict:
@@ -1360,6 +1387,8 @@ def run(params, run_dir: str | Path) -> dict:
             for method in ev.vllm_methods:
                 job = {"target": str(resolved.path), "dtype": params.target.dtype if params.target.dtype != "auto" else "auto",
                        "max_model_len": params.target.max_model_len, "seed": params.run.seed, "method": method,
+                       "tensor_parallel_size": params.target.tensor_parallel_size,
+                       "trust_remote_code": params.target.trust_remote_code,
                        "drafter": str(drafter_dir) if method == "eagle3" else None, "k": k,
                        "prompt_lookup_min": ev.ngram.prompt_lookup_min, "prompt_lookup_max": ev.ngram.prompt_lookup_max,
                        "temperature": temp, "max_new_tokens": ev.max_new_tokens,
@@ -1387,6 +1416,9 @@ def run(params, run_dir: str | Path) -> dict:
         diagnosis = diagnose(drafter_dir, resolved.path, reference=ref, run_dir=run_dir, target=model,
                              drafter_model=dm, offline=off, vllm=(vllm_results.get("eagle3") and
                              {**vllm_results["eagle3"], **(vl or {})}), prompts=prompts, offline_records=offline_recs)
+        drafter_check = _stage4_check(drafter_dir, resolved.path)
+        if parity.get("checked") and not parity.get("ok") and drafter_check:
+            diagnosis += [f"drafter check: {p}" for p in drafter_check]
         none = backends.get("vllm/none")
         cmd = vllm_serve_command(resolved.name, drafter_dir, k)
         results = {
@@ -1399,6 +1431,7 @@ def run(params, run_dir: str | Path) -> dict:
             "backends": backends,
             "parity": parity,
             "diagnosis": diagnosis,
+            "drafter_check": drafter_check,
             "vllm_serve_command": cmd,
         }
         atomic_write_json(sd / "results.json", results)

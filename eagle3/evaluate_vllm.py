@@ -6,14 +6,15 @@ engine (EAGLE-3 drafter, n-gram lookup, no speculation) in a fresh subprocess, o
 
 ``target`` (model dir), ``dtype``, ``max_model_len``, ``seed``, ``method`` ("eagle3" | "ngram" |
 "none"), ``drafter`` (dir, eagle3), ``k``, ``prompt_lookup_min``/``prompt_lookup_max`` (ngram),
-``temperature``, ``max_new_tokens``, ``chat_template_kwargs`` (or null) and ``prompts``: a list of
+``temperature``, ``max_new_tokens``, ``chat_template_kwargs`` (or null), optionally
+``tensor_parallel_size`` and ``trust_remote_code``, and ``prompts``: a list of
 ``{"id", "messages", "prompt_ids"}``.
 
 The prompts go through ``LLM.chat`` (vLLM renders the chat template itself, exactly as its chat
 endpoint does); the rendered ids are returned per prompt so that the caller can compare them with
 its own rendering. The engine runs one request at a time (``max_num_seqs=1``: the single-stream
 setting where speculation pays, and the one in which the engine's iteration count equals the
-number of target forwards of each request). Counters are read with ``LLM.get_metrics()`` before
+number of target forwards of each request), without prefix caching (every prompt is prefilled). Counters are read with ``LLM.get_metrics()`` before
 and after the measured pass (a one-prompt warm-up runs first) and the differences reported:
 ``vllm:spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens``,
 ``_num_accepted_tokens_per_pos``, ``vllm:iteration_tokens_total`` (count = engine steps),
@@ -74,7 +75,7 @@ def run_job(job: dict) -> dict:
     from eagle3.vllm_utils import engine_kwargs
 
     method = job["method"]
-    extra: dict = {"disable_log_stats": False, "max_num_seqs": 1,
+    extra: dict = {"disable_log_stats": False, "max_num_seqs": 1, "enable_prefix_caching": False,
                    "max_num_batched_tokens": max(int(job["max_model_len"]), 2048)}
     spec = None
     if method == "eagle3":
@@ -89,8 +90,11 @@ def run_job(job: dict) -> dict:
         extra["speculative_config"] = spec
         extra["per_request_spec_decode_metrics"] = "detailed"
     t0 = time.time()
+    if job.get("trust_remote_code"):
+        extra["trust_remote_code"] = True
     llm = LLM(**engine_kwargs(job["target"], dtype=job["dtype"], max_model_len=int(job["max_model_len"]),
-                              seed=int(job["seed"]), **extra))
+                              seed=int(job["seed"]), tensor_parallel_size=int(job.get("tensor_parallel_size", 1)),
+                              **extra))
     startup_s = time.time() - t0
     prompts = job["prompts"]
     convs = [p["messages"] for p in prompts]

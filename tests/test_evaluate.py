@@ -129,6 +129,45 @@ def test_lossless_greedy_with_random_drafter(random_drafter, target_model):
     assert r["target_forwards"] == r["verification_steps"] + 1
 
 
+def test_first_pass_matches_speculators_training_forward(random_drafter, target_model):
+    """The offline drafter's KV-cached first pass equals speculators' own forward (TTT step 0)."""
+    from transformers import DynamicCache
+
+    from eagle3.evaluate import Eagle3Drafter, TargetAuxRunner
+
+    model, tok = target_model
+    dm = load_drafter(random_drafter, model)
+    seq = render(tok, EVAL_QUESTIONS[1]) + [1, 2, 3]
+    runner = TargetAuxRunner(model, AUX_IDS)
+    with torch.no_grad():
+        _, aux = runner.forward(torch.tensor([seq]), DynamicCache())
+        runner.close()
+        n = len(seq) - 1
+        dr = Eagle3Drafter(dm)
+        half = n // 2  # two chunks through the cache == one pass
+        l1, _ = dr.step(torch.tensor(seq[1:half + 1]), dr.combine(aux[:half]), torch.arange(half))
+        l2, _ = dr.step(torch.tensor(seq[half + 1:]), dr.combine(aux[half:n]), torch.arange(half, n))
+        ours = torch.cat([l1, l2]).argmax(-1)
+        ref = dm(hidden_states=aux[None, :n], input_ids=torch.tensor([seq[1:]]),
+                 document_ids=torch.zeros(1, n, dtype=torch.long), ttt_steps=1)[0]
+    assert torch.equal(ours, ref[0])
+
+
+def test_load_drafter_takes_the_training_vocab_mapping(random_drafter, target_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model, _ = target_model
+    sd = load_file(str(random_drafter / "model.safetensors"))
+    d2t = sd["d2t"].clone()
+    d2t[-1] += 1  # the last kept id moved up by one (still ascending and in range)
+    t2d = torch.zeros_like(sd["t2d"])
+    t2d[torch.arange(d2t.numel()) + d2t] = True
+    save_file({"d2t": d2t, "t2d": t2d}, str(tmp_path / "vm.safetensors"))
+    s = DrafterSettings(aux_layer_ids=AUX_IDS, norm_before_residual=True, vocab_mapping=str(tmp_path / "vm.safetensors"))
+    assert torch.equal(load_drafter(random_drafter, model, s).d2t, d2t)
+    assert torch.equal(load_drafter(random_drafter, model).d2t, sd["d2t"])
+
+
 @pytest.fixture(scope="module")
 def fitted_drafter(embedded_target, target_model, tmp_path_factory):
     """A drafter fitted for a few dozen TTT steps on the target's own states (accepts drafts)."""
@@ -244,7 +283,10 @@ def test_heldout_prompts_never_include_training_prompts(tmp_params, target_model
 # ------------------------------------------------------------------------------------- stage + vLLM
 
 
-def _stage_run_dir(tmp_params, drafter: Path, k_cfg=None):
+def _stage_run_dir(tmp_params, drafter: Path, corrupt_mapping: bool = False):
+    """A run directory with stage 1-4 outputs Stage 5 reads: samples, 02_vocab mapping, 03 meta, 04 drafter."""
+    from safetensors.torch import load_file, save_file
+
     params, run_dir = _write_run(
         tmp_params, EVAL_QUESTIONS[:2], TRAIN_QUESTIONS,
         "evaluate:\n  num_speculative_tokens: 3\n  max_new_tokens: 24\n  parity_tolerance: 0.15\n"
@@ -253,10 +295,19 @@ def _stage_run_dir(tmp_params, drafter: Path, k_cfg=None):
     (run_dir / "03_extract" / "meta.json").write_text(json.dumps({"aux_layer_ids": AUX_IDS, "num_hidden_layers": 30}))
     dst = run_dir / "04_train" / "drafter"
     shutil.copytree(drafter, dst)
-    if k_cfg:
-        cfg = json.loads((dst / "config.json").read_text())
-        cfg.update(k_cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
+    sd = load_file(str(dst / "model.safetensors"))
+    (run_dir / "02_vocab").mkdir()
+    save_file({"d2t": sd["d2t"], "t2d": sd["t2d"]}, str(run_dir / "02_vocab" / "vocab_mapping.safetensors"))
+    if corrupt_mapping:
+        # a valid but wrong mapping: drop the smallest kept id, add an unused one above the largest,
+        # so that draft id i now names the target id of draft id i+1
+        kept = torch.arange(sd["d2t"].numel()) + sd["d2t"]
+        spare = int(kept.max()) + 1
+        new = torch.cat([kept[1:], torch.tensor([spare])])
+        sd["d2t"] = new - torch.arange(new.numel())
+        sd["t2d"] = torch.zeros_like(sd["t2d"])
+        sd["t2d"][new] = True
+        save_file(sd, str(dst / "model.safetensors"))
     (run_dir / "04_train" / "stats.json").write_text(json.dumps({"drafter_dir": str(dst), "complete": True}))
     return params, run_dir
 
@@ -283,15 +334,21 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
         assert key in stats
     assert json.loads((sd / "stats.json").read_text())["complete"] is True
     assert (sd / "per_position.png").exists()
+    # a re-run reuses the offline records and the vLLM measurement and gives the same numbers
+    again = run(params, run_dir)
+    assert again["tau_vllm"] == stats["tau_vllm"] and again["tau_offline"] == stats["tau_offline"]
 
 
 @pytest.mark.slow
-def test_stage_parity_fails_on_layer_ids_changed_after_training(fitted_drafter, tmp_params):
+def test_stage_parity_fails_on_a_vocab_mapping_changed_after_training(fitted_drafter, tmp_params):
+    """The exported d2t no longer is the mapping the drafter was trained with (02_vocab): vLLM's τ
+    collapses while the offline τ (trained mapping) does not; the diagnosis names the mapping."""
     from eagle3.evaluate import run
 
-    params, run_dir = _stage_run_dir(tmp_params, fitted_drafter, {"eagle_aux_hidden_state_layer_ids": [4, 18, 29]})
+    params, run_dir = _stage_run_dir(tmp_params, fitted_drafter, corrupt_mapping=True)
     with pytest.raises(ParityError) as ei:
         run(params, run_dir)
-    assert ei.value.diagnosis[0].startswith("layer ids: config.json lists [4, 18, 29] but the drafter was trained on [2, 15, 27]")
+    assert any(p.startswith("vocab mapping: d2t differs from") for p in ei.value.diagnosis)
     st = json.loads((run_dir / "05_evaluate" / "stats.json").read_text())
     assert st["parity_ok"] is False and st["complete"] is False
+    assert st["tau_vllm"] < st["tau_offline"] - 0.3
