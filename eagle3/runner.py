@@ -212,6 +212,9 @@ def render_report(run_dir: str | Path) -> Path:
     pages = []
     for nb_path in executed:
         nb = nbformat.read(nb_path, as_version=4)
+        # Widget state (tqdm bars, the vocab slider) would make nbconvert load the widget manager
+        # from a CDN; the report must render offline, so widgets fall back to their text output.
+        nb.metadata.pop("widgets", None)
         body, _ = exporter.from_notebook_node(nb)
         out = rep / (nb_path.stem + ".html")
         out.write_text(offline_html(body), encoding="utf-8")
