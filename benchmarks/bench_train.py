@@ -125,8 +125,7 @@ def run_ours(params, run_dir: Path, warmup: int) -> dict:
 def run_bare(params, run_dir: Path, warmup: int) -> dict:
     """speculators' model, our batches pre-collated in memory, plain fwd/bwd/clip/AdamW loop."""
     from eagle3.train.data import ExtractedSamples, MicroBatches, build_schedule, collate_fn, read_manifest
-    from eagle3.train.model import build_drafter, default_attn_implementation, resolve_inputs
-    from speculators.losses import resolve_loss_config
+    from eagle3.train.model import build_drafter, default_attn_implementation, loss_config, resolve_inputs
 
     dev = torch.device("cuda:0" if params.train.device.startswith("cuda") else "cpu")
     tp = params.train
@@ -142,7 +141,8 @@ def run_bare(params, run_dir: Path, warmup: int) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tp.lr, betas=(0.9, 0.95),
                             fused=dev.type == "cuda" or None)
     kw = dict(ttt_steps=tp.ttt_steps, ttt_step_loss_decay=tp.ttt_step_loss_decay,
-              loss_config=resolve_loss_config(tp.loss, "fused" if dev.type == "cuda" else "eager"))
+              loss_config=loss_config(tp.loss, tp.loss_implementation if tp.loss_implementation != "auto"
+                                      else ("fused" if dev.type == "cuda" else "eager")))
     ac = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if dev.type == "cuda" else (lambda: torch.autocast("cpu", enabled=False))
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -201,6 +201,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--num-workers", type=int, default=None, help="train.num_workers for ours (default 0 CPU, 4 GPU)")
     ap.add_argument("--max-samples", type=int, default=None, help="synthetic samples (default 32 GPU, enough CPU)")
+    ap.add_argument("--loss-impl", default="auto", choices=["auto", "eager", "fused"],
+                    help="train.loss_implementation ('auto': fused Triton kernels on GPU, eager on CPU)")
     a = ap.parse_args(argv)
     cuda = a.device == "cuda"
     steps = a.steps or (20 if cuda else 6)
@@ -224,7 +226,8 @@ def main(argv=None) -> int:
                           [doc + 1] * n_samples)
             print(f"synthetic data: {n_samples} samples x {doc + 1} tokens in {time.time() - t0:.0f} s", flush=True)
         workers = a.num_workers if a.num_workers is not None else (4 if cuda else 0)
-        params = params_for(target_s, "cuda" if cuda else "cpu", budget, steps + warmup, epochs, num_workers=workers)
+        params = params_for(target_s, "cuda" if cuda else "cpu", budget, steps + warmup, epochs, num_workers=workers,
+                            loss_implementation=a.loss_impl)
         res = {"ours": [], "bare": []}
         for _ in range(a.repeats):
             for name, fn in (("bare", run_bare), ("ours", run_ours)):
@@ -239,7 +242,8 @@ def main(argv=None) -> int:
         print()
         dev_name = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
         print(f"device: {dev_name}; target hidden {shape['hidden_size']}, vocab {shape['vocab_size']}, draft vocab {draft}, "
-              f"1 draft layer, 3 TTT steps, token budget {budget}, samples of {doc} tokens")
+              f"1 draft layer, 3 TTT steps, token budget {budget}, samples of {doc} tokens, "
+              f"loss {params.train.loss} ({a.loss_impl}), torch {torch.__version__}")
         print(f"| {'loop':6} | {'tokens/s':>10} | {'steps':>5} | {'wall s':>7} | {'TFLOP/s':>8} | {'MFU':>6} | {'peak GiB':>8} |")
         print(f"|{'-' * 8}|{'-' * 12}|{'-' * 7}|{'-' * 9}|{'-' * 10}|{'-' * 8}|{'-' * 10}|")
         for k, r in best.items():

@@ -364,6 +364,41 @@ class _Signals:
 # data sources
 
 
+class _Prefetch:
+    """Hand out micro-batches already on the device; on CUDA the next one is copied on a side stream
+    while the current step computes (host tensors are pinned by the DataLoader). On CPU: as is."""
+
+    def __init__(self, batches, device) -> None:
+        import torch
+
+        self.it, self.device = iter(batches), device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.next = self._load()
+
+    def _load(self):
+        import torch
+
+        b = next(self.it, None)
+        if b is None or self.stream is None:
+            return b
+        with torch.cuda.stream(self.stream):
+            return {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
+
+    def __next__(self) -> dict:
+        import torch
+
+        b = self.next
+        if b is None:
+            raise StopIteration
+        if self.stream is not None:
+            cur = torch.cuda.current_stream(self.device)
+            cur.wait_stream(self.stream)
+            for v in b.values():
+                v.record_stream(cur)
+        self.next = self._load()
+        return b
+
+
 def _online_refs(run_dir: Path):
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
@@ -528,12 +563,9 @@ class _Trainer:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(tp.warmup_steps, len(self.schedule), tp.min_lr_ratio))
         impl = tp.loss_implementation if tp.loss_implementation != "auto" else (
             "fused" if self.ctx.device.type == "cuda" else "eager")
-        from speculators.losses import resolve_loss_config
+        from eagle3.train.model import loss_config as make_loss_config
 
-        try:
-            loss_config = resolve_loss_config(tp.loss, impl)
-        except ValueError as exc:
-            raise TrainError(f"train.loss={tp.loss!r}: {exc}") from None
+        loss_config = make_loss_config(tp.loss, impl)
         self.fwd_kwargs = dict(ttt_steps=tp.ttt_steps, ttt_step_loss_decay=tp.ttt_step_loss_decay, loss_config=loss_config)
         self.attn, self.loss_impl = attn, impl
         return model, opt, sched
@@ -554,17 +586,17 @@ class _Trainer:
             return {}
         keys = _metric_keys(self.tp.ttt_steps)
         mine = [b for i, b in enumerate(self.val_plan) if i % self.ctx.world == self.ctx.rank]
-        acc = torch.zeros(len(keys) + 1, dtype=torch.float64)
+        acc = torch.zeros(len(keys) + 1, dtype=torch.float64, device=self.ctx.device)
         module = getattr(model, "module", model)
         module.eval()
         with torch.no_grad(), self._autocast():
             for batch in self._micro(mine, val=True):
                 batch = {k: v.to(self.ctx.device, non_blocking=True) for k, v in batch.items()}
                 _, _, m = module(**batch, **self.fwd_kwargs)
-                acc[:-1] += torch.stack([m[k].detach().double().cpu() for k in keys])
-                acc[-1] += float((batch["document_ids"] != -1).sum())
+                acc[:-1] += torch.stack([m[k].detach().double() for k in keys])
+                acc[-1] += (batch["document_ids"] != -1).sum()
         module.train()
-        self.ctx.all_sum(acc)
+        acc = self.ctx.all_sum(acc).cpu()
         sums = dict(zip(keys, acc[:-1].tolist()))
         rec = {"kind": "val", "step": step, **summarize(sums, self.tp.ttt_steps, prefix="val_"), "val_tokens": int(acc[-1])}
         self._log(rec)
@@ -662,7 +694,7 @@ class _Trainer:
         keys = _metric_keys(tp.ttt_steps)
         A = tp.grad_accum
         my_lists = [mb for _, grp in self.schedule[start:] for mb in grp[ctx.rank * A:(ctx.rank + 1) * A]]
-        batches = iter(self._micro(my_lists))
+        batches = _Prefetch(self._micro(my_lists), ctx.device)
         trainable = [p for p in base.parameters() if p.requires_grad]
         status, ckpt_path, step, done_here = "running", None, start, 0
         try:
@@ -670,26 +702,26 @@ class _Trainer:
                 while step < total:
                     t0 = time.time()
                     epoch = self.schedule[step][0]
-                    vec = torch.zeros(len(keys) + 3 + G, dtype=torch.float64)
+                    # metrics stay on the device until the one host sync per step (below)
+                    vec = torch.zeros(len(keys) + 4 + G, dtype=torch.float64, device=ctx.device)
                     for a in range(A):
                         batch = next(batches)
-                        batch = {k: v.to(ctx.device, non_blocking=True) for k, v in batch.items()}
                         sync = model.no_sync() if (ctx.world > 1 and a < A - 1) else contextlib.nullcontext()
                         with sync:
                             with self._autocast():
                                 _, loss, m = model(**batch, **self.fwd_kwargs)
                             (loss / A).backward()
-                        vec[:len(keys)] += torch.stack([m[k].detach().double().cpu() for k in keys])
-                        vec[len(keys)] += float((batch["document_ids"] != -1).sum())
-                        if not bool(torch.isfinite(loss.detach())):
-                            vec[len(keys) + 3 + ctx.rank * A + a] = 1.0
+                        vec[:len(keys)] += torch.stack([m[k].detach().double() for k in keys])
+                        vec[len(keys)] += (batch["document_ids"] != -1).sum()
+                        vec[len(keys) + 4 + ctx.rank * A + a] = (~torch.isfinite(loss.detach())).double()
                     gnorm = torch.nn.utils.clip_grad_norm_(trainable, tp.grad_clip)
-                    vec[len(keys) + 1] = 0.0 if bool(torch.isfinite(gnorm)) else 1.0
+                    vec[len(keys) + 1] = (~torch.isfinite(gnorm)).double()
                     vec[len(keys) + 2] = 1.0 if sig.received is not None else 0.0
-                    ctx.all_sum(vec)
-                    bad_mb = [i for i in range(G) if vec[len(keys) + 3 + i] > 0]
+                    vec[len(keys) + 3] = gnorm.double() / ctx.world
+                    vec = ctx.all_sum(vec).cpu()
+                    bad_mb = [i for i in range(G) if vec[len(keys) + 4 + i] > 0]
                     if bad_mb or vec[len(keys) + 1] > 0:
-                        self._diverged(step + 1, epoch, bad_mb, float(gnorm))
+                        self._diverged(step + 1, epoch, bad_mb, float(vec[len(keys) + 3]))
                     lr = opt.param_groups[0]["lr"]
                     opt.step()
                     sched.step()
@@ -702,7 +734,7 @@ class _Trainer:
                     state["elapsed_s"] = float(state["elapsed_s"]) + dt
                     sums = dict(zip(keys, vec[:len(keys)].tolist()))
                     rec = {"kind": "train", "step": step, "epoch": epoch, "lr": lr, **summarize(sums, tp.ttt_steps),
-                           "grad_norm": float(gnorm), "tokens": ntok, "tokens_per_s": ntok / max(dt, 1e-9),
+                           "grad_norm": float(vec[len(keys) + 3]), "tokens": ntok, "tokens_per_s": ntok / max(dt, 1e-9),
                            "tokens_seen": state["tokens_seen"], "time_s": round(dt, 4), "t": round(time.time(), 3)}
                     self._log(rec)
                     if prog is not None:

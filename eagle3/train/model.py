@@ -31,6 +31,7 @@ __all__ = [
     "load_vocab_mapping",
     "mapping_problems",
     "build_drafter",
+    "loss_config",
     "trainable_state",
     "export_drafter",
     "check_drafter",
@@ -300,6 +301,29 @@ def build_drafter(params: Params, inputs: DrafterInputs, attn_implementation: st
     return model
 
 
+def loss_config(loss: str, implementation: str):
+    """speculators' loss config ``{name: (fn, weight)}`` for ``train.loss`` ('kl_div', a JSON dict, ...).
+
+    The fused (Triton) losses are wrapped in ``torch.compiler.disable``: speculators compiles the
+    drafter's forward on CUDA, and dynamo tracing into the fused kernels' autotuners fails
+    ("ListVariable ... is already tracked for mutation", seen with torch 2.11 on an H200); the
+    kernels need no compiling, so the graph simply breaks around the loss.
+
+    Raises:
+        TrainError: an unknown loss name or implementation.
+    """
+    import torch
+    from speculators.losses import resolve_loss_config
+
+    try:
+        cfg = resolve_loss_config(loss, implementation)
+    except ValueError as exc:
+        raise TrainError(f"train.loss={loss!r}: {exc}") from None
+    if implementation == "fused":
+        cfg = {k: (torch.compiler.disable(fn), w) for k, (fn, w) in cfg.items()}
+    return cfg
+
+
 def trainable_state(model) -> dict:
     """The trainable parameters (requires_grad) of a drafter as a name -> tensor dict (detached)."""
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
@@ -323,8 +347,10 @@ def export_drafter(model, out_dir: str | Path, verifier_name: str, dtype=None, i
                    info: dict | None = None) -> Path:
     """Write a drafter in the speculators format (``config.json`` + ``model.safetensors``), atomically.
 
-    Tensors written: the trained draft weights and the frozen ``lm_head`` cast to ``dtype``, ``d2t``
-    (int64) and ``t2d`` (bool) when the draft vocab is smaller than the target's, and
+    Tensors written: the trained draft weights and the frozen ``lm_head`` cast to ``dtype`` (except
+    the RMSNorm gains, kept in float32: they start at exactly 1.0 and move by about ``lr`` per step,
+    which bfloat16's 2^-7 spacing near 1.0 would round away in a short run; vLLM and speculators cast
+    on load), ``d2t`` (int64) and ``t2d`` (bool) when the draft vocab is smaller than the target's, and
     ``embed_tokens.weight`` only when ``include_embed_tokens`` (then it must equal the target's bit
     for bit: pass the target's dtype). Without it vLLM shares the target's embeddings. The
     verifier-only tensors (``verifier_lm_head``, ``verifier_norm``) are never written.
@@ -349,8 +375,8 @@ def export_drafter(model, out_dir: str | Path, verifier_name: str, dtype=None, i
             continue
         if k == "embed_tokens.weight" and not include_embed_tokens:
             continue
-        if v.is_floating_point() and dtype is not None:
-            v = v.to(dtype)
+        if v.is_floating_point() and dtype is not None and not k.endswith("norm.weight"):
+            v = v.to(dtype)  # RMSNorm gains stay float32: a short run's updates (~lr) survive, see docstring
         tensors[k] = v.detach().cpu().contiguous().clone()
     cfg = _export_config(model, verifier_name, dtype or next(model.parameters()).dtype)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
