@@ -887,10 +887,7 @@ class _Trainer:
         return last
 
     def _figures(self) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # no backend switch: a notebook keeps showing its figures inline
 
         from eagle3.train.plots import load_metrics, plot_training, plot_validation
 

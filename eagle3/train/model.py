@@ -279,7 +279,11 @@ def build_drafter(params: Params, inputs: DrafterInputs, attn_implementation: st
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
 
+    from loguru import logger as _loguru
+
     tp = params.train
+    # speculators logs every verifier file it opens (and warns about tied lm_heads); quiet here
+    _loguru.disable("speculators")
     try:
         layer_cfg = create_transformer_layer_config(
             verifier_name_or_path=str(inputs.target_path), num_layers=tp.num_layers, draft_arch="llama",
@@ -297,6 +301,8 @@ def build_drafter(params: Params, inputs: DrafterInputs, attn_implementation: st
         )
     except (ValueError, TypeError) as exc:
         raise TrainError(f"speculators refused the drafter configuration: {exc}") from None
+    finally:
+        _loguru.enable("speculators")
     model.config.target_hidden_size = inputs.hidden_size
     return model
 
