@@ -123,8 +123,8 @@ def test_lossless_greedy_with_random_drafter(random_drafter, target_model):
     model, tok = target_model
     dm = load_drafter(random_drafter, model)
     ids = render(tok, EVAL_QUESTIONS[0])
-    r = speculative_generate(model, dm, ids, 3, 12, AUX_IDS, stop_ids=[model.config.eos_token_id])
-    assert r["tokens"] == greedy(model, ids, 12)
+    r = speculative_generate(model, dm, ids, 3, 8, AUX_IDS, stop_ids=[model.config.eos_token_id])
+    assert r["tokens"] == greedy(model, ids, 8)
     assert all(rd[1] == 3 for rd in r["rounds"]) and r["rounds"][0][0] == len(ids) + 1
     assert r["target_forwards"] == r["verification_steps"] + 1
 
@@ -179,6 +179,18 @@ def fitted_drafter(embedded_target, target_model, tmp_path_factory):
 def _eval_prompts(tok, n=2):
     return [{"id": f"e{i}", "source": "test", "prompt_ids": render(tok, q),
              "messages": [{"role": "user", "content": q}]} for i, q in enumerate(EVAL_QUESTIONS[:n])]
+
+
+def test_sampling_mode_is_reproducible_and_well_formed(random_drafter, target_model):
+    model, tok = target_model
+    dm = load_drafter(random_drafter, model)
+    ids = render(tok, EVAL_QUESTIONS[2])
+    runs = [speculative_generate(model, dm, ids, 2, 6, AUX_IDS, temperature=0.8,
+                                 generator=torch.Generator().manual_seed(7)) for _ in range(2)]
+    assert runs[0]["tokens"] == runs[1]["tokens"] and len(runs[0]["tokens"]) == 6
+    assert all(0 <= r[2] <= 2 and r[1] == 2 for r in runs[0]["rounds"])
+    produced = sum(1 + r[2] for r in runs[0]["rounds"]) + 1  # + the prefill's token
+    assert produced >= 6
 
 
 def test_offline_records_resume_after_a_torn_line(random_drafter, target_model, tmp_path):
