@@ -1356,7 +1356,6 @@ def run(params, run_dir: str | Path) -> dict:
     k, temp = ev.num_speculative_tokens, ev.temperature
     resolved = resolve_target(params.target)
     drafter_dir = find_drafter(params, run_dir)
-    tracker = Tracker(params, run_dir, STAGE_NAME)
     model, tok, _ = load_target(params.target)
     prompts, pinfo = heldout_prompts(params, run_dir, tok)
     atomic_write_json(sd / "prompts.json", {"info": pinfo, "prompts": [
@@ -1456,6 +1455,7 @@ def run(params, run_dir: str | Path) -> dict:
             "diagnosis": diagnosis,
             "vllm_serve_command": cmd,
         }
+        tracker = Tracker(params, run_dir, STAGE_NAME)
         try:
             for name, fig in figures(results).items():
                 tracker.figure(name, fig)
