@@ -1347,7 +1347,7 @@ def run(params, run_dir: str | Path) -> dict:
         ParityError: at temperature 0, offline and vLLM τ differ by more than
             ``evaluate.parity_tolerance`` (relative); results.json holds the diagnosis.
     """
-    from eagle3.target import load_target, resolve_target
+    from eagle3.target import load_target, load_tokenizer, resolve_target, torch_dtype
     from eagle3.tracking import Tracker
 
     run_dir = Path(run_dir)
@@ -1356,7 +1356,10 @@ def run(params, run_dir: str | Path) -> dict:
     k, temp = ev.num_speculative_tokens, ev.temperature
     resolved = resolve_target(params.target)
     drafter_dir = find_drafter(params, run_dir)
-    model, tok, _ = load_target(params.target)
+    if "offline" in ev.backends:
+        model, tok, _ = load_target(params.target)
+    else:  # vLLM only (e.g. a target too large for one device): the tokenizer is enough
+        model, tok = None, load_tokenizer(resolved, params.target.trust_remote_code)
     prompts, pinfo = heldout_prompts(params, run_dir, tok)
     atomic_write_json(sd / "prompts.json", {"info": pinfo, "prompts": [
         {kk: p[kk] for kk in ("id", "source", "prompt_hash")} | {"prompt_tokens": len(p["prompt_ids"])} for p in prompts]})
@@ -1364,7 +1367,7 @@ def run(params, run_dir: str | Path) -> dict:
     served = drafter_settings_from_config(drafter_dir, vllm_view=True)
     drafter_key = _key([_file_sha(drafter_dir / "model.safetensors"), _read_config(drafter_dir)])
     prompts_key = _key([[p["id"], p["prompt_ids"]] for p in prompts])
-    t_dtype = str(model.dtype).replace("torch.", "")
+    t_dtype = str(model.dtype if model is not None else torch_dtype(params.target.dtype, resolved.path)).replace("torch.", "")
     units = (len(prompts) if "offline" in ev.backends else 0) + (len(ev.vllm_methods) if "vllm" in ev.backends else 0)
     backends: dict[str, dict] = {}
     offline_recs: list[dict] | None = None
