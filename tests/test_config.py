@@ -28,7 +28,8 @@ def test_kimi_recipe_matches_motivating_scale():
     assert p.synthesize.limit == 10000
     assert p.vocab.max_seq_len == 4096
     assert p.vocab.draft_vocab_size == 32000
-    assert p.train.token_budget == 8 * 4096
+    # batch 8 x 4096: 8 DDP ranks of 4096 tokens each (one sequence per rank per step)
+    assert p.train.token_budget * p.train.data_parallel * p.train.grad_accum == 8 * 4096
 
 
 def test_missing_file(tmp_path):
