@@ -1,0 +1,158 @@
+"""End to end: params/ci.yaml through papermill (all five notebooks, the real `eagle3 run`), every
+stage's artifacts checked against its contract (docs/DESIGN.md), the parity check, the report, and
+the report in a real browser (headless Chromium)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eagle3.io import STAGES, read_json
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ci_run(tmp_path_factory):
+    """Run `eagle3 run params/ci.yaml` (the console script, in a subprocess) into a temp output dir."""
+    out = tmp_path_factory.mktemp("ci-outputs")
+    exe = Path(sys.executable).parent / "eagle3"
+    env = dict(os.environ, WANDB_MODE="offline")
+    r = subprocess.run([str(exe), "run", str(ROOT / "params" / "ci.yaml"), "--set", f"run.output_dir={out}"],
+                       capture_output=True, text=True, env=env, timeout=3000)
+    (out / "run.log").write_text(r.stdout + "\n" + r.stderr)
+    assert r.returncode == 0, f"eagle3 run failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    return out / "ci"
+
+
+def test_every_stage_complete_with_progress(ci_run):
+    from eagle3.runner import format_status
+
+    for s, name in STAGES.items():
+        assert read_json(ci_run / name / "stats.json")["complete"], name
+        prog = read_json(ci_run / name / "progress.json")
+        assert prog["status"] == "done" and prog["done"] == prog["total"], (name, prog)
+    assert format_status(ci_run).count("complete") == 5
+    assert len(list((ci_run / "notebooks").glob("0*.ipynb"))) == 5
+
+
+def test_stage1_samples_contract(ci_run):
+    lines = (ci_run / "01_synthesize" / "samples.jsonl").read_text().splitlines()
+    samples = [json.loads(x) for x in lines]
+    stats = read_json(ci_run / "01_synthesize" / "stats.json")
+    assert len(samples) == 24 == stats["samples"]
+    assert len({s["id"] for s in samples}) == 24
+    splits = [s["split"] for s in samples]
+    assert 0 < splits.count("heldout") < 24
+    for s in samples:
+        roles = [m["role"] for m in s["messages"]]
+        assert "user" in roles and roles[-1] == "assistant" and s["messages"][-1]["content"].strip()
+        assert len(s["finish_reasons"]) == roles.count("assistant")
+        assert s["completion_tokens"] > 0 and s["settings"]["max_new_tokens"] == 48
+
+
+def test_stage2_tokenized_and_mapping(ci_run):
+    import pyarrow.parquet as pq
+    from safetensors.torch import load_file
+
+    d = ci_run / "02_vocab"
+    train = pq.read_table(d / "train.parquet").to_pylist()
+    heldout = pq.read_table(d / "heldout.parquet").to_pylist()
+    samples = [json.loads(x) for x in (ci_run / "01_synthesize" / "samples.jsonl").read_text().splitlines()]
+    train_ids = {s["id"] for s in samples if s["split"] == "train"}
+    assert {r["id"].split("#")[0] for r in train} <= train_ids
+    assert not {r["id"].split("#")[0] for r in heldout} & train_ids
+    for r in train:
+        assert len(r["input_ids"]) == len(r["loss_mask"]) <= 512 and sum(r["loss_mask"]) > 0
+    m = load_file(d / "vocab_mapping.safetensors")
+    d2t, t2d = m["d2t"], m["t2d"]
+    assert d2t.dtype.is_floating_point is False and d2t.shape == (2048,) and t2d.shape == (49152,)
+    kept = (np.arange(2048) + d2t.numpy())
+    assert (np.diff(kept) > 0).all() and int(t2d.sum()) == 2048 and t2d.numpy()[kept].all()
+    # the most frequent supervised token of the corpus is in the draft vocab
+    counts = np.load(d / "token_counts.npy")
+    assert t2d.numpy()[int(counts.argmax())]
+
+
+def test_stage3_hidden_states_contract(ci_run):
+    import pyarrow.parquet as pq
+    from safetensors import safe_open
+
+    d = ci_run / "03_extract"
+    meta = read_json(d / "meta.json")
+    N = meta["num_hidden_layers"]
+    assert meta["aux_layer_ids"] == [2, N // 2, N - 3] and meta["hidden_size"] == 576
+    manifest = [json.loads(x) for x in (d / "manifest.jsonl").read_text().splitlines()]
+    train = pq.read_table(ci_run / "02_vocab" / "train.parquet").to_pylist()
+    assert len(manifest) == len(train)
+    first = manifest[0]
+    assert first["file"].startswith("rows_000000-002000/")
+    with safe_open(d / first["file"], "pt") as f:
+        hs, ids = f.get_tensor("hidden_states"), f.get_tensor("token_ids")
+    assert str(hs.dtype) == "torch.bfloat16" and hs.shape == (first["num_tokens"], 4, 576)
+    assert ids.tolist() == train[first["row"]]["input_ids"]
+
+
+def test_stage4_drafter_exported_and_checked(ci_run, embedded_target):
+    from eagle3.train import check_drafter
+
+    drafter = Path(read_json(ci_run / "04_train" / "stats.json")["drafter_dir"])
+    cfg = json.loads((drafter / "config.json").read_text())
+    meta = read_json(ci_run / "03_extract" / "meta.json")
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == meta["aux_layer_ids"]
+    assert cfg["draft_vocab_size"] == 2048 and cfg["target_hidden_size"] in (None, 576)
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        assert flag in cfg
+    assert check_drafter(drafter, embedded_target.path) == []
+    assert (ci_run / "04_train" / "metrics.jsonl").read_text().strip()
+
+
+def test_stage5_parity_and_methods(ci_run):
+    st = read_json(ci_run / "05_evaluate" / "stats.json")
+    assert st["parity_ok"] is True and st["temperature"] == 0.0 and st["k"] == 3
+    assert st["tau_vllm"] >= 1.0 and st["tau_offline"] >= 1.0
+    assert abs(st["tau_offline"] - st["tau_vllm"]) <= 0.25 * st["tau_offline"]
+    assert st["tau_ngram"] >= 1.0 and st["tokens_per_forward_ngram"] >= 1.0
+    assert "--speculative-config" in st["vllm_serve_command"] and "eagle3" in st["vllm_serve_command"]
+    assert (ci_run / "05_evaluate" / "results.json").exists()
+
+
+def _chromium() -> str:
+    from eagle3.browser import find_chromium
+
+    exe = find_chromium()
+    if exe is None and shutil.which("apt-get") and os.geteuid() == 0:
+        subprocess.run(["apt-get", "update", "-qq"], capture_output=True, timeout=600)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], capture_output=True, timeout=1200,
+                       env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+        exe = find_chromium()
+    if exe is None:
+        pytest.skip("Debian's chromium package could not be installed here (not root, or no apt-get)")
+    return exe
+
+
+def test_report_in_a_real_browser(ci_run):
+    from eagle3.browser import check_page
+
+    exe = _chromium()
+    index = ci_run / "report" / "index.html"
+    html = index.read_text()
+    assert "vllm serve" in html and "parity_ok" in html
+    pages = [index] + sorted((ci_run / "report").glob("0*.html"))
+    assert len(pages) == 6
+    for page in pages:
+        r = check_page(page, ci_run / "report" / f"screenshot-{page.stem}.png", executable=exe)
+        assert r.js_errors == [] and r.failed_requests == [], (page.name, r)
+        assert r.broken_images == [], (page.name, r.broken_images)
+        assert r.screenshot.stat().st_size > 10_000
+    index_check = check_page(index, ci_run / "report" / "screenshot.png", executable=exe)
+    assert index_check.images >= 10  # the stages' figures
