@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from eagle3.errors import ParamsError
 
 __all__ = [
     "ParamsError",
@@ -26,10 +27,6 @@ __all__ = [
     "params_fingerprint",
     "dump_params",
 ]
-
-
-class ParamsError(ValueError):
-    """A params file or override is invalid; the message names the file, the key and the fix."""
 
 
 class _Section(BaseModel):

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from eagle3.io import Progress, atomic_write_json, read_json, stage_dir, write_stats
+from eagle3.errors import EvaluateError, ParityError
 
 __all__ = [
     "ParityError",
@@ -82,18 +83,6 @@ __all__ = [
 
 STAGE = 5
 STAGE_NAME = "05_evaluate"
-
-
-class EvaluateError(RuntimeError):
-    """Stage 5 cannot run (missing stage output, bad drafter directory, failed vLLM job)."""
-
-
-class ParityError(RuntimeError):
-    """Offline τ and vLLM τ disagree beyond the tolerance; ``.diagnosis`` lists the suspects."""
-
-    def __init__(self, message: str, diagnosis: list[str]):
-        super().__init__(message + "\nDiagnosis:\n  - " + "\n  - ".join(diagnosis or ["(none found)"]))
-        self.diagnosis = diagnosis
 
 
 # ---------------------------------------------------------------------------------------------

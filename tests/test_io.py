@@ -73,3 +73,37 @@ def test_progress_heartbeat_keeps_file_fresh_during_long_work(tmp_path):
     time.sleep(1.0)
     assert read_json(tmp_path / "progress.json") == closed  # nothing writes after close
     assert closed["status"] == "done"
+
+
+# ------------------------------------------------------------------ read_jsonl, digests, bytes
+
+
+def test_read_jsonl_drops_only_a_torn_last_line(tmp_path):
+    from eagle3.io import read_jsonl
+
+    f = tmp_path / "s.jsonl"
+    f.write_bytes(b'{"id": "a"}\n\n{"id": "b"}\n{"id": "c", "te')  # killed mid-write
+    assert read_jsonl(f) == [{"id": "a"}, {"id": "b"}]
+    f.write_bytes(b'{"id": "a"}\n{"id": "b"}')  # complete record, no final newline: kept
+    assert read_jsonl(f) == [{"id": "a"}, {"id": "b"}]
+    f.write_bytes(b'{"id": "a"}\n{"id": \n{"id": "c"}\n')  # corruption in the middle
+    with pytest.raises(ValueError, match=r"s\.jsonl:2: not valid JSON"):
+        read_jsonl(f)
+
+
+def test_read_jsonl_missing_file_and_error_class(tmp_path):
+    from eagle3.errors import VocabError
+    from eagle3.io import read_jsonl
+
+    assert read_jsonl(tmp_path / "none.jsonl", missing_ok=True) == []
+    with pytest.raises(VocabError, match="none.jsonl: no such file"):
+        read_jsonl(tmp_path / "none.jsonl", error=VocabError)
+
+
+def test_file_sha256_and_format_bytes(tmp_path):
+    from eagle3.io import file_sha256, format_bytes
+
+    f = tmp_path / "b.bin"
+    f.write_bytes(b"abc")
+    assert file_sha256(f) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"  # FIPS 180-2 "abc"
+    assert [format_bytes(n) for n in (None, 0, 1023, 1536, 5 * 2**30)] == ["-", "0 B", "1023 B", "1.5 KiB", "5.0 GiB"]

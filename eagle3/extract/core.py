@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
+from eagle3.errors import ExtractError
 
 __all__ = [
     "ExtractError",
@@ -59,10 +60,6 @@ __all__ = [
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 ROW_FILE_RE = re.compile(r"^(\d{6,})\.safetensors$")
 SHARD_DIR_RE = re.compile(r"^rows_(\d{6,})-(\d{6,})$")
-
-
-class ExtractError(RuntimeError):
-    """Stage 3 cannot proceed; the message names the file / row / field and what to do."""
 
 
 class NonFiniteError(ExtractError):

@@ -21,6 +21,7 @@ from typing import Any
 
 from eagle3.config import Params
 from eagle3.io import atomic_write_json, read_json
+from eagle3.errors import TrainError
 
 __all__ = [
     "TrainError",
@@ -40,10 +41,6 @@ __all__ = [
 # The four Eagle-3 norm switches. vLLM's converter and speculators disagree on the default of
 # norm_before_residual (vLLM: True, speculators: False), so the export always writes all four.
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-
-
-class TrainError(RuntimeError):
-    """Stage 4 cannot run on its inputs; the message names the file/field and the fix."""
 
 
 class DrafterCheckError(TrainError):

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
+from eagle3.errors import VocabError
 
 __all__ = [
     "VocabError",
@@ -54,10 +55,6 @@ __all__ = [
 ]
 
 ROLES = ("system", "user", "assistant")
-
-
-class VocabError(ValueError):
-    """Bad input or an impossible request in stage 2; the message names the file/line/field."""
 
 
 # --------------------------------------------------------------------------- samples.jsonl

@@ -1,0 +1,291 @@
+"""Every path of a run, in one place.
+
+A run directory (``<run.output_dir>/<run.name>``) holds ``params.yaml``, one folder per stage and
+``report/``::
+
+    params.yaml
+    01_synthesize/  samples.jsonl, progress.json, stats.json
+    02_vocab/       train.parquet, heldout.parquet, vocab_mapping.safetensors, mapping.json, ...
+    03_extract/     meta.json, manifest.jsonl, preflight.json, rows_*/NNNNNN.safetensors
+    04_train/       metrics.jsonl, checkpoints/step_NNNNNN/, drafter/ (config.json, model.safetensors)
+    05_evaluate/    results.json
+    report/         index.html, one HTML page per executed notebook, figures/
+
+Stage folder names live here and nowhere else (``tests/test_hygiene.py`` checks it). A module that
+reads a file another stage wrote asks :class:`RunDir` for its path::
+
+    rd = RunDir(run_dir)
+    rd.samples                 # 01_synthesize/samples.jsonl
+    rd.tokenized("heldout")    # 02_vocab/heldout.parquet
+    rd.stage(3)                # 03_extract/ (created by rd.stage(3, create=True))
+
+The file names of each stage (``samples.jsonl``, ...) are module constants too, for code that
+already holds a stage folder. See docs/DESIGN.md "Stage contracts" for what each file contains.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from eagle3.errors import ParamsError
+
+__all__ = [
+    "STAGES",
+    "NOTEBOOKS",
+    "SYNTHESIZE",
+    "VOCAB",
+    "EXTRACT",
+    "TRAIN",
+    "EVALUATE",
+    "PARAMS_FILE",
+    "PROGRESS_FILE",
+    "STATS_FILE",
+    "RunDir",
+    "project_root",
+    "notebooks_dir",
+    "notebook_path",
+    "resolve_run_dir",
+    "stage_dir",
+    "stage_complete",
+    "prepare_run_dir",
+]
+
+# Stage numbers, for readable call sites: ``rd.stage(EXTRACT)``.
+SYNTHESIZE, VOCAB, EXTRACT, TRAIN, EVALUATE = 1, 2, 3, 4, 5
+
+# Stage number -> folder name inside the run directory (DESIGN.md "Stage contracts").
+STAGES: dict[int, str] = {
+    SYNTHESIZE: "01_synthesize",
+    VOCAB: "02_vocab",
+    EXTRACT: "03_extract",
+    TRAIN: "04_train",
+    EVALUATE: "05_evaluate",
+}
+# Stage number -> notebook file under notebooks/.
+NOTEBOOKS: dict[int, str] = {
+    SYNTHESIZE: "01_synthesize.ipynb",
+    VOCAB: "02_vocab_coverage.ipynb",
+    EXTRACT: "03_extract_hidden_states.ipynb",
+    TRAIN: "04_train_drafter.ipynb",
+    EVALUATE: "05_evaluate_acceptance.ipynb",
+}
+
+# Files every stage folder has / the run directory has.
+PARAMS_FILE = "params.yaml"
+PROGRESS_FILE = "progress.json"
+STATS_FILE = "stats.json"
+REPORT_DIR = "report"
+
+# Stage 1
+SAMPLES_FILE = "samples.jsonl"
+# Stage 2
+TOKENIZED_FILE = "{split}.parquet"  # split: "train" | "heldout"
+VOCAB_MAPPING_FILE = "vocab_mapping.safetensors"
+MAPPING_JSON_FILE = "mapping.json"
+TOKEN_COUNTS_FILE = "token_counts.npy"
+HELDOUT_TOKEN_COUNTS_FILE = "heldout_token_counts.npy"
+# Stage 3
+EXTRACT_META_FILE = "meta.json"
+MANIFEST_FILE = "manifest.jsonl"
+PREFLIGHT_FILE = "preflight.json"
+# Stage 4
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS_DIR = "checkpoints"
+DRAFTER_DIR = "drafter"
+# Stage 5
+RESULTS_FILE = "results.json"
+
+
+def project_root() -> Path:
+    """The repository root (the folder holding pyproject.toml above this package), else the cwd."""
+    here = Path(__file__).resolve().parent.parent
+    return here if (here / "pyproject.toml").exists() else Path.cwd()
+
+
+def notebooks_dir() -> Path:
+    """``<project_root>/notebooks``."""
+    return project_root() / "notebooks"
+
+
+def notebook_path(stage: int) -> Path:
+    """``<project_root>/notebooks/<NN_name>.ipynb`` of stage 1..5."""
+    return notebooks_dir() / NOTEBOOKS[stage]
+
+
+def resolve_run_dir(params) -> Path:
+    """``<run.output_dir>/<run.name>``, a relative output_dir taken from the project root (absolute)."""
+    out = Path(params.run.output_dir).expanduser()
+    if not out.is_absolute():
+        out = project_root() / out
+    return (out / params.run.name).resolve()
+
+
+def stage_dir(run_dir: str | Path, stage: int, create: bool = True) -> Path:
+    """``<run_dir>/<NN_name>`` for stage 1..5; created when ``create``."""
+    d = Path(run_dir) / STAGES[stage]
+    if create:
+        d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def stage_complete(run_dir: str | Path, stage: int) -> bool:
+    """True when the stage's ``stats.json`` exists and says ``complete``."""
+    f = Path(run_dir) / STAGES[stage] / STATS_FILE
+    if not f.exists():
+        return False
+    return bool(json.loads(f.read_text(encoding="utf-8")).get("complete"))
+
+
+def prepare_run_dir(params, run_dir: str | Path | None = None) -> Path:
+    """Create (or re-open) the run directory and write the resolved ``params.yaml`` into it.
+
+    A run directory belongs to one set of params: re-opening it with params whose results would
+    differ is refused (``ParamsError`` listing the differing keys), so that no stage ever mixes
+    outputs of two configurations. Tracking settings and names may change between calls.
+
+    Args:
+        params: the resolved :class:`eagle3.config.Params`.
+        run_dir: the folder; default ``resolve_run_dir(params)``.
+
+    Returns:
+        Path: the run directory.
+
+    Raises:
+        ParamsError: ``params.yaml`` exists with a different fingerprint (the message lists the keys).
+    """
+    # config imports nothing of ours but errors; imported here so that `rundir` stays importable
+    # from config-free code (the report, the browser test helper).
+    from eagle3.config import diff_params, dump_params, load_params, params_fingerprint
+    from eagle3.io import atomic_write_text
+
+    rd = Path(run_dir) if run_dir is not None else resolve_run_dir(params)
+    rd.mkdir(parents=True, exist_ok=True)
+    pfile = rd / PARAMS_FILE
+    if pfile.exists():
+        old = load_params(pfile)
+        if params_fingerprint(old) != params_fingerprint(params):
+            diffs = diff_params(old, params)
+            raise ParamsError(
+                f"Run directory {rd} was created with different params ({pfile}); refusing to mix "
+                f"outputs of two configurations. Differences:\n  " + "\n  ".join(diffs) +
+                f"\nStart a new run with --run-name NEW_NAME (or run.name=...), or delete {rd}."
+            )
+    atomic_write_text(pfile, dump_params(params))
+    return rd
+
+
+class RunDir:
+    """The paths of one run directory. Pure path arithmetic: nothing is created or read except
+    by :meth:`stage` with ``create=True`` and :meth:`complete`.
+
+    Args:
+        root: the run directory (``resolve_run_dir(params)``).
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.root)!r})"
+
+    def __fspath__(self) -> str:
+        return str(self.root)
+
+    # ------------------------------------------------------------------ every stage
+    def stage(self, stage: int, create: bool = False) -> Path:
+        """``<root>/<NN_name>`` of stage 1..5 (created when ``create``)."""
+        return stage_dir(self.root, stage, create=create)
+
+    def progress(self, stage: int) -> Path:
+        """``<NN_name>/progress.json``: the live state of a stage (eagle3.io.Progress)."""
+        return self.stage(stage) / PROGRESS_FILE
+
+    def stats(self, stage: int) -> Path:
+        """``<NN_name>/stats.json``: a finished stage's numbers (``complete: true``)."""
+        return self.stage(stage) / STATS_FILE
+
+    def complete(self, stage: int) -> bool:
+        """True when the stage's ``stats.json`` says ``complete``."""
+        return stage_complete(self.root, stage)
+
+    @property
+    def params_file(self) -> Path:
+        """``params.yaml``: the resolved params the run was made with."""
+        return self.root / PARAMS_FILE
+
+    @property
+    def report_dir(self) -> Path:
+        """``report/``: index.html and the HTML pages of the executed notebooks."""
+        return self.root / REPORT_DIR
+
+    # ------------------------------------------------------------------ stage 1
+    @property
+    def samples(self) -> Path:
+        """``01_synthesize/samples.jsonl``: one conversation per line."""
+        return self.stage(SYNTHESIZE) / SAMPLES_FILE
+
+    # ------------------------------------------------------------------ stage 2
+    def tokenized(self, split: str) -> Path:
+        """``02_vocab/{split}.parquet`` for split "train" or "heldout": token ids and loss masks."""
+        if split not in ("train", "heldout"):
+            raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+        return self.stage(VOCAB) / TOKENIZED_FILE.format(split=split)
+
+    @property
+    def vocab_mapping(self) -> Path:
+        """``02_vocab/vocab_mapping.safetensors``: d2t / t2d tensors."""
+        return self.stage(VOCAB) / VOCAB_MAPPING_FILE
+
+    @property
+    def mapping_json(self) -> Path:
+        """``02_vocab/mapping.json``: vocab sizes, cache key and coverage of the mapping."""
+        return self.stage(VOCAB) / MAPPING_JSON_FILE
+
+    @property
+    def token_counts(self) -> Path:
+        """``02_vocab/token_counts.npy``: loss-masked token counts of the train split (int64, [V])."""
+        return self.stage(VOCAB) / TOKEN_COUNTS_FILE
+
+    @property
+    def heldout_token_counts(self) -> Path:
+        """``02_vocab/heldout_token_counts.npy``: the same for the held-out split."""
+        return self.stage(VOCAB) / HELDOUT_TOKEN_COUNTS_FILE
+
+    # ------------------------------------------------------------------ stage 3
+    @property
+    def extract_meta(self) -> Path:
+        """``03_extract/meta.json``: aux hidden state layer ids, hidden size, dtype, data fingerprint."""
+        return self.stage(EXTRACT) / EXTRACT_META_FILE
+
+    @property
+    def manifest(self) -> Path:
+        """``03_extract/manifest.jsonl``: one line per hidden-state file (row, id, file, bytes, sha256)."""
+        return self.stage(EXTRACT) / MANIFEST_FILE
+
+    @property
+    def preflight(self) -> Path:
+        """``03_extract/preflight.json``: projected bytes and free disk before extraction."""
+        return self.stage(EXTRACT) / PREFLIGHT_FILE
+
+    # ------------------------------------------------------------------ stage 4
+    @property
+    def train_metrics(self) -> Path:
+        """``04_train/metrics.jsonl``: one record per logged train step / validation."""
+        return self.stage(TRAIN) / METRICS_FILE
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        """``04_train/checkpoints/``: ``step_NNNNNN/`` folders (weights, optimizer, rng, state)."""
+        return self.stage(TRAIN) / CHECKPOINTS_DIR
+
+    @property
+    def drafter_dir(self) -> Path:
+        """``04_train/drafter/``: the exported speculators-format drafter (config.json, model.safetensors)."""
+        return self.stage(TRAIN) / DRAFTER_DIR
+
+    # ------------------------------------------------------------------ stage 5
+    @property
+    def evaluate_results(self) -> Path:
+        """``05_evaluate/results.json``: τ offline / vLLM / n-gram and the parity check."""
+        return self.stage(EVALUATE) / RESULTS_FILE
