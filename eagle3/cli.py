@@ -1,89 +1,108 @@
-"""The ``eagle3`` command line: ``run``, ``status``, ``report``, ``params``."""
+"""The ``eagle3`` command line: ``run``, ``status``, ``report``, ``params``.
+
+Exit codes: 0 success; 2 a usage error or an :class:`eagle3.errors.Eagle3Error` (bad params, a
+missing target, a failed stage, ...: one clean message on stderr, no traceback); anything else is
+a bug and propagates with its full traceback (exit 1).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 __all__ = ["main"]
 
+_SET_HELP = ("override one params key, e.g. --set train.lr=0.003 --set synthesize.num_samples=64 "
+             "(repeatable; VALUE is parsed as YAML)")
+
 
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="eagle3", description="Train EAGLE-3 drafters and measure their acceptance in vLLM.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
     r = sub.add_parser("run", help="execute the stage notebooks with papermill")
     r.add_argument("params", help="params YAML file, e.g. params/smollm2-135m.yaml")
     r.add_argument("--stages", default="1-5", help="stages to run, e.g. 1-5, 3, 2,4-5 (default 1-5)")
     r.add_argument("--run-name", default=None, help="run name (default: run.name from params)")
-    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    r.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=_SET_HELP)
     r.add_argument("--kernel", default="eagle3", help="Jupyter kernel (default: eagle3)")
     r.add_argument("--no-report", action="store_true", help="do not render the HTML report at the end")
 
     s = sub.add_parser("status", help="show each stage's progress for a run directory")
-    s.add_argument("run_dir")
+    s.add_argument("run_dir", help="the run directory, <run.output_dir>/<run.name>, e.g. outputs/ci")
     s.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="refresh every SECONDS")
 
     rep = sub.add_parser("report", help="render the executed notebooks and an index page to HTML")
-    rep.add_argument("run_dir")
+    rep.add_argument("run_dir", help="the run directory, <run.output_dir>/<run.name>, e.g. outputs/ci")
 
     pp = sub.add_parser("params", help="validate a params file and print the resolved params")
-    pp.add_argument("params")
-    pp.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    pp.add_argument("params", help="params YAML file, e.g. params/ci.yaml")
+    pp.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=_SET_HELP)
     return p
 
 
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.cmd == "run":
+        from eagle3.runner import parse_stages, render_report, run_pipeline
+
+        run_dir = run_pipeline(args.params, parse_stages(args.stages), args.run_name, args.overrides, args.kernel)
+        if not args.no_report:
+            index = render_report(run_dir)
+            print(f"eagle3: report {index}")
+        return 0
+    if args.cmd == "status":
+        from pathlib import Path
+
+        from eagle3.runner import format_status
+
+        if not Path(args.run_dir).is_dir():
+            print(f"eagle3 status: {args.run_dir} is not a run directory", file=sys.stderr)
+            return 2
+        while True:
+            print(format_status(args.run_dir), flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(args.watch)
+            print()
+    if args.cmd == "report":
+        from eagle3.runner import render_report
+
+        print(render_report(args.run_dir))
+        return 0
+    if args.cmd == "params":
+        from eagle3.config import dump_params, load_params
+
+        print(dump_params(load_params(args.params, args.overrides)), end="")
+        return 0
+    raise AssertionError(f"unhandled command {args.cmd!r}")  # argparse only admits the four above
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``eagle3`` console script; returns the process exit code."""
-    from eagle3.config import ParamsError
+    """Entry point of the ``eagle3`` console script; returns the process exit code.
 
-    args = _build_parser().parse_args(argv)
+    Raises:
+        Exception: anything that is not an :class:`eagle3.errors.Eagle3Error` (a bug: full traceback).
+    """
+    from eagle3.errors import Eagle3Error
+
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.cmd is None:
+        parser.print_help()
+        return 2
     try:
-        if args.cmd == "run":
-            from eagle3.runner import parse_stages, render_report, run_pipeline
-
-            run_dir = run_pipeline(args.params, parse_stages(args.stages), args.run_name, args.overrides, args.kernel)
-            if not args.no_report:
-                index = render_report(run_dir)
-                print(f"eagle3: report {index}")
-            return 0
-        if args.cmd == "status":
-            from pathlib import Path
-
-            from eagle3.runner import format_status
-
-            if not Path(args.run_dir).is_dir():
-                print(f"eagle3 status: {args.run_dir} is not a run directory", file=sys.stderr)
-                return 2
-            while True:
-                print(format_status(args.run_dir), flush=True)
-                if not args.watch:
-                    return 0
-                time.sleep(args.watch)
-                print()
-        if args.cmd == "report":
-            from eagle3.runner import render_report
-
-            print(render_report(args.run_dir))
-            return 0
-        if args.cmd == "params":
-            from eagle3.config import dump_params, load_params
-
-            print(dump_params(load_params(args.params, args.overrides)), end="")
-            return 0
-    except ParamsError as exc:
+        return _dispatch(args)
+    except Eagle3Error as exc:
         print(f"eagle3: {exc}", file=sys.stderr)
         return 2
-    except Exception as exc:  # noqa: BLE001 - the CLI prints one clear line, not a traceback
-        from eagle3.runner import StageFailed
-        from eagle3.target import TargetError
-
-        if isinstance(exc, (StageFailed, TargetError, FileNotFoundError, RuntimeError, ValueError)):
-            print(f"eagle3: {exc}", file=sys.stderr)
-            return 1
-        raise
-    return 0
+    except BrokenPipeError:
+        # `eagle3 status RUN | head`: the reader closed the pipe. Point stdout at /dev/null so the
+        # interpreter's final flush does not raise again, and exit like a piped Unix tool.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE
 
 
 if __name__ == "__main__":

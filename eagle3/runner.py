@@ -11,7 +11,7 @@ from pathlib import Path
 from eagle3.config import Params, load_params
 from eagle3.io import NOTEBOOKS, STAGES, prepare_run_dir, read_json, stage_complete
 from eagle3.paths import notebooks_dir, resolve_run_dir
-from eagle3.errors import StageFailed
+from eagle3.errors import ParamsError, StageFailed
 
 __all__ = ["parse_stages", "run_pipeline", "StageFailed", "status_rows", "format_status", "render_report"]
 
@@ -19,20 +19,25 @@ KERNEL = "eagle3"
 
 
 def parse_stages(spec: str | None) -> list[int]:
-    """'1-5', '2', '1,3-4' -> sorted stage numbers. Raises ValueError for anything outside 1..5."""
+    """'1-5', '2', '1,3-4' -> sorted stage numbers (None or '' -> all).
+
+    Raises:
+        ParamsError: a part that is not a number or a range ``A-B`` with A <= B, or a stage outside 1..5.
+    """
     if not spec:
         return list(STAGES)
     out: set[int] = set()
     for part in spec.split(","):
         part = part.strip()
-        if "-" in part:
-            a, b = part.split("-", 1)
-            rng = range(int(a), int(b) + 1)
-        else:
-            rng = range(int(part), int(part) + 1)
-        for s in rng:
+        a, _, b = part.partition("-")
+        if not (a.strip().isdigit() and (not b or b.strip().isdigit())):
+            raise ParamsError(f"--stages {spec!r}: {part!r} is not a stage number or a range like 2-4 (stages are 1-5)")
+        lo, hi = int(a), int(b) if b else int(a)
+        if lo > hi:
+            raise ParamsError(f"--stages {spec!r}: the range {part!r} is empty; write it low-high, e.g. {hi}-{lo}")
+        for s in range(lo, hi + 1):
             if s not in STAGES:
-                raise ValueError(f"--stages {spec!r}: stage {s} does not exist (stages are 1-5)")
+                raise ParamsError(f"--stages {spec!r}: stage {s} does not exist (stages are 1-5)")
             out.add(s)
     return sorted(out)
 

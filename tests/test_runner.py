@@ -14,7 +14,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 
 from eagle3.cli import main
 from eagle3.io import NOTEBOOKS, read_json
-from eagle3.runner import StageFailed, run_pipeline
+from eagle3.runner import StageFailed, parse_stages, run_pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -99,3 +99,65 @@ def test_report_renders_index(tmp_params, nbdir):
     html = index.read_text()
     assert "01_synthesize.html" in html and "<th>items</th><td>3</td>" in html
     assert (index.parent / "02_vocab_coverage.html").exists()
+
+
+def test_cli_without_command_prints_help(capsys):
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    assert "usage: eagle3" in out and "status" in out and "params" in out
+
+
+def test_cli_help_explains_set_and_run_dir(capsys):
+    for argv in (["params", "-h"], ["status", "-h"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+    out = capsys.readouterr().out
+    assert "override one params key" in out and "<run.output_dir>/<run.name>" in out
+
+
+@pytest.mark.parametrize("spec, msg", [
+    ("3-1", "the range '3-1' is empty"),
+    ("x", "'x' is not a stage number"),
+    ("2,", "'' is not a stage number"),
+    ("0-2", "stage 0 does not exist"),
+])
+def test_bad_stage_selection_is_a_clear_error(spec, msg, capsys):
+    from eagle3.errors import ParamsError
+
+    with pytest.raises(ParamsError, match=msg):
+        parse_stages(spec)
+    assert main(["run", str(ROOT / "params" / "ci.yaml"), "--stages", spec]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
+
+
+def test_cli_eagle3_errors_are_clean_and_bugs_keep_their_traceback(monkeypatch, capsys):
+    import eagle3.runner
+    from eagle3.errors import TrainError
+
+    def planted(*a, **k):
+        raise TrainError("02_vocab/mapping.json missing: run stage 2")
+
+    monkeypatch.setattr(eagle3.runner, "render_report", planted)
+    assert main(["report", "somewhere"]) == 2
+    assert capsys.readouterr().err == "eagle3: 02_vocab/mapping.json missing: run stage 2\n"
+
+    def bug(*a, **k):
+        raise KeyError("a real bug")
+
+    monkeypatch.setattr(eagle3.runner, "render_report", bug)
+    with pytest.raises(KeyError, match="a real bug"):
+        main(["report", "somewhere"])
+
+
+def test_status_into_a_closed_pipe_is_quiet(tmp_path):
+    rd = tmp_path / "run"
+    (rd / "01_synthesize").mkdir(parents=True)
+    code = ("import sys, eagle3.runner as r\n"
+            "r.format_status = lambda d: 'line\\n' * 200000\n"
+            "from eagle3.cli import main\n"
+            f"sys.exit(main(['status', {str(rd)!r}]))\n")
+    r = subprocess.run(f"{sys.executable} -c \"$CODE\" | head -1", shell=True, capture_output=True, text=True,
+                       env={**os.environ, "CODE": code})
+    assert r.stdout == "line\n"
+    assert "BrokenPipeError" not in r.stderr and "Traceback" not in r.stderr, r.stderr
