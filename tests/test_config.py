@@ -128,3 +128,43 @@ def test_run_dir_refuses_other_params(tmp_params):
     assert load_params(rd / "params.yaml").train.lr == 0.001
     assert params_fingerprint(load_params(rd / "params.yaml")) == params_fingerprint(p1)
     assert "lr: 0.001" in before
+
+
+# What params/smollm2-135m.yaml (the embedded default, `make run`) deliberately sets differently
+# from Params(): the run's name and a CPU/float32 pin. Everything else of the default run is
+# Params' defaults, so the defaults live in one place (eagle3/config.py).
+DEFAULT_YAML_OVERRIDES = {
+    "run.name": "smollm2-135m",
+    "target.dtype": "float32",
+    "target.device": "cpu",
+}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_params_defaults_are_the_embedded_default_run():
+    default = _flat(Params().model_dump(mode="json"))
+    resolved = _flat(load_params(ROOT / "params" / "smollm2-135m.yaml").model_dump(mode="json"))
+    differs = {k: resolved[k] for k in resolved if resolved[k] != default[k]}
+    assert differs == DEFAULT_YAML_OVERRIDES
+    # ... and the YAML states nothing else.
+    stated = _flat(yaml.safe_load((ROOT / "params" / "smollm2-135m.yaml").read_text()))
+    assert stated == DEFAULT_YAML_OVERRIDES
+
+
+def test_target_coverage_alone_replaces_the_default_size(tmp_path):
+    p = tmp_path / "p.yaml"
+    p.write_text("vocab:\n  target_coverage: 0.95\n")
+    v = load_params(p).vocab
+    assert (v.target_coverage, v.draft_vocab_size) == (0.95, None)
+    p.write_text("vocab:\n  draft_vocab_size: null\n")
+    with pytest.raises(ParamsError, match="both are null"):
+        load_params(p)
