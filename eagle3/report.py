@@ -1,4 +1,4 @@
-"""The run's shared report: ``report/index.html`` with each stage's key numbers and figures."""
+"""The run's shared report: ``report/index.html`` with each stage's headline numbers and figures."""
 
 from __future__ import annotations
 
@@ -6,33 +6,48 @@ import html
 import json
 from pathlib import Path
 
-from eagle3.io import STAGES, read_json
+from eagle3.io import read_json
+from eagle3.rundir import STAGES
 
-__all__ = ["index_html", "key_numbers"]
+__all__ = ["HEADLINE", "index_html", "key_numbers"]
 
-# The stats keys shown on the index page, per stage (missing keys are skipped).
-KEY_NUMBERS: dict[str, list[str]] = {
-    "01_synthesize": ["samples", "heldout_samples", "turns", "completion_tokens", "reasoning_capture_rate", "finish_reasons", "tokens_per_s", "elapsed_s"],
-    "02_vocab": ["samples", "masked_tokens", "distinct_tokens", "draft_vocab_size", "coverage", "heldout_oov_rate", "truncated_samples", "elapsed_s"],
-    "03_extract": ["samples", "tokens", "bytes", "bytes_per_token", "tokens_per_s", "aux_layer_ids", "elapsed_s"],
-    "04_train": ["steps", "best_step", "best_val_tau_hat", "final_loss", "tokens_per_s", "drafter_dir", "elapsed_s"],
-    "05_evaluate": ["tau_offline", "tau_vllm", "tokens_per_forward_vllm", "tau_ngram", "tokens_per_forward_ngram", "parity_ok", "vllm_serve_command"],
+# The headline numbers of each stage, in display order: keys its ``stats.json`` always holds
+# (a value may be None, e.g. tau_vllm when vLLM was not run). tests/test_report.py checks that
+# each stage writes every one of them.
+HEADLINE: dict[int, tuple[str, ...]] = {
+    1: ("samples", "samples_train", "samples_heldout", "turns", "completion_tokens", "completion_tokens_mean",
+        "length_fraction", "reasoning_capture_rate", "failed", "tokens_per_s", "elapsed_s"),
+    2: ("target_vocab_size", "draft_vocab_size", "distinct_tokens", "masked_tokens", "coverage", "heldout_oov_rate",
+        "train_rows", "train_tokens", "train_truncated_rows", "heldout_rows", "cache_hit"),
+    3: ("num_samples", "num_tokens", "aux_layer_ids", "dtype", "bytes", "bytes_per_token", "tokens_per_s",
+        "elapsed_s", "world_size"),
+    4: ("best_step", "best_val_tau_hat", "final_step", "final_val_tau_hat", "final_train_loss", "total_steps",
+        "tokens_seen", "tokens_per_s", "train_time_s", "drafter_dir"),
+    5: ("num_prompts", "k", "tau_offline", "tau_vllm", "tokens_per_forward_vllm", "tau_ngram",
+        "tokens_per_forward_ngram", "speedup_vllm_eagle3", "parity_ok", "parity_gap", "vllm_serve_command"),
 }
+
+MISSING = "(missing from stats.json)"
 
 
 def key_numbers(run_dir: str | Path) -> dict[str, dict]:
-    """stage folder -> {key: value} from each ``stats.json`` (all keys when none is listed)."""
+    """stage folder -> {headline key: value} of each stage that has a ``stats.json``.
+
+    A headline key the file lacks is shown as ``MISSING`` rather than skipped, so that a stage whose
+    keys drifted is visible on the index page.
+    """
     out = {}
-    for _, name in STAGES.items():
+    for s, name in STAGES.items():
         st = read_json(Path(run_dir) / name / "stats.json", None)
         if not st:
             continue
-        keys = [k for k in KEY_NUMBERS.get(name, []) if k in st] or [k for k in st if k != "complete"]
-        out[name] = {k: st[k] for k in keys}
+        out[name] = {k: st.get(k, MISSING) for k in HEADLINE[s]}
     return out
 
 
 def _fmt(v) -> str:
+    if v is None:
+        return "-"
     if isinstance(v, float):
         return f"{v:.4g}"
     if isinstance(v, (dict, list)):

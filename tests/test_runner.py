@@ -34,7 +34,7 @@ from eagle3.io import stage_dir, write_stats, Progress
 d = stage_dir(run_dir, {s})
 with Progress(d, total=3, unit="items") as p:
     p.update(3, tokens=30)
-write_stats(d, {{"items": 3, "lr": params.train.lr}})
+write_stats(d, {{"items": 3, "lr": params.train.lr, "samples": 3, "target_vocab_size": 49152}})
 (d / "runs.txt").open("a").write("x")
 """
 
@@ -97,7 +97,8 @@ def test_report_renders_index(tmp_params, nbdir):
     rd = run_pipeline(tmp_params(), [1, 2], notebooks=nbdir)
     index = render_report(rd)
     html = index.read_text()
-    assert "01_synthesize.html" in html and "<th>items</th><td>3</td>" in html
+    assert "01_synthesize.html" in html and "<th>samples</th><td>3</td>" in html
+    assert "<th>target_vocab_size</th><td>49152</td>" in html and "<th>items</th>" not in html
     assert (index.parent / "02_vocab_coverage.html").exists()
 
 

@@ -1,0 +1,65 @@
+"""The report index shows every headline number of every stage, and the stages write those keys."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from eagle3.io import write_stats
+from eagle3.report import HEADLINE, MISSING, index_html, key_numbers
+from eagle3.rundir import STAGES, stage_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# The modules that build each stage's stats.json today (before every stage has a typed Stats).
+STAGE_SOURCES = {
+    1: ["eagle3/synthesize.py", "eagle3/synthesize"],
+    2: ["eagle3/vocab"],
+    3: ["eagle3/extract"],
+    4: ["eagle3/train"],
+    5: ["eagle3/evaluate.py", "eagle3/evaluate"],
+}
+
+
+def _string_constants(paths: list[str]) -> set[str]:
+    out: set[str] = set()
+    for rel in paths:
+        p = ROOT / rel
+        files = sorted(p.rglob("*.py")) if p.is_dir() else ([p] if p.exists() else [])
+        for f in files:
+            for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    # stage 2 writes its per-split counters as f"{split}_{key}"
+                    out.update((node.value, f"train_{node.value}", f"heldout_{node.value}"))
+                elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                    out.add(node.target.id)  # a dataclass field of a Stats class
+    return out
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_every_headline_key_is_written_by_its_stage(stage):
+    known = _string_constants(STAGE_SOURCES[stage])
+    missing = [k for k in HEADLINE[stage] if k not in known]
+    assert not missing, f"stage {stage} never writes headline keys {missing}"
+
+
+def test_index_shows_every_headline_number(tmp_path):
+    for s in STAGES:
+        stats = {k: f"v{s}-{i}" for i, k in enumerate(HEADLINE[s])}
+        if s == 4:
+            del stats["final_train_loss"]  # a key the stage stopped writing: shown, not skipped
+        write_stats(stage_dir(tmp_path, s), {**stats, "not_a_headline": 1})
+    nums = key_numbers(tmp_path)
+    assert list(nums) == list(STAGES.values())
+    for s, name in STAGES.items():
+        assert list(nums[name]) == list(HEADLINE[s])
+    assert nums[STAGES[4]]["final_train_loss"] == MISSING
+    page = index_html(tmp_path, [], {})
+    for s in STAGES:
+        for i, k in enumerate(HEADLINE[s]):
+            assert f"<th>{k}</th>" in page
+            if not (s == 4 and k == "final_train_loss"):
+                assert f"<td>v{s}-{i}</td>" in page
+    assert "not_a_headline" not in page and MISSING in page
