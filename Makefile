@@ -21,8 +21,10 @@ test: venv
 test-fast: venv
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# --allow-root: containers and cloud machines often run as root; --ip=127.0.0.1: reachable from this
+# machine only (from elsewhere: ssh -L 8888:127.0.0.1:8888 HOST). Jupyter prints the URL with its token.
 lab: venv
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --allow-root --ip=127.0.0.1
 
 status:
 	$(PY) -m eagle3 status outputs/$(notdir $(basename $(PARAMS)))

