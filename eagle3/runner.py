@@ -8,10 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3.config import Params, load_params
+from eagle3.config import load_params
+from eagle3.errors import ParamsError, StageFailed
 from eagle3.io import NOTEBOOKS, STAGES, prepare_run_dir, read_json, stage_complete
 from eagle3.paths import notebooks_dir, resolve_run_dir
-from eagle3.errors import ParamsError, StageFailed
 
 __all__ = ["parse_stages", "run_pipeline", "StageFailed", "status_rows", "format_status", "render_report"]
 
@@ -198,8 +198,8 @@ def render_report(run_dir: str | Path) -> Path:
     Raises:
         FileNotFoundError: the run directory has no executed notebooks.
     """
-    from nbconvert import HTMLExporter
     import nbformat
+    from nbconvert import HTMLExporter
 
     from eagle3.report import index_html
 
@@ -222,7 +222,7 @@ def render_report(run_dir: str | Path) -> Path:
         out.write_text(offline_html(body), encoding="utf-8")
         pages.append(out.name)
     figures: dict[str, list[str]] = {}
-    for s, name in STAGES.items():
+    for name in STAGES.values():
         for png in sorted((run_dir / name).glob("*.png")):
             dst = rep / "figures" / f"{name}__{png.name}"
             shutil.copy2(png, dst)

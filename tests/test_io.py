@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import time
 
 import pytest
 
-from eagle3.io import Progress, atomic_path, atomic_write_json, atomic_write_text, read_json, stage_complete, write_stats
+from eagle3.io import (
+    Progress,
+    atomic_path,
+    atomic_write_json,
+    read_json,
+    stage_complete,
+    write_stats,
+)
 from eagle3.runner import format_status, parse_stages, status_rows
 
 

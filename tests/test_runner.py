@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -25,7 +24,8 @@ def _nb(path: Path, body: str) -> None:
     p = new_code_cell(PARAMS_CELL)
     p.metadata["tags"] = ["parameters"]
     setup = new_code_cell("from eagle3.notebook import setup\nparams, run_dir = setup(params_file, run_dir, overrides)")
-    nb = new_notebook(cells=[p, setup, new_code_cell(body)], metadata={"kernelspec": {"name": "eagle3", "display_name": "eagle3", "language": "python"}})
+    kernel = {"name": "eagle3", "display_name": "eagle3", "language": "python"}
+    nb = new_notebook(cells=[p, setup, new_code_cell(body)], metadata={"kernelspec": kernel})
     nbformat.write(nb, path)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3.config import ParamsError, TargetParams, load_params
+from eagle3.config import TargetParams
 from eagle3.target import TargetError, resolve_target
 
 
