@@ -155,7 +155,7 @@ def prepare_run_dir(params, run_dir: str | Path | None = None) -> Path:
         ParamsError: ``params.yaml`` exists with a different fingerprint (the message lists the keys).
     """
     # config imports nothing of ours but errors; imported here so that `rundir` stays importable
-    # from config-free code (the report, the browser test helper).
+    # from config-free code (the report).
     from eagle3.config import diff_params, dump_params, load_params, params_fingerprint
     from eagle3.io import atomic_write_text
 

@@ -127,7 +127,7 @@ def test_stage5_parity_and_methods(ci_run):
 
 
 def _chromium() -> str:
-    from eagle3.browser import find_chromium
+    from _browser import find_chromium
 
     exe = find_chromium()
     if exe is None and shutil.which("apt-get") and os.geteuid() == 0:
@@ -141,7 +141,7 @@ def _chromium() -> str:
 
 
 def test_report_in_a_real_browser(ci_run):
-    from eagle3.browser import check_page
+    from _browser import check_page
 
     exe = _chromium()
     index = ci_run / "report" / "index.html"
