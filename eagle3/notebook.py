@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3.config import Params, load_params
-from eagle3.io import prepare_run_dir
-from eagle3.paths import project_root, resolve_run_dir
+from eagle3.rundir import prepare_run_dir, project_root, resolve_run_dir
 
 __all__ = ["setup", "show_table"]
 
@@ -21,7 +20,7 @@ def setup(params_file: str | None, run_dir: str | None = None, overrides: list[s
         tuple: ``(Params, run_dir)``.
 
     Raises:
-        ParamsError: see :func:`eagle3.config.load_params` and :func:`eagle3.io.prepare_run_dir`.
+        ParamsError: see :func:`eagle3.config.load_params` and :func:`eagle3.rundir.prepare_run_dir`.
     """
     pf = Path(params_file) if params_file else None
     if pf is not None and not pf.is_absolute() and not pf.exists():

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from eagle3.config import load_params
 from eagle3.errors import ParamsError, StageFailed
-from eagle3.io import NOTEBOOKS, STAGES, prepare_run_dir, read_json, stage_complete
-from eagle3.paths import notebooks_dir, resolve_run_dir
+from eagle3.io import format_bytes, read_json
+from eagle3.rundir import NOTEBOOKS, STAGES, notebooks_dir, prepare_run_dir, resolve_run_dir, stage_complete
 
 __all__ = ["parse_stages", "run_pipeline", "StageFailed", "status_rows", "format_status", "render_report"]
 
@@ -115,16 +115,6 @@ def run_pipeline(
     return run_dir
 
 
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def _fmt_s(s: float | None) -> str:
     if s is None:
         return "-"
@@ -161,8 +151,8 @@ def status_rows(run_dir: str | Path) -> list[dict]:
                 "tokens/s": f"{p.get('tokens_per_s', 0):.0f}" if prog else "-",
                 "elapsed": _fmt_s(p.get("elapsed_s")) if prog else "-",
                 "ETA": _fmt_s(p.get("eta_s")) if prog else "-",
-                "on disk": _fmt_bytes(p.get("bytes_on_disk")) if prog else "-",
-                "projected": _fmt_bytes(p.get("projected_bytes")) if prog else "-",
+                "on disk": format_bytes(p.get("bytes_on_disk")) if prog else "-",
+                "projected": format_bytes(p.get("projected_bytes")) if prog else "-",
                 "updated": time.strftime("%H:%M:%S", time.localtime(p["updated"])) if p.get("updated") else "-",
             }
         )

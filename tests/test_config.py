@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from eagle3.config import Params, ParamsError, dump_params, load_params, params_fingerprint, parse_overrides
-from eagle3.io import prepare_run_dir
+from eagle3.rundir import prepare_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,9 +11,9 @@ from eagle3.io import (
     atomic_path,
     atomic_write_json,
     read_json,
-    stage_complete,
     write_stats,
 )
+from eagle3.rundir import stage_complete
 from eagle3.runner import format_status, parse_stages, status_rows
 
 

@@ -12,7 +12,8 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from eagle3.cli import main
-from eagle3.io import NOTEBOOKS, read_json
+from eagle3.io import read_json
+from eagle3.rundir import NOTEBOOKS
 from eagle3.runner import StageFailed, parse_stages, run_pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,7 +31,8 @@ def _nb(path: Path, body: str) -> None:
 
 
 WRITE_STAGE = """
-from eagle3.io import stage_dir, write_stats, Progress
+from eagle3.io import write_stats, Progress
+from eagle3.rundir import stage_dir
 d = stage_dir(run_dir, {s})
 with Progress(d, total=3, unit="items") as p:
     p.update(3, tokens=30)
