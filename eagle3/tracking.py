@@ -17,7 +17,13 @@ from eagle3.config import Params
 
 __all__ = ["Tracker", "resolve_mode", "scrub_secrets"]
 
-_SECRET_RE = re.compile(r"(?i)(api[_-]?key|token|secret|password)")
+# Key names that hold secrets: exact names and suffixes, never substrings (`max_new_tokens`,
+# `token_budget`, `num_speculative_tokens` are settings, not secrets).
+_SECRET_NAMES = frozenset({"api_key", "apikey", "token", "access_token", "auth_token", "hf_token", "secret",
+                           "client_secret", "password", "passwd"})
+_SECRET_SUFFIXES = ("_api_key", "_apikey", "_access_token", "_auth_token", "_secret", "_password")
+# Values that are credentials whatever the key: OpenAI/Anthropic-style, Hugging Face, W&B v1 keys.
+_SECRET_VALUE_RE = re.compile(r"^(sk-[A-Za-z0-9_-]{8,}|hf_[A-Za-z0-9]{20,}|local-[0-9a-f]{30,}|[0-9a-f]{40})$")
 
 
 def resolve_mode(mode: str) -> str:
@@ -32,19 +38,43 @@ def resolve_mode(mode: str) -> str:
     return "offline"
 
 
-def scrub_secrets(obj: Any) -> Any:
-    """Copy of a JSON-like object with values of secret-looking keys replaced by '***'.
+def _secret_key(key: str) -> bool:
+    k = key.lower()
+    return k in _SECRET_NAMES or k.endswith(_SECRET_SUFFIXES)
 
-    Keys that only *name* an environment variable (ending in ``_env``) are kept.
+
+def scrub_secrets(obj: Any, _env_values: frozenset[str] | None = None) -> Any:
+    """Copy of a JSON-like object with secrets replaced by ``'***'``.
+
+    A string is a secret when its key is a secret name (``api_key``, ``token``, ``*_secret``, ...:
+    exact names and suffixes, so ``max_new_tokens`` is kept), when it looks like a credential
+    (``sk-...``, ``hf_...``, a 40-hex W&B key), or when it equals the current value of an
+    environment variable that an ``*_env`` key names (``api_key_env: OPENAI_API_KEY``). Keys that
+    only *name* an environment variable are kept.
     """
+    if _env_values is None:
+        names = _env_names(obj)
+        _env_values = frozenset(v for n in names if len(v := os.environ.get(n, "")) >= 8)
     if isinstance(obj, dict):
         return {
-            k: ("***" if _SECRET_RE.search(str(k)) and not str(k).endswith("_env") and v else scrub_secrets(v))
+            k: ("***" if isinstance(v, str) and v and _secret_key(str(k)) else scrub_secrets(v, _env_values))
             for k, v in obj.items()
         }
     if isinstance(obj, list):
-        return [scrub_secrets(v) for v in obj]
+        return [scrub_secrets(v, _env_values) for v in obj]
+    if isinstance(obj, str) and (obj in _env_values or _SECRET_VALUE_RE.match(obj)):
+        return "***"
     return obj
+
+
+def _env_names(obj: Any) -> list[str]:
+    """Values of every ``*_env`` key (names of environment variables holding secrets)."""
+    if isinstance(obj, dict):
+        out = [v for k, v in obj.items() if str(k).endswith("_env") and isinstance(v, str)]
+        return out + [n for v in obj.values() for n in _env_names(v)]
+    if isinstance(obj, list):
+        return [n for v in obj for n in _env_names(v)]
+    return []
 
 
 class Tracker:

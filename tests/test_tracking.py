@@ -27,6 +27,19 @@ def test_scrub_secrets_keeps_env_names():
     assert scrub_secrets(d) == {"server": {"api_key_env": "OPENAI_API_KEY", "api_key": "***"}, "token": "***", "n": 1}
 
 
+def test_scrub_secrets_by_exact_name_and_by_value(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "not-a-pattern-but-the-key")
+    d = {"synthesize": {"max_new_tokens": 256, "server": {"api_key_env": "OPENAI_API_KEY"},
+                        "sources": [{"system_prompt": "not-a-pattern-but-the-key"}]},
+         "train": {"token_budget": 2048}, "evaluate": {"num_speculative_tokens": 3},
+         "hub_token": "hf_" + "a" * 30, "note": "sk-abcdefghijkl", "hf_token": 7}
+    assert scrub_secrets(d) == {
+        "synthesize": {"max_new_tokens": 256, "server": {"api_key_env": "OPENAI_API_KEY"},
+                       "sources": [{"system_prompt": "***"}]},
+        "train": {"token_budget": 2048}, "evaluate": {"num_speculative_tokens": 3},
+        "hub_token": "***", "note": "***", "hf_token": 7}
+
+
 def test_offline_run_logs_and_saves_png_without_secrets(tmp_params, monkeypatch):
     secret = "sk-test-SECRET-0123456789"
     monkeypatch.setenv("OPENAI_API_KEY", secret)
