@@ -20,8 +20,9 @@ def main() -> None:
     import torch
 
     from eagle3.config import load_params
-    from eagle3.evaluate import (_stop_ids, find_drafter, heldout_prompts, load_drafter, run_vllm_job,
-                                 speculative_generate, training_reference)
+    from eagle3.evaluate import (find_drafter, heldout_prompts, load_drafter, run_vllm_job, speculative_generate,
+                                 stop_ids, training_reference)
+    from eagle3.evaluate.vllm_jobs import build_job
     from eagle3.paths import resolve_run_dir
     from eagle3.target import load_target, resolve_target
 
@@ -39,7 +40,7 @@ def main() -> None:
     drafter = find_drafter(params, run_dir)
     ref = training_reference(params, run_dir, drafter)
     dm = load_drafter(drafter, model, ref, device=str(model.device))
-    stops = _stop_ids(tok, model)
+    stops = stop_ids(tok, model)
     rows = []
     t0, n = time.time(), 0
     for p in prompts:
@@ -62,12 +63,8 @@ def main() -> None:
 
         tmp = Path(tempfile.mkdtemp(prefix="bench-eval-"))
         for method in ("none", "ngram", "eagle3"):
-            job = {"target": str(resolve_target(params.target).path), "dtype": params.target.dtype,
-                   "max_model_len": params.target.max_model_len, "seed": 0, "method": method,
-                   "drafter": str(drafter), "k": ev.num_speculative_tokens,
-                   "prompt_lookup_min": ev.ngram.prompt_lookup_min, "prompt_lookup_max": ev.ngram.prompt_lookup_max,
-                   "temperature": 0.0, "max_new_tokens": ev.max_new_tokens, "chat_template_kwargs": None,
-                   "prompts": [{"id": p["id"], "messages": p["messages"], "prompt_ids": p["prompt_ids"]} for p in prompts]}
+            job = build_job(params, method, resolve_target(params.target).path, drafter, prompts, None)
+            job |= {"seed": 0, "temperature": 0.0}  # greedy, one seed: the rows compare like with like
             res = run_vllm_job(job, tmp / f"{method}.json")
             c = res["counters"]
             d = c["vllm:spec_decode_num_drafts"]

@@ -3,6 +3,7 @@ prompts, the train/serve diagnosis, and (slow) the stage end to end through vLLM
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -26,6 +27,7 @@ from eagle3.evaluate import (
     summarize_rounds,
     vllm_serve_command,
 )
+from eagle3.io import STAGES
 
 # ------------------------------------------------------------------------------------- metrics
 
@@ -71,6 +73,40 @@ def test_parity_check_and_serve_command():
     cmd = vllm_serve_command("org/model", "/d/drafter", 3)
     assert cmd == ("vllm serve org/model --speculative-config "
                    "'{\"method\": \"eagle3\", \"model\": \"/d/drafter\", \"num_speculative_tokens\": 3}'")
+
+
+def _results_of(records: list[dict], k: int) -> dict:
+    """A results.json-shaped dict with one offline backend measured on ``records``."""
+    from eagle3.evaluate.decoding import backend_summary
+
+    return {"settings": {"k": k, "temperature": 0.0},
+            "backends": {"offline/eagle3": backend_summary(records, k, 0.0, "transformers", "eagle3")}}
+
+
+def test_figures_are_plain_figures_and_leave_the_backend_alone():
+    """Issue 16: no module may switch matplotlib's backend (a kernel's inline plots then stop rendering)."""
+    import matplotlib
+    from matplotlib.figure import Figure
+
+    from eagle3.evaluate import figures, parity_table
+
+    results = _results_of([{"source": "a", "rounds": [[100, 3, 3], [104, 3, 1], [106, 3, 0]],
+                            "tokens": list(range(7)), "time_s": 0.5}], 3)
+    before = matplotlib.get_backend()
+    matplotlib.use("pdf")  # stands in for a notebook's inline backend
+    try:
+        figs = figures(results)
+        assert matplotlib.get_backend() == "pdf"
+    finally:
+        matplotlib.use(before)
+    assert set(figs) == {"per_position", "tau_histogram", "tau_vs_context", "speed"}
+    assert all(isinstance(f, Figure) and f.canvas is not None for f in figs.values())
+    # per-position bars: position 1 accepted in 2 of 3 rounds, position 2 in 1 of those 2, position 3 in 1 of 1
+    bars = [round(b.get_height(), 6) for b in figs["per_position"].axes[0].patches]
+    assert bars == [round(2 / 3, 6), 0.5, 1.0]
+    hist = [round(b.get_height(), 6) for b in figs["tau_histogram"].axes[0].patches]
+    assert hist == [round(1 / 3, 6), round(1 / 3, 6), 0.0, round(1 / 3, 6)]
+    assert parity_table(results)["offline"].tolist()[:2] == [pytest.approx(1 + 4 / 3), pytest.approx(1 + 4 / 3)]
 
 
 def _tv(samples: list[int], p: torch.Tensor) -> float:
@@ -223,7 +259,7 @@ def _copy(src: Path, dst: Path, **cfg_changes) -> Path:
 
 
 def test_diagnosis_names_planted_mismatches(random_drafter, embedded_target, tmp_path):
-    trained = DrafterSettings(aux_layer_ids=AUX_IDS, norm_before_residual=True, source="03_extract/meta.json")
+    trained = DrafterSettings(aux_layer_ids=AUX_IDS, norm_before_residual=True, source="stage 3 meta.json")
     assert diagnose(random_drafter, embedded_target.path, reference=trained) == []
     moved = _copy(random_drafter, tmp_path / "ids", eagle_aux_hidden_state_layer_ids=[4, 18, 29])
     probs = diagnose(moved, embedded_target.path, reference=trained)
@@ -269,7 +305,7 @@ def _write_run(tmp_params, questions_heldout, questions_train, extra_yaml=""):
                           "prompt_hash": f"h-{q}", "messages": [{"role": "user", "content": q},
                                                                 {"role": "assistant", "content": "x"}],
                           "finish_reasons": ["stop"], "prompt_tokens": 1, "completion_tokens": 1, "settings": {}})
-    d = run_dir / "01_synthesize"
+    d = run_dir / STAGES[1]
     d.mkdir(parents=True)
     (d / "samples.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     return params, run_dir
@@ -299,13 +335,13 @@ def _stage_run_dir(tmp_params, drafter: Path, corrupt_mapping: bool = False):
         tmp_params, EVAL_QUESTIONS[:2], TRAIN_QUESTIONS,
         "evaluate:\n  num_speculative_tokens: 3\n  max_new_tokens: 24\n  parity_tolerance: 0.15\n"
         "  vllm_methods: [eagle3]\n")
-    (run_dir / "03_extract").mkdir()
-    (run_dir / "03_extract" / "meta.json").write_text(json.dumps({"aux_layer_ids": AUX_IDS, "num_hidden_layers": 30}))
-    dst = run_dir / "04_train" / "drafter"
+    (run_dir / STAGES[3]).mkdir()
+    (run_dir / STAGES[3] / "meta.json").write_text(json.dumps({"aux_layer_ids": AUX_IDS, "num_hidden_layers": 30}))
+    dst = run_dir / STAGES[4] / "drafter"
     shutil.copytree(drafter, dst)
     sd = load_file(str(dst / "model.safetensors"))
-    (run_dir / "02_vocab").mkdir()
-    save_file({"d2t": sd["d2t"], "t2d": sd["t2d"]}, str(run_dir / "02_vocab" / "vocab_mapping.safetensors"))
+    (run_dir / STAGES[2]).mkdir()
+    save_file({"d2t": sd["d2t"], "t2d": sd["t2d"]}, str(run_dir / STAGES[2] / "vocab_mapping.safetensors"))
     if corrupt_mapping:
         # a valid but wrong mapping: drop the smallest kept id, add an unused one above the largest,
         # so that draft id i now names the target id of draft id i+1
@@ -316,7 +352,7 @@ def _stage_run_dir(tmp_params, drafter: Path, corrupt_mapping: bool = False):
         sd["t2d"] = torch.zeros_like(sd["t2d"])
         sd["t2d"][new] = True
         save_file(sd, str(dst / "model.safetensors"))
-    (run_dir / "04_train" / "stats.json").write_text(json.dumps({"drafter_dir": str(dst), "complete": True}))
+    (run_dir / STAGES[4] / "stats.json").write_text(json.dumps({"drafter_dir": str(dst), "complete": True}))
     return params, run_dir
 
 
@@ -326,7 +362,7 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
 
     params, run_dir = _stage_run_dir(tmp_params, fitted_drafter)
     stats = run(params, run_dir)
-    sd = run_dir / "05_evaluate"
+    sd = run_dir / STAGES[5]
     res = json.loads((sd / "results.json").read_text())
     v = res["backends"]["vllm/eagle3"]
     c = v["counters"]
@@ -334,13 +370,14 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
     assert c["vllm:spec_decode_num_draft_tokens"] == 3 * c["vllm:spec_decode_num_drafts"]
     assert len(c["per_pos"]) == 3 and c["vllm:spec_decode_num_accepted_tokens"] == sum(c["per_pos"])
     assert v["per_request_check"] == {"drafts": v["rounds"], "accepted": v["accepted_tokens"]}
-    assert stats["parity_ok"] is True and stats["tau_offline"] > 1.2
-    assert abs(stats["tau_offline"] - stats["tau_vllm"]) / stats["tau_offline"] <= 0.15
+    assert stats.parity_ok is True and stats.tau_offline > 1.2
+    assert abs(stats.tau_offline - stats.tau_vllm) / stats.tau_offline <= 0.15
     assert res["diagnosis"] == []
-    assert stats["vllm_serve_command"].startswith("vllm serve ") and "eagle3" in stats["vllm_serve_command"]
-    for key in ("tau_offline", "tau_vllm", "tokens_per_forward_vllm", "tau_ngram", "tokens_per_forward_ngram", "parity_ok"):
-        assert key in stats
-    assert json.loads((sd / "stats.json").read_text())["complete"] is True
+    assert stats.vllm_serve_command.startswith("vllm serve ") and "eagle3" in stats.vllm_serve_command
+    on_disk = json.loads((sd / "stats.json").read_text())
+    assert on_disk == dataclasses.asdict(stats) and on_disk["complete"] is True
+    assert set(stats.headline()) == {"tau_offline", "tau_vllm", "tokens_per_forward_vllm", "tau_ngram",
+                                     "tokens_per_forward_ngram", "parity_ok", "vllm_serve_command"}
     assert (sd / "per_position.png").exists()
     # lossless with a drafter that accepts: offline output == transformers greedy == vLLM greedy
     model, tok = target_model
@@ -351,7 +388,7 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
         assert vr["prompt_ids"] == render(tok, q)  # vLLM's chat rendering == ours
     # a re-run reuses the offline records and the vLLM measurement and gives the same numbers
     again = run(params, run_dir)
-    assert again["tau_vllm"] == stats["tau_vllm"] and again["tau_offline"] == stats["tau_offline"]
+    assert again.tau_vllm == stats.tau_vllm and again.tau_offline == stats.tau_offline
 
 
 @pytest.mark.slow
@@ -364,6 +401,6 @@ def test_stage_parity_fails_on_a_vocab_mapping_changed_after_training(fitted_dra
     with pytest.raises(ParityError) as ei:
         run(params, run_dir)
     assert any(p.startswith("vocab mapping: d2t differs from") for p in ei.value.diagnosis)
-    st = json.loads((run_dir / "05_evaluate" / "stats.json").read_text())
+    st = json.loads((run_dir / STAGES[5] / "stats.json").read_text())
     assert st["parity_ok"] is False and st["complete"] is False
     assert st["tau_vllm"] < st["tau_offline"] - 0.3

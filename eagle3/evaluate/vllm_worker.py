@@ -1,8 +1,8 @@
-"""One vLLM acceptance measurement in its own process: ``python -m eagle3.evaluate_vllm JOB.json OUT.json``.
+"""One vLLM acceptance measurement in its own process: ``python -m eagle3.evaluate.vllm_worker JOB.json OUT.json``.
 
 vLLM engines spawn processes and hold memory until the interpreter exits, so Stage 5 runs every
 engine (EAGLE-3 drafter, n-gram lookup, no speculation) in a fresh subprocess, one at a time
-(:func:`eagle3.evaluate.run_vllm_job`). The job file (JSON) holds:
+(:func:`eagle3.evaluate.vllm_jobs.run_vllm_job`). The job file (JSON) holds:
 
 ``target`` (model dir), ``dtype``, ``max_model_len``, ``seed``, ``method`` ("eagle3" | "ngram" |
 "none"), ``drafter`` (dir, eagle3), ``k``, ``prompt_lookup_min``/``prompt_lookup_max`` (ngram),
@@ -68,33 +68,70 @@ def _diff(after: dict, before: dict) -> dict:
     return d
 
 
-def run_job(job: dict) -> dict:
-    """Run one measurement (see the module docstring); returns the result dict."""
-    from vllm import LLM, SamplingParams
+def _speculative_config(job: dict) -> dict | None:
+    """vLLM's ``speculative_config`` for the job's method (None for "none").
+
+    Raises:
+        ValueError: an unknown method.
+    """
+    method = job["method"]
+    if method == "eagle3":
+        return {"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": int(job["k"])}
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": int(job["k"]),
+                "prompt_lookup_min": int(job["prompt_lookup_min"]),
+                "prompt_lookup_max": int(job["prompt_lookup_max"])}
+    if method != "none":
+        raise ValueError(f"unknown method {method!r}")
+    return None
+
+
+def _engine(job: dict, spec: dict | None):
+    """The ``vllm.LLM`` of the job: one request at a time, no prefix caching, stats on."""
+    from vllm import LLM
 
     from eagle3.vllm_utils import engine_kwargs
 
-    method = job["method"]
     extra: dict = {"disable_log_stats": False, "max_num_seqs": 1, "enable_prefix_caching": False,
                    "max_num_batched_tokens": max(int(job["max_model_len"]), 2048)}
-    spec = None
-    if method == "eagle3":
-        spec = {"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": int(job["k"])}
-    elif method == "ngram":
-        spec = {"method": "ngram", "num_speculative_tokens": int(job["k"]),
-                "prompt_lookup_min": int(job["prompt_lookup_min"]),
-                "prompt_lookup_max": int(job["prompt_lookup_max"])}
-    elif method != "none":
-        raise ValueError(f"unknown method {method!r}")
     if spec is not None:
         extra["speculative_config"] = spec
         extra["per_request_spec_decode_metrics"] = "detailed"
-    t0 = time.time()
     if job.get("trust_remote_code"):
         extra["trust_remote_code"] = True
-    llm = LLM(**engine_kwargs(job["target"], dtype=job["dtype"], max_model_len=int(job["max_model_len"]),
-                              seed=int(job["seed"]), tensor_parallel_size=int(job.get("tensor_parallel_size", 1)),
-                              **extra))
+    return LLM(**engine_kwargs(job["target"], dtype=job["dtype"], max_model_len=int(job["max_model_len"]),
+                               seed=int(job["seed"]), tensor_parallel_size=int(job.get("tensor_parallel_size", 1)),
+                               **extra))
+
+
+def _per_prompt(prompts: list[dict], outs) -> list[dict]:
+    """One entry per prompt: vLLM's rendered prompt ids, output ids, finish reason, per-step lists."""
+    rows = []
+    for p, o in zip(prompts, outs):
+        c = o.outputs[0]
+        sdm = c.spec_decode_metrics
+        rows.append({
+            "id": p["id"],
+            "prompt_ids": list(o.prompt_token_ids or []),
+            "tokens": list(c.token_ids),
+            "finish_reason": c.finish_reason,
+            "per_step_accepted": list(sdm.per_step_accepted) if sdm is not None else None,
+            "per_step_drafted": list(sdm.per_step_drafted) if sdm is not None else None,
+        })
+    return rows
+
+
+def run_job(job: dict) -> dict:
+    """Run one measurement (see the module docstring); returns the result dict.
+
+    Raises:
+        ValueError: an unknown method.
+    """
+    from vllm import SamplingParams
+
+    spec = _speculative_config(job)
+    t0 = time.time()
+    llm = _engine(job, spec)
     startup_s = time.time() - t0
     prompts = job["prompts"]
     convs = [p["messages"] for p in prompts]
@@ -111,21 +148,10 @@ def run_job(job: dict) -> dict:
                     use_tqdm=False, chat_template_kwargs=ctk)
     gen_s = time.time() - t1
     after = read_counters(llm)
-    per_prompt = []
-    for p, o in zip(prompts, outs):
-        c = o.outputs[0]
-        sdm = c.spec_decode_metrics
-        per_prompt.append({
-            "id": p["id"],
-            "prompt_ids": list(o.prompt_token_ids or []),
-            "tokens": list(c.token_ids),
-            "finish_reason": c.finish_reason,
-            "per_step_accepted": list(sdm.per_step_accepted) if sdm is not None else None,
-            "per_step_drafted": list(sdm.per_step_drafted) if sdm is not None else None,
-        })
+    per_prompt = _per_prompt(prompts, outs)
     n_out = sum(len(r["tokens"]) for r in per_prompt)
     return {
-        "method": method,
+        "method": job["method"],
         "speculative_config": spec,
         "k": int(job["k"]) if spec else 0,
         "temperature": float(job["temperature"]),
@@ -142,10 +168,10 @@ def run_job(job: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: ``python -m eagle3.evaluate_vllm JOB.json OUT.json`` (OUT written atomically)."""
+    """Command line: ``python -m eagle3.evaluate.vllm_worker JOB.json OUT.json`` (OUT written atomically)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 2:
-        print("usage: python -m eagle3.evaluate_vllm JOB.json OUT.json", file=sys.stderr)
+        print("usage: python -m eagle3.evaluate.vllm_worker JOB.json OUT.json", file=sys.stderr)
         return 2
     job = json.loads(Path(argv[0]).read_text())
     result = run_job(job)

@@ -1,0 +1,65 @@
+"""Stage 5: acceptance of the drafter on held-out prompts, offline and in vLLM, plus the parity check.
+
+One module per concern (see ``docs/DESIGN.md``, "Acceptance", for the definitions):
+
+* :mod:`~eagle3.evaluate.metrics`: τ, per-position acceptance, tokens per target forward;
+* :mod:`~eagle3.evaluate.drafter`: the speculators drafter with a KV cache, as vLLM's proposer runs it;
+* :mod:`~eagle3.evaluate.decoding`: offline EAGLE-3 chain speculation and the acceptance rules;
+* :mod:`~eagle3.evaluate.prompts`: the held-out prompts, rendered as vLLM renders them;
+* :mod:`~eagle3.evaluate.vllm_jobs` (stage side) and :mod:`~eagle3.evaluate.vllm_worker` (the
+  subprocess, one engine each): vLLM with the drafter, n-gram lookup and no speculation;
+* :mod:`~eagle3.evaluate.parity` and :mod:`~eagle3.evaluate.diagnosis`: offline vs vLLM, and why;
+* :mod:`~eagle3.evaluate.stage`: ``run(params, run_dir) -> EvaluateStats``;
+* :mod:`~eagle3.evaluate.report`: tables and figures (``matplotlib.figure.Figure``).
+"""
+
+from eagle3.evaluate.decoding import (
+    TargetAuxRunner,
+    evaluate_offline,
+    speculative_accept,
+    speculative_generate,
+    stop_ids,
+)
+from eagle3.evaluate.diagnosis import diagnose, probe_layer_ids
+from eagle3.evaluate.drafter import DrafterSettings, Eagle3Drafter, drafter_settings_from_config, load_drafter
+from eagle3.evaluate.errors import EvaluateError, ParityError
+from eagle3.evaluate.metrics import acceptance_metrics, context_bucket, summarize_rounds
+from eagle3.evaluate.parity import parity_check
+from eagle3.evaluate.prompts import chat_template_kwargs, heldout_prompts, render_prompt
+from eagle3.evaluate.report import comparison_table, figures, parity_table, read_results
+from eagle3.evaluate.stage import EvaluateStats, find_drafter, run, training_reference
+from eagle3.evaluate.vllm_jobs import run_vllm_job, vllm_records, vllm_serve_command
+
+__all__ = [
+    "EvaluateError",
+    "ParityError",
+    "EvaluateStats",
+    "acceptance_metrics",
+    "summarize_rounds",
+    "context_bucket",
+    "speculative_accept",
+    "DrafterSettings",
+    "drafter_settings_from_config",
+    "load_drafter",
+    "TargetAuxRunner",
+    "Eagle3Drafter",
+    "speculative_generate",
+    "stop_ids",
+    "evaluate_offline",
+    "chat_template_kwargs",
+    "render_prompt",
+    "heldout_prompts",
+    "run_vllm_job",
+    "vllm_records",
+    "parity_check",
+    "probe_layer_ids",
+    "diagnose",
+    "vllm_serve_command",
+    "find_drafter",
+    "training_reference",
+    "comparison_table",
+    "parity_table",
+    "figures",
+    "read_results",
+    "run",
+]

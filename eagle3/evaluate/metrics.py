@@ -1,0 +1,141 @@
+"""Acceptance metrics of speculative decoding (pure functions over per-round counts).
+
+Definitions (``docs/DESIGN.md``, "Acceptance"; one verification round = one target forward after
+the prefill):
+
+* acceptance length ``tau = 1 + mean(accepted drafts per round)`` over rounds that had drafts
+  (vLLM: ``1 + num_accepted_tokens / num_drafts``);
+* tokens per target forward = tokens produced by verification rounds / verification rounds,
+  counting rounds without drafts (n-gram lookup misses) as producing one token;
+* per-position conditional acceptance at position i = P(draft i accepted | drafts 1..i-1 accepted
+  and a draft i was proposed); vLLM's own vector is unconditional (accepted at i / drafts).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = ["acceptance_metrics", "context_bucket", "summarize_rounds"]
+
+
+def acceptance_metrics(
+    accepted: Sequence[int],
+    k: int,
+    drafted: Sequence[int] | None = None,
+    verification_steps: int | None = None,
+) -> dict:
+    """Acceptance statistics of a list of verification rounds.
+
+    Args:
+        accepted: accepted draft tokens per round that had drafts (ints in ``[0, drafted[r]]``).
+        k: number of speculative tokens per round (the per-position vectors have length k).
+        drafted: draft tokens proposed per round (default: k every round).
+        verification_steps: all target verification forwards, including rounds *without* drafts
+            (n-gram misses); default ``len(accepted)``. Each such round produced one token.
+
+    Returns:
+        dict with ``tau`` (1 + mean accepted, the bonus token counted; NaN without rounds),
+        ``rounds``, ``accepted_tokens``, ``draft_tokens``, ``draft_acceptance_rate``
+        (accepted / drafted), ``per_position_conditional`` (list of k; position i counts rounds
+        with a draft at i whose drafts 1..i-1 were all accepted; None where nothing was counted),
+        ``per_position_unconditional`` (accepted at i / rounds, vLLM's vector),
+        ``verification_steps`` and ``tokens_per_forward``
+        (``(verification_steps + accepted_tokens) / verification_steps``).
+
+    Raises:
+        ValueError: lengths differ, or an accepted count is negative or exceeds its drafted count.
+
+    Example (a logged run): k=4, rounds accepting 2, 0, 4 -> tau = 1 + 6/3 = 3.0.
+    """
+    acc = [int(a) for a in accepted]
+    drf = [int(d) for d in drafted] if drafted is not None else [int(k)] * len(acc)
+    if len(drf) != len(acc):
+        raise ValueError(f"accepted ({len(acc)}) and drafted ({len(drf)}) differ in length")
+    for r, (a, d) in enumerate(zip(acc, drf)):
+        if a < 0 or a > d or d > k:
+            raise ValueError(f"round {r}: accepted={a} drafted={d} k={k} is impossible")
+    n = len(acc)
+    steps = n if verification_steps is None else int(verification_steps)
+    if steps < n:
+        raise ValueError(f"verification_steps={steps} < rounds with drafts={n}")
+    tot_acc, tot_drf = sum(acc), sum(drf)
+    cond: list[float | None] = []
+    uncond: list[float | None] = []
+    for i in range(1, k + 1):
+        den = sum(1 for a, d in zip(acc, drf) if d >= i and a >= i - 1)
+        num = sum(1 for a in acc if a >= i)
+        cond.append(num / den if den else None)
+        uncond.append(num / n if n else None)
+    return {
+        "tau": 1.0 + tot_acc / n if n else float("nan"),
+        "rounds": n,
+        "accepted_tokens": tot_acc,
+        "draft_tokens": tot_drf,
+        "draft_acceptance_rate": tot_acc / tot_drf if tot_drf else float("nan"),
+        "per_position_conditional": cond,
+        "per_position_unconditional": uncond,
+        "verification_steps": steps,
+        "tokens_per_forward": (steps + tot_acc) / steps if steps else float("nan"),
+    }
+
+
+_BUCKET_EDGES = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+def context_bucket(context_len: int) -> str:
+    """Context-length bucket label of a round (tokens before the verification), e.g. '128-255'."""
+    lo = 0
+    for hi in _BUCKET_EDGES:
+        if context_len < hi:
+            return f"{lo}-{hi - 1}"
+        lo = hi
+    return f">={lo}"
+
+
+def _bucket_start(label: str) -> int:
+    return int(label.lstrip(">=").split("-")[0])
+
+
+def summarize_rounds(records: list[dict], k: int) -> dict:
+    """Acceptance metrics overall, by prompt source and by context-length bucket.
+
+    Args:
+        records: one dict per prompt: ``source`` (str), ``rounds`` (list of
+            ``[context_len, drafted, accepted]``) and optionally ``verification_steps`` (int,
+            default: number of rounds).
+        k: speculative tokens per round.
+
+    Returns:
+        dict: ``overall``, ``by_source`` {source: metrics}, ``by_context`` {bucket: metrics}
+        (buckets sorted by length), ``accepted_histogram`` (rounds per accepted count 0..k) and
+        ``prompts``. Metrics as in :func:`acceptance_metrics` (by context: rounds only).
+    """
+    def metrics_of(recs: list[dict]) -> dict:
+        acc = [r[2] for rec in recs for r in rec["rounds"] if r[1] > 0]
+        drf = [r[1] for rec in recs for r in rec["rounds"] if r[1] > 0]
+        steps = sum(rec.get("verification_steps", len(rec["rounds"])) for rec in recs)
+        return acceptance_metrics(acc, k, drf, verification_steps=steps)
+
+    by_source: dict[str, list] = {}
+    for rec in records:
+        by_source.setdefault(rec.get("source", "?"), []).append(rec)
+    ctx: dict[str, list] = {}
+    for rec in records:
+        for r in rec["rounds"]:
+            if r[1] > 0:
+                ctx.setdefault(context_bucket(r[0]), []).append(r)
+    hist = [0] * (k + 1)
+    for rec in records:
+        for r in rec["rounds"]:
+            if r[1] > 0:
+                hist[r[2]] += 1
+    return {
+        "overall": metrics_of(records),
+        "by_source": {s: metrics_of(v) for s, v in sorted(by_source.items())},
+        "by_context": {
+            b: acceptance_metrics([r[2] for r in v], k, [r[1] for r in v])
+            for b, v in sorted(ctx.items(), key=lambda kv: _bucket_start(kv[0]))
+        },
+        "accepted_histogram": hist,
+        "prompts": len(records),
+    }

@@ -1,0 +1,151 @@
+"""The evaluation prompts: held-out samples of stage 1 (or ``evaluate.prompts``), never trained on.
+
+A prompt is the turns before the first assistant turn (system/user), rendered exactly as vLLM's
+chat endpoint renders it, so that offline and vLLM decode the same token ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from eagle3.evaluate.errors import EvaluateError
+from eagle3.io import STAGES
+
+__all__ = ["chat_template_kwargs", "render_prompt", "heldout_prompts"]
+
+
+def _prompt_prefix(messages: list[dict]) -> list[dict]:
+    """The turns before the first assistant turn (system/user), as ``{"role", "content"}``."""
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant":
+            break
+        out.append({"role": m["role"], "content": m.get("content", "")})
+    return out
+
+
+def _prefix_hash(prefix: list[dict]) -> str:
+    blob = json.dumps([[m["role"], m["content"]] for m in prefix], ensure_ascii=False)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def chat_template_kwargs(params) -> dict | None:
+    """Chat-template kwargs the target is served with (``enable_thinking`` from ``synthesize``)."""
+    et = params.synthesize.enable_thinking
+    return None if et is None else {"enable_thinking": bool(et)}
+
+
+def render_prompt(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a prompt exactly as vLLM's chat endpoint renders it.
+
+    The chat template is applied as text with the generation prompt
+    (``apply_chat_template(..., add_generation_prompt=True, tokenize=False)``), then tokenized
+    with ``add_special_tokens=False`` (the template already holds any BOS), as vLLM does.
+
+    Returns:
+        list[int]: the prompt's token ids.
+    """
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                         **(template_kwargs or {}))
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _read_samples(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / STAGES[1] / "samples.jsonl"
+    if not path.is_file():
+        raise EvaluateError(f"{path}: not found; run stage 1 (synthesize) first")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise EvaluateError(f"{path}:{n}: invalid JSON ({exc.msg})") from None
+    return out
+
+
+def _train_ids(run_dir: Path) -> set[str]:
+    """Row ids of stage 2's training split (empty when that file is absent)."""
+    p = Path(run_dir) / STAGES[2] / "train.parquet"
+    if not p.is_file():
+        return set()
+    import pyarrow.parquet as pq
+
+    return set(pq.read_table(p, columns=["id"]).column("id").to_pylist())
+
+
+def _other_prompt_set(source) -> list[dict]:
+    """Records ``{"id", "source", "messages", "prompt_hash"}`` of ``evaluate.prompts`` (Stage 1's loader;
+    the first system/user turn group of each prompt)."""
+    from eagle3.prompts import load_source
+
+    return [{"id": p.id, "source": p.source, "messages": p.first_messages(), "prompt_hash": p.prompt_hash}
+            for p in load_source(source, dedup=True)]
+
+
+def _training_hashes(samples: list[dict]) -> set[str]:
+    """Prompt hashes of the training samples: their own ``prompt_hash`` and the hash of their prefix."""
+    hashes: set[str] = set()
+    for s in samples:
+        if s.get("split") == "train":
+            hashes.add(_prefix_hash(_prompt_prefix(s.get("messages", []))))
+            if s.get("prompt_hash"):
+                hashes.add(str(s["prompt_hash"]))
+    return hashes
+
+
+def heldout_prompts(params, run_dir: str | Path, tokenizer) -> tuple[list[dict], dict]:
+    """The evaluation prompts: held-out samples of Stage 1 (or ``evaluate.prompts``), never trained on.
+
+    A candidate is dropped when its prompt hash (Stage 1's ``prompt_hash`` or the hash of its
+    system/user turns) belongs to a ``split == "train"`` sample, or its id is in stage 2's
+    ``train.parquet``. Prompts longer than ``target.max_model_len - max_new_tokens - k - 1``
+    tokens are skipped (they could not finish in vLLM).
+
+    Returns:
+        ``(prompts, info)``: prompts ``{"id", "source", "prompt_hash", "messages", "prompt_ids"}``
+        (at most ``evaluate.num_prompts``) and counts (``candidates``, ``excluded_training``,
+        ``skipped_too_long``, ``count``, ``by_source``).
+
+    Raises:
+        EvaluateError: no samples file, or no held-out prompt left.
+    """
+    ev = params.evaluate
+    run_dir = Path(run_dir)
+    has_samples = (run_dir / STAGES[1] / "samples.jsonl").exists()
+    samples = _read_samples(run_dir) if has_samples or ev.prompts is None else []
+    train_hashes = _training_hashes(samples)
+    train_ids = _train_ids(run_dir)
+    cands = _other_prompt_set(ev.prompts) if ev.prompts is not None else [s for s in samples if s.get("split") == "heldout"]
+    tk = chat_template_kwargs(params)
+    limit = params.target.max_model_len - ev.max_new_tokens - ev.num_speculative_tokens - 1
+    out, excluded, too_long = [], 0, 0
+    for s in cands:
+        prefix = _prompt_prefix(s.get("messages", []))
+        if not prefix:
+            continue
+        h = _prefix_hash(prefix)
+        if h in train_hashes or (s.get("prompt_hash") and str(s["prompt_hash"]) in train_hashes) or s.get("id") in train_ids:
+            excluded += 1
+            continue
+        ids = render_prompt(tokenizer, prefix, tk)
+        if len(ids) > limit:
+            too_long += 1
+            continue
+        out.append({"id": str(s["id"]), "source": str(s.get("source", "?")), "prompt_hash": s.get("prompt_hash") or h,
+                    "messages": prefix, "prompt_ids": ids})
+        if ev.num_prompts is not None and len(out) >= ev.num_prompts:
+            break
+    if not out:
+        raise EvaluateError(
+            f"no held-out prompt to evaluate in {run_dir} ({len(cands)} candidates, {excluded} seen in "
+            f"training, {too_long} longer than {limit} tokens); raise synthesize.heldout_fraction or set evaluate.prompts")
+    by_source: dict[str, int] = {}
+    for p in out:
+        by_source[p["source"]] = by_source.get(p["source"], 0) + 1
+    return out, {"candidates": len(cands), "excluded_training": excluded, "skipped_too_long": too_long,
+                 "count": len(out), "by_source": by_source}

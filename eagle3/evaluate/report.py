@@ -1,0 +1,143 @@
+"""Stage 5's tables and figures (notebook 05, the report and the PNGs beside ``results.json``).
+
+Figures are ``matplotlib.figure.Figure`` objects built without pyplot: no global plotting state
+changes (no backend switch, no figure registry), so a notebook displays them inline when a cell
+returns one, and nothing has to be closed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eagle3.io import STAGES, read_json
+
+__all__ = ["LABELS", "read_results", "comparison_table", "parity_table", "figures"]
+
+LABELS = {"offline/eagle3": "EAGLE-3 offline (transformers)", "vllm/eagle3": "EAGLE-3 in vLLM",
+          "vllm/ngram": "n-gram lookup in vLLM", "vllm/none": "no speculation (vLLM)"}
+_SIZE = (6.5, 3.6)  # inches
+
+
+def read_results(run_dir: str | Path) -> dict:
+    """Stage 5's ``results.json`` of a run (settings, prompts, backends, parity, diagnosis).
+
+    Raises:
+        FileNotFoundError: stage 5 has not written it yet.
+    """
+    path = Path(run_dir) / STAGES[5] / "results.json"
+    res = read_json(path, None)
+    if res is None:
+        raise FileNotFoundError(f"{path}: not found; run stage 5 (evaluate) first")
+    return res
+
+
+def comparison_table(results: dict):
+    """Drafter vs n-gram vs no speculation (and offline): τ, tokens/forward, tokens/s (pandas DataFrame)."""
+    import pandas as pd
+
+    rows = []
+    for name, b in results["backends"].items():
+        rows.append({"method": LABELS.get(name, name), "backend": b["backend"], "k": b.get("k"),
+                     "tau": b.get("tau"), "tokens_per_forward": b.get("tokens_per_forward"),
+                     "draft_acceptance_rate": b.get("draft_acceptance_rate"), "rounds": b.get("rounds"),
+                     "tokens_per_s": b.get("tokens_per_s") if b["backend"] == "vllm" else None})
+    return pd.DataFrame(rows)
+
+
+def parity_table(results: dict):
+    """Offline vs vLLM side by side: τ, acceptance rate and per-position conditional rates (DataFrame)."""
+    import pandas as pd
+
+    off = results["backends"].get("offline/eagle3") or {}
+    vl = results["backends"].get("vllm/eagle3") or {}
+    rows = [{"metric": key, "offline": off.get(key), "vllm": vl.get(key)}
+            for key in ("tau", "tokens_per_forward", "draft_acceptance_rate", "rounds", "accepted_tokens")]
+    k = results["settings"]["k"]
+    for i in range(k):
+        rows.append({"metric": f"P(accept pos {i + 1} | 1..{i} accepted)",
+                     "offline": (off.get("per_position_conditional") or [None] * k)[i],
+                     "vllm": (vl.get("per_position_conditional") or [None] * k)[i]})
+    return pd.DataFrame(rows)
+
+
+def _axes():
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=_SIZE)
+    return fig, fig.add_subplot()
+
+
+def _per_position(bk: dict, spec: list[str], k: int, temperature: float):
+    import numpy as np
+
+    fig, ax = _axes()
+    w = 0.8 / max(len(spec), 1)
+    for j, n in enumerate(spec):
+        vals = [v if v is not None else 0 for v in (bk[n].get("per_position_conditional") or [0] * k)]
+        ax.bar(np.arange(1, k + 1) + (j - (len(spec) - 1) / 2) * w, vals, w, label=LABELS[n])
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("P(accepted | 1..i-1 accepted)")
+    ax.set_ylim(0, 1)
+    ax.set_xticks(range(1, k + 1))
+    ax.legend(fontsize=8)
+    ax.set_title(f"Per-position acceptance (k={k}, T={temperature})")
+    return fig
+
+
+def _tau_histogram(bk: dict, spec: list[str], k: int):
+    import numpy as np
+
+    fig, ax = _axes()
+    w = 0.8 / max(len(spec), 1)
+    for j, n in enumerate(spec):
+        h = np.array(bk[n].get("accepted_histogram") or [0] * (k + 1), dtype=float)
+        if h.sum():
+            ax.bar(np.arange(1, k + 2) + (j - (len(spec) - 1) / 2) * w, h / h.sum(), w, label=LABELS[n])
+    ax.set_xlabel("tokens per round (accepted drafts + 1)")
+    ax.set_ylabel("fraction of rounds")
+    ax.legend(fontsize=8)
+    ax.set_title("Acceptance length per round")
+    return fig
+
+
+def _tau_vs_context(bk: dict):
+    fig, ax = _axes()
+    for n in ("offline/eagle3", "vllm/eagle3"):
+        bc = (bk.get(n) or {}).get("by_context") or {}
+        if bc:
+            ax.plot(list(bc), [m["tau"] for m in bc.values()], marker="o", label=LABELS[n])
+    ax.set_xlabel("context length (tokens before the round)")
+    ax.set_ylabel("tau")
+    ax.legend(fontsize=8)
+    ax.set_title("Acceptance length vs context length")
+    return fig
+
+
+def _speed(bk: dict):
+    fig, ax = _axes()
+    names = [n for n in ("vllm/eagle3", "vllm/ngram", "vllm/none") if n in bk]
+    if names:
+        ax.bar([LABELS[n].replace(" in vLLM", "").replace(" (vLLM)", "") for n in names],
+               [bk[n].get("tokens_per_s") or 0 for n in names])
+    ax.set_ylabel("output tokens/s (vLLM, one request at a time)")
+    ax.set_title("Decoding speed")
+    return fig
+
+
+def figures(results: dict) -> dict:
+    """The stage's figures from ``results.json``, as ``matplotlib.figure.Figure`` (no pyplot state).
+
+    Returns:
+        dict: ``per_position`` (conditional acceptance bars per draft position), ``tau_histogram``
+        (share of rounds per accepted+1), ``tau_vs_context`` (τ by context-length bucket), ``speed``
+        (vLLM output tokens/s per method).
+    """
+    bk = results["backends"]
+    k = results["settings"]["k"]
+    spec = [n for n in ("offline/eagle3", "vllm/eagle3", "vllm/ngram") if n in bk]
+    return {
+        "per_position": _per_position(bk, spec, k, results["settings"]["temperature"]),
+        "tau_histogram": _tau_histogram(bk, spec, k),
+        "tau_vs_context": _tau_vs_context(bk),
+        "speed": _speed(bk),
+    }

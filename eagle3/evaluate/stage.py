@@ -1,0 +1,348 @@
+"""Stage 5: acceptance of the drafter on held-out prompts, offline and in vLLM, plus the parity check.
+
+* **Offline** (transformers, :mod:`eagle3.evaluate.decoding`): EAGLE-3 chain speculation exactly as
+  vLLM runs it, with the settings the drafter was trained with (:func:`training_reference`).
+* **vLLM** (:mod:`eagle3.evaluate.vllm_jobs`, one engine per subprocess): the same prompts through
+  ``vllm.LLM.chat`` with the exported config, the n-gram (prompt lookup) baseline and no speculation.
+* **Parity** (:mod:`eagle3.evaluate.parity`): at temperature 0 offline τ and vLLM τ must agree within
+  ``evaluate.parity_tolerance`` (relative); otherwise :class:`ParityError` with a diagnosis list
+  (:mod:`eagle3.evaluate.diagnosis`).
+
+Resumable: offline records are appended per prompt (``offline_records.jsonl``) and each vLLM
+measurement is kept (``vllm_<method>.json``) with a key of its inputs; a re-run reuses them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from eagle3.evaluate.decoding import backend_summary, evaluate_offline
+from eagle3.evaluate.diagnosis import diagnose
+from eagle3.evaluate.drafter import DrafterSettings, drafter_settings_from_config, load_drafter, read_drafter_config
+from eagle3.evaluate.errors import EvaluateError, ParityError
+from eagle3.evaluate.parity import parity_result
+from eagle3.evaluate.prompts import chat_template_kwargs, heldout_prompts
+from eagle3.evaluate.report import figures
+from eagle3.evaluate.vllm_jobs import build_job, run_vllm_job, vllm_serve_command, vllm_summary
+from eagle3.io import STAGES, Progress, atomic_write_json, read_json, stage_dir, write_stats
+
+__all__ = ["EvaluateStats", "find_drafter", "training_reference", "run"]
+
+STAGE = 5
+
+
+@dataclass
+class EvaluateStats:
+    """Stage 5's ``stats.json``: one field per key, in the file's order.
+
+    τ values are acceptance lengths (1 + accepted drafts per verification round); tokens per
+    forward count rounds without drafts as one token; tokens/s are vLLM's output tokens per second
+    of generation, one request at a time; ``speedup_vllm_eagle3`` = EAGLE-3 tokens/s / no-speculation
+    tokens/s. ``None`` where a backend was not run.
+    """
+
+    num_prompts: int
+    k: int
+    temperature: float
+    tau_offline: float | None = None
+    tokens_per_forward_offline: float | None = None
+    tau_vllm: float | None = None
+    tokens_per_forward_vllm: float | None = None
+    tau_ngram: float | None = None
+    tokens_per_forward_ngram: float | None = None
+    tokens_per_s_vllm_eagle3: float | None = None
+    tokens_per_s_vllm_ngram: float | None = None
+    tokens_per_s_vllm_none: float | None = None
+    speedup_vllm_eagle3: float | None = None
+    draft_acceptance_rate_offline: float | None = None
+    draft_acceptance_rate_vllm: float | None = None
+    parity_ok: bool | None = None
+    parity_gap: float | None = None
+    parity_tolerance: float | None = None
+    diagnosis: list[str] = field(default_factory=list)
+    vllm_serve_command: str = ""
+    complete: bool = False
+    finished_at: str | None = None
+
+    HEADLINE = ("tau_offline", "tau_vllm", "tokens_per_forward_vllm", "tau_ngram", "tokens_per_forward_ngram",
+                "parity_ok", "vllm_serve_command")
+
+    def headline(self) -> dict:
+        """The numbers the report's index shows for this stage."""
+        return {k: getattr(self, k) for k in self.HEADLINE}
+
+    def to_dict(self) -> dict:
+        """The stats as written to ``stats.json`` (without ``complete``/``finished_at``, which
+        :func:`eagle3.io.write_stats` adds)."""
+        d = asdict(self)
+        d.pop("complete"), d.pop("finished_at")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EvaluateStats":
+        """From a ``stats.json`` dict (unknown keys ignored)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _key(obj: Any) -> str:
+    """A 16-hex-digit digest of ``obj`` (JSON, sorted keys): the resume key of a measurement's inputs."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _file_sha(path: Path) -> str:
+    """The first 16 hex digits of the file's sha256."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
+
+
+def find_drafter(params, run_dir: str | Path) -> Path:
+    """``evaluate.drafter_dir`` when set, else the drafter Stage 4 exported (its ``stats.json``).
+
+    Raises:
+        EvaluateError: no drafter (Stage 4 not complete) or the directory lacks config.json.
+    """
+    train_dir = Path(run_dir) / STAGES[4]
+    if params.evaluate.drafter_dir:
+        d = Path(params.evaluate.drafter_dir).expanduser()
+    else:
+        st = read_json(train_dir / "stats.json", {}) or {}
+        d = Path(st.get("drafter_dir") or train_dir / "drafter")
+        if not d.is_absolute():
+            d = Path(run_dir) / d if (Path(run_dir) / d).exists() else train_dir / d
+    if not (d / "config.json").is_file():
+        raise EvaluateError(f"no drafter at {d} (config.json missing): run stage 4 (train) first, "
+                            f"or set evaluate.drafter_dir to a speculators-format directory")
+    return d.resolve()
+
+
+def training_reference(params, run_dir: str | Path, drafter_dir: str | Path) -> DrafterSettings:
+    """What the drafter learned with: aux ids from stage 3's ``meta.json``, norm flags from
+    ``params.train`` and the draft vocab mapping from stage 2's ``vocab_mapping.safetensors`` when the
+    drafter is this run's Stage 4 export; otherwise the config and weights as written.
+
+    The offline evaluator uses these values, vLLM uses the exported config: a difference is a
+    train/serve mismatch that the parity check catches.
+    """
+    cfg = drafter_settings_from_config(drafter_dir, vllm_view=False)
+    run_dir = Path(run_dir)
+    meta = read_json(run_dir / STAGES[3] / "meta.json", None)
+    own = Path(drafter_dir).resolve().is_relative_to((run_dir / STAGES[4]).resolve()) and not params.evaluate.drafter_dir
+    srcs = []
+    ids = cfg.aux_layer_ids
+    if own and meta and meta.get("aux_layer_ids"):
+        ids = [int(i) for i in meta["aux_layer_ids"]]
+        srcs.append(f"aux ids: {STAGES[3]}/meta.json")
+    if own:
+        t = params.train
+        flags = dict(norm_before_residual=t.norm_before_residual, norm_before_fc=t.norm_before_fc,
+                     fc_norm=t.fc_norm, norm_output=t.norm_output)
+        srcs.append("norm flags: params.train")
+    else:
+        flags = dict(norm_before_residual=cfg.norm_before_residual, norm_before_fc=cfg.norm_before_fc,
+                     fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
+    vm = run_dir / STAGES[2] / "vocab_mapping.safetensors"
+    mapping = None
+    if own and vm.is_file():
+        mapping = str(vm)
+        srcs.append(f"vocab mapping: {STAGES[2]}/vocab_mapping.safetensors")
+    return DrafterSettings(aux_layer_ids=ids, **flags, source="; ".join(srcs) or "config.json", vocab_mapping=mapping)
+
+
+def _stage4_check(drafter_dir: Path, target_dir: Path) -> list[str] | None:
+    """Stage 4's ``check_drafter`` problems (None when that module is unavailable)."""
+    try:
+        from eagle3.train import check_drafter
+    except ImportError:
+        return None
+    try:
+        return list(check_drafter(drafter_dir, target_dir))
+    except Exception as exc:  # a crash of the checker is itself worth reporting, not fatal here
+        return [f"check_drafter raised {type(exc).__name__}: {exc}"]
+
+
+@dataclass
+class _Inputs:
+    """Everything the measurements share: target, tokenizer, drafter, prompts, settings, resume keys."""
+
+    resolved: Any  # eagle3.target.ResolvedTarget
+    model: Any  # the transformers target (None for a vLLM-only evaluation)
+    tok: Any
+    drafter_dir: Path
+    prompts: list[dict]
+    prompt_info: dict
+    ref: DrafterSettings
+    served: DrafterSettings
+    drafter_key: str
+    prompts_key: str
+    t_dtype: str
+
+
+def _load_inputs(params, run_dir: Path) -> _Inputs:
+    from eagle3.target import load_target, load_tokenizer, resolve_target, torch_dtype
+
+    ev = params.evaluate
+    resolved = resolve_target(params.target)
+    drafter_dir = find_drafter(params, run_dir)
+    if "offline" in ev.backends:
+        model, tok, _ = load_target(params.target)
+    else:  # vLLM only (e.g. a target too large for one device): the tokenizer is enough
+        model, tok = None, load_tokenizer(resolved, params.target.trust_remote_code)
+    prompts, pinfo = heldout_prompts(params, run_dir, tok)
+    t_dtype = model.dtype if model is not None else torch_dtype(params.target.dtype, resolved.path)
+    return _Inputs(
+        resolved=resolved, model=model, tok=tok, drafter_dir=drafter_dir, prompts=prompts, prompt_info=pinfo,
+        ref=training_reference(params, run_dir, drafter_dir),
+        served=drafter_settings_from_config(drafter_dir, vllm_view=True),
+        drafter_key=_key([_file_sha(drafter_dir / "model.safetensors"), read_drafter_config(drafter_dir)]),
+        prompts_key=_key([[p["id"], p["prompt_ids"]] for p in prompts]),
+        t_dtype=str(t_dtype).replace("torch.", ""))
+
+
+def _offline(params, inp: _Inputs, sd: Path, prog: Progress):
+    """``(drafter model, records, summary)`` of the offline EAGLE-3 measurement (resumed per prompt)."""
+    ev = params.evaluate
+    k, temp, model = ev.num_speculative_tokens, ev.temperature, inp.model
+    dm = load_drafter(inp.drafter_dir, model, inp.ref, device=str(model.device))
+    key = _key([inp.drafter_key, inp.prompts_key, asdict(inp.ref), k, temp, ev.max_new_tokens, params.run.seed,
+                inp.t_dtype])
+    recs = evaluate_offline(model, inp.tok, dm, inp.prompts, k, ev.max_new_tokens, inp.ref.aux_layer_ids,
+                            temperature=temp, seed=params.run.seed,
+                            out_file=sd / "offline_records.jsonl", key=key, progress=prog)
+    summary = backend_summary(recs, k, temp, "transformers", "eagle3") | {
+        "dtype": inp.t_dtype, "device": str(model.device), "aux_layer_ids": inp.ref.aux_layer_ids,
+        "settings_source": inp.ref.source}
+    return dm, recs, summary
+
+
+def _vllm(params, inp: _Inputs, sd: Path, prog: Progress) -> tuple[dict, dict]:
+    """``({method: raw result}, {"vllm/<method>": summary})``; a kept result with the same key is reused."""
+    ev = params.evaluate
+    logs = sd / "logs"
+    logs.mkdir(exist_ok=True)
+    results, summaries = {}, {}
+    for method in ev.vllm_methods:
+        job = build_job(params, method, inp.resolved.path, inp.drafter_dir, inp.prompts, chat_template_kwargs(params))
+        jkey = _key([job, inp.drafter_key if method == "eagle3" else None])
+        out = sd / f"vllm_{method}.json"
+        res = read_json(out, None)
+        if not res or res.get("job_key") != jkey:
+            res = run_vllm_job(job, out, logs / f"vllm_{method}.log", timeout_s=ev.vllm_timeout_s)
+            res["job_key"] = jkey
+            atomic_write_json(out, res)
+        results[method] = res
+        summaries[f"vllm/{method}"] = vllm_summary(res, inp.prompts, ev.num_speculative_tokens)
+        prog.update(1, tokens=res.get("output_tokens", 0))
+    return results, summaries
+
+
+def _stats(params, inp: _Inputs, backends: dict, parity: dict, diagnosis: list[str], cmd: str) -> EvaluateStats:
+    ev = params.evaluate
+    off, vl = backends.get("offline/eagle3") or {}, backends.get("vllm/eagle3") or {}
+    ng, none = backends.get("vllm/ngram") or {}, backends.get("vllm/none") or {}
+    tps, tps_none = vl.get("tokens_per_s"), none.get("tokens_per_s")
+    return EvaluateStats(
+        num_prompts=len(inp.prompts), k=ev.num_speculative_tokens, temperature=ev.temperature,
+        tau_offline=off.get("tau"), tokens_per_forward_offline=off.get("tokens_per_forward"),
+        tau_vllm=vl.get("tau"), tokens_per_forward_vllm=vl.get("tokens_per_forward"),
+        tau_ngram=ng.get("tau"), tokens_per_forward_ngram=ng.get("tokens_per_forward"),
+        tokens_per_s_vllm_eagle3=tps, tokens_per_s_vllm_ngram=ng.get("tokens_per_s"),
+        tokens_per_s_vllm_none=tps_none, speedup_vllm_eagle3=tps / tps_none if tps and tps_none else None,
+        draft_acceptance_rate_offline=off.get("draft_acceptance_rate"),
+        draft_acceptance_rate_vllm=vl.get("draft_acceptance_rate"),
+        parity_ok=parity.get("ok") if parity["checked"] else None,
+        parity_gap=parity.get("relative_gap"), parity_tolerance=ev.parity_tolerance,
+        diagnosis=diagnosis, vllm_serve_command=cmd)
+
+
+def _results(params, inp: _Inputs, backends: dict, parity: dict, diagnosis: list[str],
+             drafter_check: list[str] | None, cmd: str) -> dict:
+    """The ``results.json`` document: settings, prompts, per-backend summaries, parity, diagnosis."""
+    ev = params.evaluate
+    first = backends.get("offline/eagle3") or backends.get("vllm/eagle3") or {}
+    return {
+        "settings": {"temperature": ev.temperature, "k": ev.num_speculative_tokens, "max_new_tokens": ev.max_new_tokens,
+                     "acceptance_rule": first.get("acceptance_rule"),
+                     "drafter_dir": str(inp.drafter_dir), "target": str(inp.resolved.path),
+                     "verifier_name": inp.resolved.name,
+                     "trained_settings": asdict(inp.ref), "served_settings": asdict(inp.served),
+                     "ngram": ev.ngram.model_dump(), "vllm_engine": "LLM.chat, max_num_seqs=1"},
+        "prompts": inp.prompt_info,
+        "backends": backends,
+        "parity": parity,
+        "diagnosis": diagnosis,
+        "drafter_check": drafter_check,
+        "vllm_serve_command": cmd,
+    }
+
+
+def _track(params, run_dir: Path, results: dict, stats: dict) -> None:
+    """Figures (PNG beside the results, and W&B) and the numeric stats to the tracker."""
+    from eagle3.tracking import Tracker
+
+    tracker = Tracker(params, run_dir, STAGES[STAGE])
+    try:
+        for name, fig in figures(results).items():
+            tracker.figure(name, fig)
+        tracker.log({kk: v for kk, v in stats.items() if isinstance(v, (int, float)) and v is not None})
+        tracker.summary(stats)
+    finally:
+        tracker.finish()
+
+
+def run(params, run_dir: str | Path) -> EvaluateStats:
+    """Stage 5: offline and vLLM acceptance on held-out prompts, n-gram and no-speculation baselines,
+    parity check; writes ``results.json``, ``prompts.json``, figures and ``stats.json`` in its folder.
+
+    Returns:
+        EvaluateStats: what ``stats.json`` holds.
+
+    Raises:
+        EvaluateError: missing inputs or a failed vLLM job.
+        ParityError: at temperature 0, offline and vLLM τ differ by more than
+            ``evaluate.parity_tolerance`` (relative); results.json holds the diagnosis.
+    """
+    run_dir = Path(run_dir)
+    sd = stage_dir(run_dir, STAGE)
+    ev = params.evaluate
+    k, temp = ev.num_speculative_tokens, ev.temperature
+    inp = _load_inputs(params, run_dir)
+    atomic_write_json(sd / "prompts.json", {"info": inp.prompt_info, "prompts": [
+        {kk: p[kk] for kk in ("id", "source", "prompt_hash")} | {"prompt_tokens": len(p["prompt_ids"])}
+        for p in inp.prompts]})
+    units = (len(inp.prompts) if "offline" in ev.backends else 0) + (len(ev.vllm_methods) if "vllm" in ev.backends else 0)
+    backends: dict[str, dict] = {}
+    dm = offline_recs = None
+    vllm_results: dict[str, dict] = {}
+    with Progress(sd, units, unit="steps", desc=STAGES[STAGE]) as prog:
+        if "offline" in ev.backends:
+            dm, offline_recs, backends["offline/eagle3"] = _offline(params, inp, sd, prog)
+        if "vllm" in ev.backends:
+            vllm_results, summaries = _vllm(params, inp, sd, prog)
+            backends.update(summaries)
+        off, vl = backends.get("offline/eagle3"), backends.get("vllm/eagle3")
+        parity = parity_result(off, vl, temp, ev.parity_tolerance)
+        diagnosis = diagnose(inp.drafter_dir, inp.resolved.path, reference=inp.ref, run_dir=run_dir, target=inp.model,
+                             drafter_model=dm, offline=off, vllm=(vllm_results.get("eagle3") and
+                             {**vllm_results["eagle3"], **(vl or {})}), prompts=inp.prompts,
+                             offline_records=offline_recs)
+        drafter_check = _stage4_check(inp.drafter_dir, inp.resolved.path)
+        if parity.get("checked") and not parity.get("ok") and drafter_check:
+            diagnosis += [f"drafter check: {p}" for p in drafter_check]
+        cmd = vllm_serve_command(inp.resolved.name, inp.drafter_dir, k)
+        results = _results(params, inp, backends, parity, diagnosis, drafter_check, cmd)
+        atomic_write_json(sd / "results.json", results)
+        stats = _stats(params, inp, backends, parity, diagnosis, cmd).to_dict()
+        _track(params, run_dir, results, stats)
+        if parity["checked"] and not parity["ok"]:
+            write_stats(sd, stats, complete=False)
+            prog.extra["parity"] = "failed"
+            raise ParityError(
+                f"parity check failed: offline tau {off['tau']:.3f} vs vLLM tau {vl['tau']:.3f} "
+                f"(relative gap {parity['relative_gap']:.3f} > tolerance {ev.parity_tolerance}); see {sd / 'results.json'}",
+                diagnosis)
+        return EvaluateStats.from_dict(write_stats(sd, stats))
