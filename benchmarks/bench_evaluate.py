@@ -5,7 +5,7 @@
 Prints one table: target-only greedy decoding (transformers ``generate``) vs offline EAGLE-3
 speculation (:func:`eagle3.evaluate.speculative_generate`), and with ``--vllm`` vLLM with the drafter,
 with n-gram lookup and without speculation (one engine per subprocess, one request at a time).
-The drafter defaults to the run's ``04_train`` export; the prompts are the run's held-out prompts.
+The drafter defaults to the run's stage 4 export; the prompts are the run's held-out prompts.
 Offline speculation in eager PyTorch is not expected to be faster (Python overhead per round); the
 vLLM rows are the ones that matter for serving.
 """
@@ -20,10 +20,17 @@ def main() -> None:
     import torch
 
     from eagle3.config import load_params
-    from eagle3.evaluate import (find_drafter, heldout_prompts, load_drafter, run_vllm_job, speculative_generate,
-                                 stop_ids, training_reference)
+    from eagle3.evaluate import (
+        find_drafter,
+        heldout_prompts,
+        load_drafter,
+        run_vllm_job,
+        speculative_generate,
+        stop_ids,
+        training_reference,
+    )
     from eagle3.evaluate.vllm_jobs import build_job
-    from eagle3.paths import resolve_run_dir
+    from eagle3.rundir import resolve_run_dir
     from eagle3.target import load_target, resolve_target
 
     ap = argparse.ArgumentParser()

@@ -10,8 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from _evaluate_fixtures import (
+    AUX_IDS,
+    EVAL_QUESTIONS,
+    TRAIN_QUESTIONS,
+    greedy,
+    make_drafter,
+    render,
+)
 
-from _evaluate_fixtures import AUX_IDS, EVAL_QUESTIONS, TRAIN_QUESTIONS, greedy, make_drafter, render
 from eagle3.evaluate import (
     DrafterSettings,
     ParityError,
@@ -27,7 +34,7 @@ from eagle3.evaluate import (
     summarize_rounds,
     vllm_serve_command,
 )
-from eagle3.io import STAGES
+from eagle3.rundir import RunDir
 
 # ------------------------------------------------------------------------------------- metrics
 
@@ -292,8 +299,7 @@ def test_parity_error_message_carries_the_diagnosis():
 
 def _write_run(tmp_params, questions_heldout, questions_train, extra_yaml=""):
     from eagle3.config import load_params
-    from eagle3.io import prepare_run_dir
-    from eagle3.paths import resolve_run_dir
+    from eagle3.rundir import prepare_run_dir, resolve_run_dir
 
     params = load_params(tmp_params("target:\n  model: embedded:smollm2-135m\n  dtype: float32\n  device: cpu\n"
                                     "  max_model_len: 1024\n" + extra_yaml))
@@ -305,9 +311,9 @@ def _write_run(tmp_params, questions_heldout, questions_train, extra_yaml=""):
                           "prompt_hash": f"h-{q}", "messages": [{"role": "user", "content": q},
                                                                 {"role": "assistant", "content": "x"}],
                           "finish_reasons": ["stop"], "prompt_tokens": 1, "completion_tokens": 1, "settings": {}})
-    d = run_dir / STAGES[1]
-    d.mkdir(parents=True)
-    (d / "samples.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    samples = RunDir(run_dir).samples
+    samples.parent.mkdir(parents=True)
+    samples.write_text("".join(json.dumps(x) + "\n" for x in lines))
     return params, run_dir
 
 
@@ -328,20 +334,21 @@ def test_heldout_prompts_never_include_training_prompts(tmp_params, target_model
 
 
 def _stage_run_dir(tmp_params, drafter: Path, corrupt_mapping: bool = False):
-    """A run directory with stage 1-4 outputs Stage 5 reads: samples, 02_vocab mapping, 03 meta, 04 drafter."""
+    """A run directory with the stage 1-4 outputs Stage 5 reads: samples, vocab mapping, extract meta, drafter."""
     from safetensors.torch import load_file, save_file
 
     params, run_dir = _write_run(
         tmp_params, EVAL_QUESTIONS[:2], TRAIN_QUESTIONS,
         "evaluate:\n  num_speculative_tokens: 3\n  max_new_tokens: 24\n  parity_tolerance: 0.15\n"
         "  vllm_methods: [eagle3]\n")
-    (run_dir / STAGES[3]).mkdir()
-    (run_dir / STAGES[3] / "meta.json").write_text(json.dumps({"aux_layer_ids": AUX_IDS, "num_hidden_layers": 30}))
-    dst = run_dir / STAGES[4] / "drafter"
+    rd = RunDir(run_dir)
+    rd.stage(3, create=True)
+    rd.extract_meta.write_text(json.dumps({"aux_layer_ids": AUX_IDS, "num_hidden_layers": 30}))
+    dst = rd.drafter_dir
     shutil.copytree(drafter, dst)
     sd = load_file(str(dst / "model.safetensors"))
-    (run_dir / STAGES[2]).mkdir()
-    save_file({"d2t": sd["d2t"], "t2d": sd["t2d"]}, str(run_dir / STAGES[2] / "vocab_mapping.safetensors"))
+    rd.stage(2, create=True)
+    save_file({"d2t": sd["d2t"], "t2d": sd["t2d"]}, str(rd.vocab_mapping))
     if corrupt_mapping:
         # a valid but wrong mapping: drop the smallest kept id, add an unused one above the largest,
         # so that draft id i now names the target id of draft id i+1
@@ -352,7 +359,7 @@ def _stage_run_dir(tmp_params, drafter: Path, corrupt_mapping: bool = False):
         sd["t2d"] = torch.zeros_like(sd["t2d"])
         sd["t2d"][new] = True
         save_file(sd, str(dst / "model.safetensors"))
-    (run_dir / STAGES[4] / "stats.json").write_text(json.dumps({"drafter_dir": str(dst), "complete": True}))
+    rd.stats(4).write_text(json.dumps({"drafter_dir": str(dst), "complete": True}))
     return params, run_dir
 
 
@@ -362,7 +369,7 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
 
     params, run_dir = _stage_run_dir(tmp_params, fitted_drafter)
     stats = run(params, run_dir)
-    sd = run_dir / STAGES[5]
+    sd = RunDir(run_dir).stage(5)
     res = json.loads((sd / "results.json").read_text())
     v = res["backends"]["vllm/eagle3"]
     c = v["counters"]
@@ -376,8 +383,9 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
     assert stats.vllm_serve_command.startswith("vllm serve ") and "eagle3" in stats.vllm_serve_command
     on_disk = json.loads((sd / "stats.json").read_text())
     assert on_disk == dataclasses.asdict(stats) and on_disk["complete"] is True
-    assert set(stats.headline()) == {"tau_offline", "tau_vllm", "tokens_per_forward_vllm", "tau_ngram",
-                                     "tokens_per_forward_ngram", "parity_ok", "vllm_serve_command"}
+    from eagle3.report import HEADLINE
+
+    assert tuple(stats.headline()) == HEADLINE[5]  # the report's index shows these
     assert (sd / "per_position.png").exists()
     # lossless with a drafter that accepts: offline output == transformers greedy == vLLM greedy
     model, tok = target_model
@@ -393,7 +401,7 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
 
 @pytest.mark.slow
 def test_stage_parity_fails_on_a_vocab_mapping_changed_after_training(fitted_drafter, tmp_params):
-    """The exported d2t no longer is the mapping the drafter was trained with (02_vocab): vLLM's τ
+    """The exported d2t no longer is the mapping the drafter was trained with (stage 2): vLLM's τ
     collapses while the offline τ (trained mapping) does not; the diagnosis names the mapping."""
     from eagle3.evaluate import run
 
@@ -401,6 +409,6 @@ def test_stage_parity_fails_on_a_vocab_mapping_changed_after_training(fitted_dra
     with pytest.raises(ParityError) as ei:
         run(params, run_dir)
     assert any(p.startswith("vocab mapping: d2t differs from") for p in ei.value.diagnosis)
-    st = json.loads((run_dir / STAGES[5] / "stats.json").read_text())
+    st = json.loads(RunDir(run_dir).stats(5).read_text())
     assert st["parity_ok"] is False and st["complete"] is False
     assert st["tau_vllm"] < st["tau_offline"] - 0.3

@@ -13,6 +13,7 @@ One module per concern (see ``docs/DESIGN.md``, "Acceptance", for the definition
 * :mod:`~eagle3.evaluate.report`: tables and figures (``matplotlib.figure.Figure``).
 """
 
+from eagle3.errors import EvaluateError, ParityError
 from eagle3.evaluate.decoding import (
     TargetAuxRunner,
     evaluate_offline,
@@ -21,8 +22,12 @@ from eagle3.evaluate.decoding import (
     stop_ids,
 )
 from eagle3.evaluate.diagnosis import diagnose, probe_layer_ids
-from eagle3.evaluate.drafter import DrafterSettings, Eagle3Drafter, drafter_settings_from_config, load_drafter
-from eagle3.evaluate.errors import EvaluateError, ParityError
+from eagle3.evaluate.drafter import (
+    DrafterSettings,
+    Eagle3Drafter,
+    drafter_settings_from_config,
+    load_drafter,
+)
 from eagle3.evaluate.metrics import acceptance_metrics, context_bucket, summarize_rounds
 from eagle3.evaluate.parity import parity_check
 from eagle3.evaluate.prompts import chat_template_kwargs, heldout_prompts, render_prompt

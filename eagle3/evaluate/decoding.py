@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from eagle3.errors import EvaluateError
 from eagle3.evaluate.drafter import Eagle3Drafter, crop_cache
-from eagle3.evaluate.errors import EvaluateError
 from eagle3.evaluate.metrics import summarize_rounds
-from eagle3.io import Progress
+from eagle3.io import Progress, read_jsonl
 
 __all__ = [
     "speculative_accept",
@@ -265,27 +265,17 @@ def speculative_generate(target, drafter_model, prompt_ids: Sequence[int], k: in
 
 
 def _resume_records(out_file: Path, key: str) -> dict[str, dict]:
-    """Records already in ``out_file`` with this ``key``; a torn tail (or another key) is cut off the file."""
-    done: dict[str, dict] = {}
-    if not out_file.exists():
-        return done
-    lines = out_file.read_text(encoding="utf-8").splitlines()
-    good = []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            break  # torn tail
-        if rec.get("key") != key:
-            good = []
-            break
-        good.append(line)
-        done[rec["id"]] = rec
-    if len(good) != len(lines):
-        out_file.write_text("".join(g + "\n" for g in good), encoding="utf-8")
-        if not good:
-            done = {}
-    return done
+    """Records already in ``out_file`` with this ``key``, by prompt id.
+
+    A torn last line (an interrupted append) is cut off the file; a record with another key (other
+    settings, drafter or prompts) invalidates the whole file, which is emptied.
+    """
+    recs = read_jsonl(out_file, error=EvaluateError, missing_ok=True)
+    good = recs if all(r.get("key") == key for r in recs) else []
+    text = "".join(json.dumps(r) + "\n" for r in good)
+    if out_file.exists() and out_file.read_text(encoding="utf-8") != text:
+        out_file.write_text(text, encoding="utf-8")
+    return {r["id"]: r for r in good}
 
 
 def evaluate_offline(target, tokenizer, drafter_model, prompts: list[dict], k: int, max_new_tokens: int,

@@ -15,7 +15,7 @@ from typing import Any
 
 from eagle3.evaluate.decoding import TargetAuxRunner
 from eagle3.evaluate.drafter import DrafterSettings, Eagle3Drafter, read_drafter_config
-from eagle3.io import STAGES
+from eagle3.rundir import STAGES, VOCAB, RunDir
 
 __all__ = ["probe_layer_ids", "diagnose"]
 
@@ -202,7 +202,7 @@ def _vocab_mapping(ck: _Checkpoint, run_dir: str | Path | None) -> list[str]:
         probs.append("vocab mapping: d2t target ids are not strictly ascending")
     elif t2d.numel() != vocab or int(t2d.sum()) != d2t.numel() or not bool(t2d.bool()[tids].all()):
         probs.append("vocab mapping: t2d is inconsistent with d2t")
-    mp = Path(run_dir) / STAGES[2] / "vocab_mapping.safetensors" if run_dir is not None else None
+    mp = RunDir(run_dir).vocab_mapping if run_dir is not None else None
     if mp is not None and mp.exists():
         from safetensors.torch import load_file
 
@@ -264,7 +264,7 @@ def _vllm_outputs(vllm: dict, prompts: list[dict], offline_records: list[dict] |
 
 def _training_render(prompts: list[dict], run_dir: str | Path) -> list[str]:
     """The offline render is a prefix of the same conversation as tokenized for training (stage 2)."""
-    hp = Path(run_dir) / STAGES[2] / "heldout.parquet"
+    hp = RunDir(run_dir).tokenized("heldout")
     if not hp.exists():
         return []
     import pyarrow.parquet as pq
@@ -274,7 +274,7 @@ def _training_render(prompts: list[dict], run_dir: str | Path) -> list[str]:
     bad = [p["id"] for p in prompts if p["id"] in train_render
            and list(train_render[p["id"]][: len(p["prompt_ids"])]) != list(p["prompt_ids"])]
     if bad:
-        return [f"chat template: {len(bad)} prompts render differently from {STAGES[2]}/heldout.parquet "
+        return [f"chat template: {len(bad)} prompts render differently from {STAGES[VOCAB]}/{hp.name} "
                 f"(the training tokenization), e.g. {bad[0]}"]
     return []
 

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3.evaluate.errors import EvaluateError
+from eagle3.errors import EvaluateError
 
 __all__ = [
     "DrafterSettings",
@@ -33,7 +33,7 @@ class DrafterSettings:
     Attributes:
         aux_layer_ids: aux hidden state layer ids, in the order they are concatenated for ``fc``.
         norm_before_residual, norm_before_fc, fc_norm, norm_output: speculators' norm flags.
-        source: where these values came from (e.g. "config.json", "03_extract/meta.json").
+        source: where these values came from (e.g. "config.json", "aux ids: <stage 3>/meta.json").
         vocab_mapping: a ``vocab_mapping.safetensors`` (``d2t``, ``t2d``) to use instead of the
             checkpoint's (the mapping the training data used, stage 2's); None = the checkpoint's.
     """

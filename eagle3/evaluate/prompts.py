@@ -10,8 +10,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from eagle3.evaluate.errors import EvaluateError
-from eagle3.io import STAGES
+from eagle3.errors import EvaluateError
+from eagle3.rundir import RunDir
 
 __all__ = ["chat_template_kwargs", "render_prompt", "heldout_prompts"]
 
@@ -53,7 +53,7 @@ def render_prompt(tokenizer, messages: list[dict], template_kwargs: dict | None 
 
 
 def _read_samples(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / STAGES[1] / "samples.jsonl"
+    path = RunDir(run_dir).samples
     if not path.is_file():
         raise EvaluateError(f"{path}: not found; run stage 1 (synthesize) first")
     out = []
@@ -70,7 +70,7 @@ def _read_samples(run_dir: Path) -> list[dict]:
 
 def _train_ids(run_dir: Path) -> set[str]:
     """Row ids of stage 2's training split (empty when that file is absent)."""
-    p = Path(run_dir) / STAGES[2] / "train.parquet"
+    p = RunDir(run_dir).tokenized("train")
     if not p.is_file():
         return set()
     import pyarrow.parquet as pq
@@ -116,7 +116,7 @@ def heldout_prompts(params, run_dir: str | Path, tokenizer) -> tuple[list[dict],
     """
     ev = params.evaluate
     run_dir = Path(run_dir)
-    has_samples = (run_dir / STAGES[1] / "samples.jsonl").exists()
+    has_samples = RunDir(run_dir).samples.exists()
     samples = _read_samples(run_dir) if has_samples or ev.prompts is None else []
     train_hashes = _training_hashes(samples)
     train_ids = _train_ids(run_dir)

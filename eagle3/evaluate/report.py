@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3.io import STAGES, read_json
+from eagle3.io import read_json
+from eagle3.rundir import RunDir
 
 __all__ = ["LABELS", "read_results", "comparison_table", "parity_table", "figures"]
 
@@ -24,7 +25,7 @@ def read_results(run_dir: str | Path) -> dict:
     Raises:
         FileNotFoundError: stage 5 has not written it yet.
     """
-    path = Path(run_dir) / STAGES[5] / "results.json"
+    path = RunDir(run_dir).evaluate_results
     res = read_json(path, None)
     if res is None:
         raise FileNotFoundError(f"{path}: not found; run stage 5 (evaluate) first")

@@ -16,27 +16,37 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from eagle3.errors import EvaluateError, ParityError
 from eagle3.evaluate.decoding import backend_summary, evaluate_offline
 from eagle3.evaluate.diagnosis import diagnose
-from eagle3.evaluate.drafter import DrafterSettings, drafter_settings_from_config, load_drafter, read_drafter_config
-from eagle3.evaluate.errors import EvaluateError, ParityError
+from eagle3.evaluate.drafter import (
+    DrafterSettings,
+    drafter_settings_from_config,
+    load_drafter,
+    read_drafter_config,
+)
 from eagle3.evaluate.parity import parity_result
 from eagle3.evaluate.prompts import chat_template_kwargs, heldout_prompts
 from eagle3.evaluate.report import figures
-from eagle3.evaluate.vllm_jobs import build_job, run_vllm_job, vllm_serve_command, vllm_summary
-from eagle3.io import STAGES, Progress, atomic_write_json, read_json, stage_dir, write_stats
+from eagle3.evaluate.vllm_jobs import (
+    build_job,
+    run_vllm_job,
+    vllm_serve_command,
+    vllm_summary,
+)
+from eagle3.io import Progress, atomic_write_json, file_sha256, read_json
+from eagle3.rundir import EVALUATE, TRAIN, RunDir
+from eagle3.stage import StageRun, Stats
 
 __all__ = ["EvaluateStats", "find_drafter", "training_reference", "run"]
 
-STAGE = 5
-
 
 @dataclass
-class EvaluateStats:
+class EvaluateStats(Stats):
     """Stage 5's ``stats.json``: one field per key, in the file's order.
 
     τ values are acceptance lengths (1 + accepted drafts per verification round); tokens per
@@ -65,39 +75,15 @@ class EvaluateStats:
     parity_tolerance: float | None = None
     diagnosis: list[str] = field(default_factory=list)
     vllm_serve_command: str = ""
-    complete: bool = False
-    finished_at: str | None = None
 
-    HEADLINE = ("tau_offline", "tau_vllm", "tokens_per_forward_vllm", "tau_ngram", "tokens_per_forward_ngram",
-                "parity_ok", "vllm_serve_command")
-
-    def headline(self) -> dict:
-        """The numbers the report's index shows for this stage."""
-        return {k: getattr(self, k) for k in self.HEADLINE}
-
-    def to_dict(self) -> dict:
-        """The stats as written to ``stats.json`` (without ``complete``/``finished_at``, which
-        :func:`eagle3.io.write_stats` adds)."""
-        d = asdict(self)
-        d.pop("complete"), d.pop("finished_at")
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "EvaluateStats":
-        """From a ``stats.json`` dict (unknown keys ignored)."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+    HEADLINE: ClassVar[tuple[str, ...]] = (
+        "num_prompts", "k", "tau_offline", "tau_vllm", "tokens_per_forward_vllm", "tau_ngram",
+        "tokens_per_forward_ngram", "speedup_vllm_eagle3", "parity_ok", "parity_gap", "vllm_serve_command")
 
 
 def _key(obj: Any) -> str:
     """A 16-hex-digit digest of ``obj`` (JSON, sorted keys): the resume key of a measurement's inputs."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-def _file_sha(path: Path) -> str:
-    """The first 16 hex digits of the file's sha256."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
 
 
 def find_drafter(params, run_dir: str | Path) -> Path:
@@ -106,14 +92,14 @@ def find_drafter(params, run_dir: str | Path) -> Path:
     Raises:
         EvaluateError: no drafter (Stage 4 not complete) or the directory lacks config.json.
     """
-    train_dir = Path(run_dir) / STAGES[4]
+    rd = RunDir(run_dir)
     if params.evaluate.drafter_dir:
         d = Path(params.evaluate.drafter_dir).expanduser()
     else:
-        st = read_json(train_dir / "stats.json", {}) or {}
-        d = Path(st.get("drafter_dir") or train_dir / "drafter")
+        st = read_json(rd.stats(TRAIN), {}) or {}
+        d = Path(st.get("drafter_dir") or rd.drafter_dir)
         if not d.is_absolute():
-            d = Path(run_dir) / d if (Path(run_dir) / d).exists() else train_dir / d
+            d = rd.root / d if (rd.root / d).exists() else rd.stage(TRAIN) / d
     if not (d / "config.json").is_file():
         raise EvaluateError(f"no drafter at {d} (config.json missing): run stage 4 (train) first, "
                             f"or set evaluate.drafter_dir to a speculators-format directory")
@@ -129,14 +115,14 @@ def training_reference(params, run_dir: str | Path, drafter_dir: str | Path) -> 
     train/serve mismatch that the parity check catches.
     """
     cfg = drafter_settings_from_config(drafter_dir, vllm_view=False)
-    run_dir = Path(run_dir)
-    meta = read_json(run_dir / STAGES[3] / "meta.json", None)
-    own = Path(drafter_dir).resolve().is_relative_to((run_dir / STAGES[4]).resolve()) and not params.evaluate.drafter_dir
+    rd = RunDir(run_dir)
+    meta = read_json(rd.extract_meta, None)
+    own = Path(drafter_dir).resolve().is_relative_to(rd.stage(TRAIN).resolve()) and not params.evaluate.drafter_dir
     srcs = []
     ids = cfg.aux_layer_ids
     if own and meta and meta.get("aux_layer_ids"):
         ids = [int(i) for i in meta["aux_layer_ids"]]
-        srcs.append(f"aux ids: {STAGES[3]}/meta.json")
+        srcs.append(f"aux ids: {rd.extract_meta.relative_to(rd.root)}")
     if own:
         t = params.train
         flags = dict(norm_before_residual=t.norm_before_residual, norm_before_fc=t.norm_before_fc,
@@ -145,11 +131,11 @@ def training_reference(params, run_dir: str | Path, drafter_dir: str | Path) -> 
     else:
         flags = dict(norm_before_residual=cfg.norm_before_residual, norm_before_fc=cfg.norm_before_fc,
                      fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
-    vm = run_dir / STAGES[2] / "vocab_mapping.safetensors"
+    vm = rd.vocab_mapping
     mapping = None
     if own and vm.is_file():
         mapping = str(vm)
-        srcs.append(f"vocab mapping: {STAGES[2]}/vocab_mapping.safetensors")
+        srcs.append(f"vocab mapping: {vm.relative_to(rd.root)}")
     return DrafterSettings(aux_layer_ids=ids, **flags, source="; ".join(srcs) or "config.json", vocab_mapping=mapping)
 
 
@@ -198,7 +184,7 @@ def _load_inputs(params, run_dir: Path) -> _Inputs:
         resolved=resolved, model=model, tok=tok, drafter_dir=drafter_dir, prompts=prompts, prompt_info=pinfo,
         ref=training_reference(params, run_dir, drafter_dir),
         served=drafter_settings_from_config(drafter_dir, vllm_view=True),
-        drafter_key=_key([_file_sha(drafter_dir / "model.safetensors"), read_drafter_config(drafter_dir)]),
+        drafter_key=_key([file_sha256(drafter_dir / "model.safetensors")[:16], read_drafter_config(drafter_dir)]),
         prompts_key=_key([[p["id"], p["prompt_ids"]] for p in prompts]),
         t_dtype=str(t_dtype).replace("torch.", ""))
 
@@ -280,20 +266,6 @@ def _results(params, inp: _Inputs, backends: dict, parity: dict, diagnosis: list
     }
 
 
-def _track(params, run_dir: Path, results: dict, stats: dict) -> None:
-    """Figures (PNG beside the results, and W&B) and the numeric stats to the tracker."""
-    from eagle3.tracking import Tracker
-
-    tracker = Tracker(params, run_dir, STAGES[STAGE])
-    try:
-        for name, fig in figures(results).items():
-            tracker.figure(name, fig)
-        tracker.log({kk: v for kk, v in stats.items() if isinstance(v, (int, float)) and v is not None})
-        tracker.summary(stats)
-    finally:
-        tracker.finish()
-
-
 def run(params, run_dir: str | Path) -> EvaluateStats:
     """Stage 5: offline and vLLM acceptance on held-out prompts, n-gram and no-speculation baselines,
     parity check; writes ``results.json``, ``prompts.json``, figures and ``stats.json`` in its folder.
@@ -306,11 +278,11 @@ def run(params, run_dir: str | Path) -> EvaluateStats:
         ParityError: at temperature 0, offline and vLLM τ differ by more than
             ``evaluate.parity_tolerance`` (relative); results.json holds the diagnosis.
     """
-    run_dir = Path(run_dir)
-    sd = stage_dir(run_dir, STAGE)
+    rd = RunDir(run_dir)
+    sd = rd.stage(EVALUATE, create=True)
     ev = params.evaluate
     k, temp = ev.num_speculative_tokens, ev.temperature
-    inp = _load_inputs(params, run_dir)
+    inp = _load_inputs(params, rd.root)
     atomic_write_json(sd / "prompts.json", {"info": inp.prompt_info, "prompts": [
         {kk: p[kk] for kk in ("id", "source", "prompt_hash")} | {"prompt_tokens": len(p["prompt_ids"])}
         for p in inp.prompts]})
@@ -318,15 +290,15 @@ def run(params, run_dir: str | Path) -> EvaluateStats:
     backends: dict[str, dict] = {}
     dm = offline_recs = None
     vllm_results: dict[str, dict] = {}
-    with Progress(sd, units, unit="steps", desc=STAGES[STAGE]) as prog:
+    with StageRun(params, rd.root, EVALUATE, total=units, unit="steps") as st:
         if "offline" in ev.backends:
-            dm, offline_recs, backends["offline/eagle3"] = _offline(params, inp, sd, prog)
+            dm, offline_recs, backends["offline/eagle3"] = _offline(params, inp, sd, st.progress)
         if "vllm" in ev.backends:
-            vllm_results, summaries = _vllm(params, inp, sd, prog)
+            vllm_results, summaries = _vllm(params, inp, sd, st.progress)
             backends.update(summaries)
         off, vl = backends.get("offline/eagle3"), backends.get("vllm/eagle3")
         parity = parity_result(off, vl, temp, ev.parity_tolerance)
-        diagnosis = diagnose(inp.drafter_dir, inp.resolved.path, reference=inp.ref, run_dir=run_dir, target=inp.model,
+        diagnosis = diagnose(inp.drafter_dir, inp.resolved.path, reference=inp.ref, run_dir=rd.root, target=inp.model,
                              drafter_model=dm, offline=off, vllm=(vllm_results.get("eagle3") and
                              {**vllm_results["eagle3"], **(vl or {})}), prompts=inp.prompts,
                              offline_records=offline_recs)
@@ -335,14 +307,16 @@ def run(params, run_dir: str | Path) -> EvaluateStats:
             diagnosis += [f"drafter check: {p}" for p in drafter_check]
         cmd = vllm_serve_command(inp.resolved.name, inp.drafter_dir, k)
         results = _results(params, inp, backends, parity, diagnosis, drafter_check, cmd)
-        atomic_write_json(sd / "results.json", results)
-        stats = _stats(params, inp, backends, parity, diagnosis, cmd).to_dict()
-        _track(params, run_dir, results, stats)
+        atomic_write_json(rd.evaluate_results, results)
+        stats = _stats(params, inp, backends, parity, diagnosis, cmd)
+        # The W&B run opens only now, once the results exist (StageRun.tracker is lazy).
+        for name, fig in figures(results).items():
+            st.figure(name, fig)
         if parity["checked"] and not parity["ok"]:
-            write_stats(sd, stats, complete=False)
-            prog.extra["parity"] = "failed"
+            st.progress.extra["parity"] = "failed"
+            st.finish(stats, complete=False, log=True)
             raise ParityError(
                 f"parity check failed: offline tau {off['tau']:.3f} vs vLLM tau {vl['tau']:.3f} "
-                f"(relative gap {parity['relative_gap']:.3f} > tolerance {ev.parity_tolerance}); see {sd / 'results.json'}",
+                f"(relative gap {parity['relative_gap']:.3f} > tolerance {ev.parity_tolerance}); see {rd.evaluate_results}",
                 diagnosis)
-        return EvaluateStats.from_dict(write_stats(sd, stats))
+        return EvaluateStats.from_dict(st.finish(stats, log=True))

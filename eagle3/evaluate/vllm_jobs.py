@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from eagle3.evaluate.errors import EvaluateError
+from eagle3.errors import EvaluateError
 from eagle3.evaluate.metrics import summarize_rounds
 from eagle3.io import atomic_write_json
 
