@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 __all__ = [
-    "vllm_available",
     "on_cpu",
     "cpu_env",
     "engine_kwargs",
@@ -32,13 +31,6 @@ CPU_MEMORY_UTILIZATION = 0.3
 # compiled vs 40 s eager; generation 30% slower eager). Eager is the CPU default; pass
 # enforce_eager=False for long runs where the compile pays back.
 CPU_ENFORCE_EAGER = True
-
-
-def vllm_available() -> bool:
-    """True when ``import vllm`` would succeed (checked without importing it)."""
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
 
 
 def on_cpu() -> bool:
@@ -130,7 +122,7 @@ class VllmServer:
         except OSError:
             return ""
 
-    def start(self) -> "VllmServer":
+    def start(self) -> VllmServer:
         import httpx
 
         log = open(self.log_file, "wb")
@@ -162,7 +154,7 @@ class VllmServer:
                 self.proc.wait(timeout=10)
         self.proc = None
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:

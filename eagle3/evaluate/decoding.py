@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from eagle3.errors import EvaluateError
 from eagle3.evaluate.drafter import Eagle3Drafter, crop_cache

@@ -13,7 +13,7 @@ the prefill):
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["acceptance_metrics", "context_bucket", "summarize_rounds"]
 

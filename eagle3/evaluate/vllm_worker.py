@@ -14,8 +14,9 @@ The prompts go through ``LLM.chat`` (vLLM renders the chat template itself, exac
 endpoint does); the rendered ids are returned per prompt so that the caller can compare them with
 its own rendering. The engine runs one request at a time (``max_num_seqs=1``: the single-stream
 setting where speculation pays, and the one in which the engine's iteration count equals the
-number of target forwards of each request), without prefix caching (every prompt is prefilled). Counters are read with ``LLM.get_metrics()`` before
-and after the measured pass (a one-prompt warm-up runs first) and the differences reported:
+number of target forwards of each request), without prefix caching (every prompt is prefilled).
+Counters are read with ``LLM.get_metrics()`` before and after the measured pass (a one-prompt
+warm-up runs first) and the differences reported:
 ``vllm:spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens``,
 ``_num_accepted_tokens_per_pos``, ``vllm:iteration_tokens_total`` (count = engine steps),
 ``vllm:generation_tokens``. Per request, vLLM's per-step accepted/drafted lists
