@@ -26,22 +26,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _extract_fixtures import write_train_parquet  # noqa: E402
 
 from eagle3.config import load_params  # noqa: E402
-from eagle3.extract import (  # noqa: E402
-    ExtractError,
-    HiddenStateCapture,
+from eagle3.contracts.hidden_states import (  # noqa: E402
     HiddenStatesDataset,
     NonFiniteError,
     SampleWriter,
     check_sample_file,
-    extract_batches,
-    load_rows,
-    online_samples,
-    plan_batches,
-    preflight,
-    resolve_layer_ids,
-    run,
-    verify,
 )
+from eagle3.errors import ExtractError  # noqa: E402
+from eagle3.extract import load_rows, online_samples, preflight, run, verify  # noqa: E402
+from eagle3.extract.core import extract_batches, plan_batches  # noqa: E402
+from eagle3.hooks import PrefillCapture, resolve_layer_ids  # noqa: E402
 from eagle3.io import prepare_run_dir, read_json  # noqa: E402
 
 N_ROWS = 10
@@ -107,17 +101,18 @@ def ref(tmp_path_factory, tok):
 
 
 def test_layer_ids_default_and_bad_ids():
+    # eagle3.hooks raises the caller's error class (ValueError by default; Stage 3 passes ExtractError)
     assert resolve_layer_ids(None, 30) == [2, 15, 27]
     assert resolve_layer_ids([1, 29], 30) == [1, 29]
-    with pytest.raises(ExtractError, match=r"\[30\] out of range.*1 <= k < 30"):
+    with pytest.raises(ValueError, match=r"\[30\] out of range.*1 <= k < 30"):
         resolve_layer_ids([2, 30], 30)
-    with pytest.raises(ExtractError, match=r"\[0\] out of range"):
+    with pytest.raises(ValueError, match=r"\[0\] out of range"):
         resolve_layer_ids([0, 5], 30)
-    with pytest.raises(ExtractError, match=r"duplicated id\(s\) \[5\]"):
+    with pytest.raises(ValueError, match=r"duplicated id\(s\) \[5\]"):
         resolve_layer_ids([5, 5, 9], 30)
-    with pytest.raises(ExtractError, match="ascending"):
+    with pytest.raises(ValueError, match="ascending"):
         resolve_layer_ids([9, 5], 30)
-    with pytest.raises(ExtractError, match="at least one"):
+    with pytest.raises(ValueError, match="at least one"):
         resolve_layer_ids([], 30)
 
 
@@ -144,7 +139,7 @@ def test_stored_slots_match_transformers_hidden_states(target_model, tok):
     n = model.config.num_hidden_layers
     norm_calls = []
     h_norm = model.model.norm.register_forward_hook(lambda *a: norm_calls.append(1))
-    cap = HiddenStateCapture(model, None, torch.float32)
+    cap = PrefillCapture(model, None, torch.float32)
     try:
         assert cap.stored_layers == [2, 15, 27, 30] and len(cap._handles) == 4
         singles = []
@@ -174,7 +169,7 @@ def test_stored_slots_match_transformers_hidden_states(target_model, tok):
         for j, s in enumerate(singles):  # other reduction shapes: float32 rounding only
             torch.testing.assert_close(batch[j, : lens[j]], s, rtol=1e-3, atol=1e-3)
         # bfloat16 storage is the float32 capture rounded once
-        cap16 = HiddenStateCapture(model, None, torch.bfloat16)
+        cap16 = PrefillCapture(model, None, torch.bfloat16)
         try:
             assert torch.equal(cap16.capture(torch.tensor([seqs[0]]))[0], singles[0].to(torch.bfloat16))
         finally:
@@ -195,7 +190,7 @@ def test_layer_count_disagreeing_with_the_model():
     model = LlamaForCausalLM(cfg).eval()
     del model.model.layers[3]
     with pytest.raises(ExtractError, match="num_hidden_layers = 4 but the model has 3 decoder layers"):
-        HiddenStateCapture(model, [1, 2], torch.float32)
+        PrefillCapture(model, [1, 2], torch.float32, error=ExtractError)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -244,7 +239,7 @@ def test_run_writes_the_contract_files(ref):
         assert (sd / f"{fig}.png").stat().st_size > 1000
     assert not list(sd.glob("manifest.part-*")) and not list(sd.rglob("*.tmp"))
     # the dataset API
-    ds = HiddenStatesDataset(rd)
+    ds = HiddenStatesDataset(rd / "03_extract")
     assert len(ds) == N_ROWS and ds.meta["stored_layers"] == [2, 15, 27, 30]
     item = ds[3]
     assert item["hidden_states"].shape == (rows.lengths[3], 4, 576) and item["hidden_states"].dtype == torch.bfloat16
@@ -258,7 +253,7 @@ def test_run_writes_the_contract_files(ref):
 
 def test_online_samples_equal_the_stored_ones(ref):
     params, rd, _ = ref
-    ds = HiddenStatesDataset(rd)
+    ds = HiddenStatesDataset(rd / "03_extract")
     got = list(online_samples(params, rd, rows=[4, 1, 7]))
     assert len(got) == 3
     for r, item in zip([4, 1, 7], got):
@@ -311,7 +306,7 @@ def test_resume_redoes_truncated_corrupt_and_wrong_shape_files(ref, tmp_path):
     data = f[1].read_bytes()
     f[1].write_bytes(data[: len(data) - 1000])  # truncated
     f[5].write_bytes(b"\xff" * 8 + f[5].read_bytes()[8:])  # unreadable header
-    good = HiddenStatesDataset(rd)[8]
+    good = HiddenStatesDataset(rd / "03_extract")[8]
     save_file({**good, "hidden_states": good["hidden_states"][:, :3].contiguous()}, str(f[8]))  # wrong shape
     f[9].unlink()  # missing
     (sd / "rows_000000-000004" / ".000003.safetensors.abc.tmp").write_bytes(b"partial")  # killed writer
@@ -454,7 +449,7 @@ def test_nan_sample_stops_the_run_naming_it(target_model, tmp_path, tok):
     emb = model.model.embed_tokens.weight
     saved = emb[48000].clone()
     (rd / "03_extract").mkdir()
-    cap = HiddenStateCapture(model, None, torch.bfloat16)
+    cap = PrefillCapture(model, None, torch.bfloat16)
     writer = SampleWriter(rd / "03_extract", rd / "03_extract" / "j.jsonl", cap.stored_layers)
     try:
         with torch.no_grad():
@@ -530,7 +525,7 @@ def test_adopting_vllm_files_gives_the_transformers_layout(ref, tmp_path, tok):
 
     params_ref, rd_ref, _ = ref
     params, rd = new_run(tmp_path, "adopt", tok, backend="vllm")
-    ds = HiddenStatesDataset(rd_ref)
+    ds = HiddenStatesDataset(rd_ref / "03_extract")
     raw = rd / "03_extract" / "vllm_raw"
     raw.mkdir(parents=True)
     row_map = list(reversed(range(N_ROWS)))  # hs_i is row N-1-i, as a client input of todo rows would be

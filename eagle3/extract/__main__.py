@@ -23,7 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from eagle3.config import ParamsError, load_params
-    from eagle3.extract import ExtractError, run, verify
+    from eagle3.errors import ExtractError
+    from eagle3.extract import run, verify
     from eagle3.io import prepare_run_dir
     from eagle3.paths import resolve_run_dir
 

@@ -10,7 +10,7 @@ The path the motivating run took at scale (tensor parallel targets). Three piece
    ``scripts/launch_vllm.py``; the connector writes ``hidden_states [seq, n_layers, hidden]`` in
    the model dtype and ``token_ids [seq]`` per request, layers in layer order, id N before the norm);
 2. speculators' offline client ``python -m speculators generate-offline-data --endpoint URL
-   --preprocessed-data 03_extract/vllm_input --output 03_extract/vllm_raw`` (one ``max_tokens=1``
+   --preprocessed-data <stage 3>/vllm_input --output <stage 3>/vllm_raw`` (one ``max_tokens=1``
    completion per sample, files renamed to ``hs_<i>.safetensors``, ``i`` = index in the input);
 3. adoption (here): each ``hs_<i>.safetensors`` is checked (token ids equal the row's, shape
    ``[seq, n_aux + 1, hidden]``, finite), cast to ``extract.dtype``, given its loss mask and written
@@ -44,8 +44,12 @@ from typing import Sequence
 import torch
 
 from eagle3.config import Params
-from eagle3.extract.core import ExtractError, SampleWriter, first_non_finite, sample_relpath
-from eagle3.io import stage_dir
+from eagle3.contracts.hidden_states import SampleWriter, first_non_finite, sample_relpath
+from eagle3.distributed import DistContext
+from eagle3.errors import ExtractError
+import eagle3.extract.finalize as _fin
+from eagle3.extract.prepare import Setup, build_setup, extract_dir, prepare
+from eagle3.extract.progress import make_progress
 
 __all__ = [
     "speculative_config",
@@ -98,19 +102,13 @@ def serve_args(params: Params, aux_layer_ids: Sequence[int], num_hidden_layers: 
     return args
 
 
-def _meta_for(params: Params, run_dir: Path):
-    from eagle3.extract.stage import _setup
-
-    return _setup(params, run_dir)
-
-
 def serve_command(params: Params, run_dir: str | Path, port: int = 8000) -> list[str]:
     """The full ``vllm serve`` command (loopback address) for this run's Stage 3."""
     from eagle3.target import resolve_target
 
     run_dir = Path(run_dir)
-    setup = _meta_for(params, run_dir)
-    sd = stage_dir(run_dir, 3, create=False)
+    setup = build_setup(params, run_dir)
+    sd = extract_dir(run_dir, create=False)
     model = str(resolve_target(params.target).path)
     return ["vllm", "serve", model, "--host", "127.0.0.1", "--port", str(port),
             *serve_args(params, setup.aux, setup.num_layers, sd / STAGING_DIR, int(setup.rows.lengths.max()))]
@@ -132,7 +130,7 @@ def print_commands(params_file: str, run_dir: str | None = None, port: int = 800
 
     params = load_params(params_file)
     rd = Path(run_dir) if run_dir else resolve_run_dir(params)
-    sd = rd / "03_extract"
+    sd = extract_dir(rd, create=False)
     print(shlex.join(serve_command(params, rd, port)))
     print(shlex.join(generate_command(f"http://127.0.0.1:{port}/v1", sd / INPUT_DIR, sd / RAW_DIR)))
 
@@ -173,7 +171,7 @@ def _row_map(input_dir: Path) -> list[int] | None:
     return [int(x) for x in ds.with_format(None)["row"]]
 
 
-def _adopt(sd: Path, setup, raw_dir: Path, row_map: list[int], writer: SampleWriter, done: set[int],
+def _adopt(sd: Path, setup: Setup, raw_dir: Path, row_map: list[int], writer: SampleWriter, done: set[int],
            final: bool, keep_raw: bool) -> list[dict]:
     """Adopt every complete ``hs_<i>.safetensors`` in ``raw_dir``; returns problems found."""
     from safetensors.torch import load_file
@@ -230,8 +228,8 @@ def adopt_vllm_outputs(params: Params, run_dir: str | Path, raw_dir: str | Path 
 
     Args:
         params: the run's params. run_dir: the run directory.
-        raw_dir: the client's output (default ``03_extract/vllm_raw``).
-        row_map: row index of each ``i`` (default: the ``row`` column of ``03_extract/vllm_input``,
+        raw_dir: the client's output (default ``<stage 3>/vllm_raw``).
+        row_map: row index of each ``i`` (default: the ``row`` column of ``<stage 3>/vllm_input``,
             else the identity).
         finalize: when every row has its file, write the manifest and ``stats.json``.
 
@@ -242,12 +240,10 @@ def adopt_vllm_outputs(params: Params, run_dir: str | Path, raw_dir: str | Path 
     Raises:
         ExtractError: as :func:`eagle3.extract.run` before extraction (bad inputs, refusals).
     """
-    from eagle3.extract.stage import _Dist, _finalize, _prepare
-
     run_dir = Path(run_dir)
-    sd = stage_dir(run_dir, 3)
+    sd = extract_dir(run_dir)
     raw = Path(raw_dir) if raw_dir else sd / RAW_DIR
-    prep = _prepare(params, run_dir, sd, _Dist())
+    prep = prepare(params, run_dir, sd, DistContext())
     rm = list(row_map) if row_map is not None else (_row_map(sd / INPUT_DIR) or list(range(len(prep.setup.rows))))
     writer = SampleWriter(sd, prep.journal, prep.setup.stored, threads=params.extract.writer_threads)
     done = set(prep.valid)
@@ -263,7 +259,7 @@ def adopt_vllm_outputs(params: Params, run_dir: str | Path, raw_dir: str | Path 
         loops = [{"samples": writer.files_written, "tokens": sum(e["num_tokens"] for e in writer.entries),
                   "computed_tokens": 0, "seconds": secs, "bytes_written": writer.bytes_written,
                   "writer_busy_s": writer.busy_s, "calibration": None}]
-        out["stats"] = _finalize(params, run_dir, sd, prep.setup, prep.pf, loops, prep.redone, 1, None)
+        out["stats"] = _fin.finalize(params, run_dir, sd, prep.setup, prep.pf, loops, prep.redone, 1, None)
     return out
 
 
@@ -278,22 +274,21 @@ def run_vllm(params: Params, run_dir: str | Path) -> dict:
         ExtractError: no GPU and no ``vllm_endpoint``; rows still missing after the client finished
             (re-running retries only those); plus everything :func:`eagle3.extract.run` raises.
     """
-    from eagle3.extract.stage import STAGE_NAME, _Dist, _finalize, _make_progress, _prepare
     from eagle3.target import resolve_target
     from eagle3.tracking import Tracker
     from eagle3.vllm_utils import VllmServer
 
     run_dir = Path(run_dir)
     ep = params.extract
-    sd = stage_dir(run_dir, 3)
+    sd = extract_dir(run_dir)
     if ep.vllm_endpoint is None and not torch.cuda.is_available():
         raise ExtractError(
             "extract.backend = vllm needs a GPU: vLLM's ExampleHiddenStatesConnector copies hidden states "
             "through CUDA streams and pinned memory. Use extract.backend: transformers on CPU, or set "
             "extract.vllm_endpoint to a GPU server that shares this filesystem."
         )
-    dist = _Dist()
-    prep = _prepare(params, run_dir, sd, dist)
+    dist = DistContext()
+    prep = prepare(params, run_dir, sd, dist)
     setup = prep.setup
     raw, staging = sd / RAW_DIR, sd / STAGING_DIR
     raw.mkdir(exist_ok=True)
@@ -310,8 +305,8 @@ def run_vllm(params: Params, run_dir: str | Path) -> dict:
     for f in raw.glob("hs_*.safetensors"):
         f.unlink()
     todo = [r for r in range(len(setup.rows)) if r not in done]
-    tracker = Tracker(params, run_dir, STAGE_NAME)
-    progress = _make_progress(sd, dist, prep, lambda: writer.bytes_written)
+    tracker = Tracker(params, run_dir, sd.name)
+    progress = make_progress(sd, dist, prep, lambda: writer.bytes_written)
     t0 = time.perf_counter()
     try:
         if todo:
@@ -375,4 +370,4 @@ def run_vllm(params: Params, run_dir: str | Path) -> dict:
     loops = [{"samples": writer.files_written, "tokens": sum(e["num_tokens"] for e in writer.entries),
               "computed_tokens": sum(e["num_tokens"] for e in writer.entries), "seconds": secs,
               "bytes_written": writer.bytes_written, "writer_busy_s": writer.busy_s, "calibration": None}]
-    return _finalize(params, run_dir, sd, setup, prep.pf, loops, prep.redone, 1, tracker)
+    return _fin.finalize(params, run_dir, sd, setup, prep.pf, loops, prep.redone, 1, tracker)

@@ -1,5 +1,8 @@
 """Stage 3 tables and figures for notebook 03 (and the PNGs written beside the stage's files).
 
+Figures are :class:`matplotlib.figure.Figure` objects (no pyplot state: a notebook displays the one
+a cell returns, the stage saves them without a GUI backend).
+
 * :func:`preflight_rows` — the preflight as (quantity, value) rows;
 * :func:`fig_throughput` — tokens/s and samples done over time (``timeline.jsonl``);
 * :func:`fig_bytes_per_token` — bytes per token per file against the projection;
@@ -18,8 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eagle3.extract.core import iter_journal
-from eagle3.io import read_json
+from matplotlib.figure import Figure
+
+from eagle3.contracts import hidden_states as hsc
+from eagle3.io import read_json, stage_dir
 
 __all__ = [
     "preflight_rows",
@@ -31,7 +36,9 @@ __all__ = [
     "convention_check",
 ]
 
-STAGE_NAME = "03_extract"
+
+def _sd(run_dir: str | Path) -> Path:
+    return stage_dir(run_dir, 3, create=False)
 
 
 def _gib(n) -> str:
@@ -40,7 +47,7 @@ def _gib(n) -> str:
 
 def preflight_rows(run_dir: str | Path) -> list[dict]:
     """``preflight.json`` as rows ``{"quantity", "value"}`` for a table (bytes also in GiB)."""
-    pf = read_json(Path(run_dir) / STAGE_NAME / "preflight.json", None)
+    pf = read_json(_sd(run_dir) / "preflight.json", None)
     if not pf:
         return []
     order = ["samples", "tokens", "mean_seq_len", "max_seq_len", "stored_layers", "hidden_size", "dtype",
@@ -60,7 +67,7 @@ def preflight_rows(run_dir: str | Path) -> list[dict]:
 
 def timeline(run_dir: str | Path) -> list[dict]:
     """The progress points of ``timeline.jsonl`` (one every ~2 s while the stage runs; runs appended)."""
-    p = Path(run_dir) / STAGE_NAME / "timeline.jsonl"
+    p = _sd(run_dir) / "timeline.jsonl"
     if not p.exists():
         return []
     out = []
@@ -75,10 +82,9 @@ def timeline(run_dir: str | Path) -> list[dict]:
 def fig_throughput(run_dir: str | Path):
     """Tokens done over wall time (left; the slope is the throughput) and tokens/s (right: the running
     average of each run as ``progress.json`` reports it, and the rate between progress points)."""
-    import matplotlib.pyplot as plt
-
     pts = [p for p in timeline(run_dir) if p.get("tokens") is not None]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.2))
+    fig = Figure(figsize=(10, 3.2))
+    ax = fig.subplots(1, 2)
     if pts:
         t0 = pts[0]["t"]
         t = np.array([p["t"] - t0 for p in pts])
@@ -101,12 +107,11 @@ def fig_throughput(run_dir: str | Path):
 
 def fig_bytes_per_token(run_dir: str | Path):
     """Bytes per token of every stored file vs its length, with the hidden-state-only projection."""
-    import matplotlib.pyplot as plt
-
-    sd = Path(run_dir) / STAGE_NAME
-    meta = read_json(sd / "meta.json", {}) or {}
-    ents = list(iter_journal(sd / "manifest.jsonl"))
-    fig, ax = plt.subplots(figsize=(6, 3.2))
+    sd = _sd(run_dir)
+    meta = hsc.read_meta(sd) or {}
+    ents = hsc.read_entries(sd / "manifest.jsonl")
+    fig = Figure(figsize=(6, 3.2))
+    ax = fig.subplots()
     if ents:
         n = np.array([e["num_tokens"] for e in ents], dtype=float)
         b = np.array([e["bytes"] for e in ents], dtype=float)
@@ -133,9 +138,9 @@ def layer_norms(run_dir: str | Path, max_samples: int = 16) -> dict:
     """
     from safetensors.torch import load_file
 
-    sd = Path(run_dir) / STAGE_NAME
-    meta = read_json(sd / "meta.json", None)
-    ents = sorted(iter_journal(sd / "manifest.jsonl"), key=lambda e: e["row"])
+    sd = _sd(run_dir)
+    meta = hsc.read_meta(sd)
+    ents = sorted(hsc.read_entries(sd / "manifest.jsonl"), key=lambda e: e["row"])
     if not meta or not ents:
         return {"stored_layers": [], "mean_norm": [], "per_position": [], "samples": []}
     idx = sorted(set(np.linspace(0, len(ents) - 1, min(max_samples, len(ents))).round().astype(int).tolist()))
@@ -155,10 +160,9 @@ def layer_norms(run_dir: str | Path, max_samples: int = 16) -> dict:
 
 def fig_layer_norms(run_dir: str | Path, max_samples: int = 16):
     """Bar chart of the mean norm per stored layer and the per-position norms of one sample."""
-    import matplotlib.pyplot as plt
-
     ln = layer_norms(run_dir, max_samples)
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.2))
+    fig = Figure(figsize=(10, 3.2))
+    ax = fig.subplots(1, 2)
     labels = [f"id {k}" + (" (N, pre-norm)" if j == len(ln["stored_layers"]) - 1 else "")
               for j, k in enumerate(ln["stored_layers"])]
     ax[0].bar(labels, ln["mean_norm"], color=[f"C{j}" for j in range(len(labels))])
@@ -193,13 +197,10 @@ def convention_check(params, run_dir: str | Path, n_samples: int = 2, model=None
         with ``relative = max_abs_diff / ref_scale`` (``ref_scale`` = max |reference|), figure of
         every layer's mean norm with the stored slots overlaid).
     """
-    import matplotlib.pyplot as plt
-
-    from eagle3.extract.core import decoder_layers
-    from eagle3.extract.stage import HiddenStatesDataset
+    from eagle3.hooks import decoder_layers
     from eagle3.target import load_target
 
-    ds = HiddenStatesDataset(run_dir)
+    ds = hsc.HiddenStatesDataset(_sd(run_dir))
     if model is None:
         model, _, _ = load_target(params.target)
     dev = next(model.parameters()).device
@@ -235,7 +236,8 @@ def convention_check(params, run_dir: str | Path, n_samples: int = 2, model=None
         count += got.shape[0]
     rows = [{"layer_id": k, "slot": s, "compared_with": name, "max_abs_diff": v[0], "ref_scale": v[1],
              "relative": v[0] / v[1] if v[1] else 0.0} for (k, s, name), v in worst.items()]
-    fig, ax = plt.subplots(figsize=(7, 3.4))
+    fig = Figure(figsize=(7, 3.4))
+    ax = fig.subplots()
     ax.plot(range(n + 1), all_norms / max(count, 1), marker=".", color="0.5",
             label="transformers hidden_states[k] (k = N is after the final norm)")
     ax.scatter(stored, stored_norms / max(count, 1), s=60, facecolors="none", edgecolors="C3", lw=2,

@@ -1,0 +1,1 @@
+"""One module per stage output: the only code that reads or writes that format."""

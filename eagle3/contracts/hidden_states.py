@@ -1,0 +1,639 @@
+"""Stage 3's output folder — the ONLY code that reads or writes it.
+
+Layout (docs/DESIGN.md "Hidden-state files"; one folder per run, see :mod:`eagle3.rundir`):
+
+* ``meta.json``: aux layer ids, N, hidden size, storage dtype, target, stored layers, dataset
+  fingerprint, shard size (:func:`read_meta` / :func:`write_meta`);
+* ``rows_000000-002000/<row:06d>.safetensors`` (:func:`sample_relpath`): ``token_ids`` int64 ``[seq]``,
+  ``loss_mask`` int8 ``[seq]``, ``hidden_states`` ``[seq, n_aux + 1, hidden]`` in the storage dtype,
+  slot ``i`` = layer id ``stored_layers[i]``, the last slot = layer N before the final norm
+  (:mod:`eagle3.hooks` for the convention); safetensors metadata ``{"id": <sample id>}`` only;
+* ``manifest.part-RRR.jsonl``: one journal per data-parallel rank while the stage runs, one JSON line
+  per finished file (``row``, ``id``, ``num_tokens``, ``file``, ``bytes``, ``sha256``), appended by
+  :class:`SampleWriter`;
+* ``manifest.jsonl``: the same records, one per row in row order, written by :func:`write_manifest`
+  when every row has its file.
+
+Readers: :func:`read_manifest` (records), :class:`HiddenStatesDataset` (the samples, raw or as
+speculators' training items), :func:`verify_folder` (a full re-check).
+
+Needs only torch, numpy and safetensors at import (the GPU benchmark imports it alone).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from eagle3.errors import ExtractError, TrainError
+
+__all__ = [
+    "NonFiniteError",
+    "DTYPE_BYTES",
+    "ROW_FILE_RE",
+    "SHARD_DIR_RE",
+    "MANIFEST_KEYS",
+    "storage_dtype",
+    "dtype_name",
+    "bytes_per_token",
+    "shard_name",
+    "sample_relpath",
+    "journal_name",
+    "sha256_file",
+    "first_non_finite",
+    "check_sample_file",
+    "save_sample",
+    "SampleWriter",
+    "read_entries",
+    "read_manifest",
+    "known_entries",
+    "write_manifest",
+    "read_meta",
+    "write_meta",
+    "to_training_item",
+    "SampleRef",
+    "HiddenStatesDataset",
+    "verify_folder",
+]
+
+DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+ROW_FILE_RE = re.compile(r"^(\d{6,})\.safetensors$")
+SHARD_DIR_RE = re.compile(r"^rows_(\d{6,})-(\d{6,})$")
+MANIFEST = "manifest.jsonl"
+META = "meta.json"
+MANIFEST_KEYS = ("row", "id", "num_tokens", "file", "bytes", "sha256")
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64, "I8": torch.int8}
+
+
+class NonFiniteError(ExtractError):
+    """A sample's hidden states contain NaN or Inf (the message names the sample id, slot and token)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Names, dtypes, sizes
+# ----------------------------------------------------------------------------------------------
+
+
+def storage_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """Map ``extract.dtype`` to a torch dtype ('auto' = the target's compute dtype)."""
+    if name == "auto":
+        return compute_dtype
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def dtype_name(d: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (the form meta.json and stats.json hold)."""
+    return str(d).replace("torch.", "")
+
+
+def bytes_per_token(num_slots: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """Hidden-state bytes per token: ``num_slots x hidden_size x bytes per element`` (DESIGN "Scale")."""
+    return num_slots * hidden_size * DTYPE_BYTES[dtype]
+
+
+def shard_name(row: int, shard_size: int) -> str:
+    """``rows_000000-002000`` for ``row`` in ``[0, 2000)`` with shard size 2000."""
+    start = row // shard_size * shard_size
+    return f"rows_{start:06d}-{start + shard_size:06d}"
+
+
+def sample_relpath(row: int, shard_size: int) -> str:
+    """Path of a sample's file relative to the stage folder: ``rows_000000-002000/000017.safetensors``."""
+    return f"{shard_name(row, shard_size)}/{row:06d}.safetensors"
+
+
+def journal_name(rank: int) -> str:
+    """``manifest.part-RRR.jsonl``: the journal of data-parallel rank ``rank``."""
+    return f"manifest.part-{rank:03d}.jsonl"
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes (``hashlib.file_digest``)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def first_non_finite(hs: torch.Tensor, stored_layers: Sequence[int]) -> str:
+    """Describe the first NaN/Inf in ``hs [seq, slots, hidden]`` as 'layer id L (slot s), token t'."""
+    bad = (~torch.isfinite(hs.float())).any(dim=-1).nonzero()
+    if not len(bad):
+        return "no non-finite value"
+    t, s = (int(x) for x in bad[0])
+    return f"layer id {stored_layers[s]} (slot {s}), token {t} (first of {len(bad)} bad (token, slot) pairs)"
+
+
+# ----------------------------------------------------------------------------------------------
+# One sample file: check and write
+# ----------------------------------------------------------------------------------------------
+
+
+def check_sample_file(path: str | Path, tokens: np.ndarray | None, num_slots: int, hidden_size: int,
+                      dtype: torch.dtype, loss_mask: np.ndarray | None = None) -> str | None:
+    """Check one stored sample without reading its hidden states; None when it is good.
+
+    Checks: the safetensors header parses and covers the file exactly (safetensors' own validation),
+    the three tensors exist with shapes ``[seq]``, ``[seq]``, ``[seq, num_slots, hidden_size]``, the
+    dtypes (int64, int8, ``dtype``), and that ``token_ids`` (and ``loss_mask``) equal the expected
+    ones.
+
+    Returns:
+        str | None: the first problem found, as a short reason.
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            need = {"token_ids", "loss_mask", "hidden_states"}
+            if not need <= keys:
+                return f"missing tensors {sorted(need - keys)}"
+            seq = len(tokens) if tokens is not None else None
+            hs = f.get_slice("hidden_states")
+            shape = list(hs.get_shape())
+            if seq is None:
+                seq = shape[0]
+            if shape != [seq, num_slots, hidden_size]:
+                return f"hidden_states shape {shape} != {[seq, num_slots, hidden_size]}"
+            if _ST_DTYPES.get(hs.get_dtype()) != dtype:
+                return f"hidden_states dtype {hs.get_dtype()} != {dtype}"
+            tok = f.get_tensor("token_ids")
+            lm = f.get_tensor("loss_mask")
+            if tok.dtype != torch.int64 or list(tok.shape) != [seq]:
+                return f"token_ids {tok.dtype} {list(tok.shape)} != int64 [{seq}]"
+            if lm.dtype != torch.int8 or list(lm.shape) != [seq]:
+                return f"loss_mask {lm.dtype} {list(lm.shape)} != int8 [{seq}]"
+            if tokens is not None and not np.array_equal(tok.numpy(), tokens):
+                return "token_ids differ from the dataset row"
+            if loss_mask is not None and not np.array_equal(lm.numpy(), loss_mask):
+                return "loss_mask differs from the dataset row"
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is a reason to redo it
+        return f"unreadable ({type(exc).__name__}: {str(exc)[:200]})"
+    return None
+
+
+def save_sample(tmp_path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """Write one sample with ``safetensors.torch.save_file`` (from the tensors' memory, without the GIL
+    held for the copy in safetensors >= 0.8)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(tmp_path), metadata=metadata)
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return True
+    msg = str(exc)
+    return "No space left on device" in msg or "os error 28" in msg
+
+
+def _atomic_save(path: Path, tensors: dict, metadata: dict, write_fn: Callable) -> tuple[int, str]:
+    """Save to a temp file beside ``path`` (via ``write_fn``), hash it, rename it over ``path``.
+
+    The protocol of :func:`eagle3.io.atomic_path` (temp name ``.<name>.<random>.tmp`` in the same
+    folder, removed on any failure), written out here because the hash is taken before the rename.
+
+    Returns:
+        tuple: ``(bytes, sha256 hex)`` of the file.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_p = Path(tmp)
+    try:
+        write_fn(tmp_p, tensors, metadata)
+        size, digest = tmp_p.stat().st_size, sha256_file(tmp_p)
+        os.replace(tmp_p, path)
+    except BaseException:
+        tmp_p.unlink(missing_ok=True)
+        raise
+    return size, digest
+
+
+class SampleWriter:
+    """Background writer: serializes samples to safetensors, writes them atomically, journals them.
+
+    Compute never waits for disk unless more than ``max_pending_bytes`` of hidden states are queued.
+    Each finished file is appended as one JSON line to ``journal`` (``row``, ``id``, ``num_tokens``,
+    ``file``, ``bytes``, ``sha256``) and flushed, so a killed run knows what it finished.
+
+    Args:
+        stage_dir: the stage folder (files go to ``stage_dir / entry['file']``).
+        journal: the journal file (appended).
+        stored_layers: layer ids per slot (named in non-finite errors).
+        threads: writer threads (safetensors and hashlib release the GIL for large buffers).
+        max_pending_bytes: back-pressure threshold.
+        write_fn: ``write_fn(tmp_path, tensors, metadata)`` writes one file (default :func:`save_sample`;
+            tests pass one that fails like a full disk); the hash, the rename and the removal of the
+            temp file on failure are done here.
+
+    Raises (from :meth:`submit`, :meth:`raise_if_failed`, :meth:`close`):
+        NonFiniteError: a sample with NaN/Inf (nothing written for it).
+        ExtractError: a write failed (``ENOSPC``: disk full, with the numbers); the temp file is gone.
+    """
+
+    def __init__(self, stage_dir: str | Path, journal: str | Path, stored_layers: Sequence[int],
+                 threads: int = 2, max_pending_bytes: int = 1 << 30,
+                 write_fn: Callable[[Path, dict, dict], None] | None = None) -> None:
+        self.stage_dir = Path(stage_dir)
+        self.journal_path = Path(journal)
+        self.stored_layers = list(stored_layers)
+        self.write_fn = write_fn or save_sample
+        self.max_pending_bytes = max_pending_bytes
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="eagle3-extract-writer")
+        self._journal = open(self.journal_path, "a", encoding="utf-8")
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._pending = 0
+        self.error: BaseException | None = None
+        self.bytes_written = 0
+        self.files_written = 0
+        self.busy_s = 0.0
+        self.entries: list[dict] = []
+
+    def submit(self, entry: dict, tensors: dict[str, torch.Tensor], finite: bool | torch.Tensor = True,
+               ready: Any = None, after: Callable[[], None] | None = None) -> None:
+        """Queue one sample.
+
+        Args:
+            entry: ``{"row", "id", "file"}`` (``file`` relative to the stage folder).
+            tensors: ``token_ids`` int64 ``[seq]``, ``loss_mask`` int8 ``[seq]``, ``hidden_states``
+                ``[seq, slots, hidden]`` (CPU; may still be filling when ``ready`` is given).
+            finite: whether the sample's hidden states are all finite (bool or 0-dim CPU bool tensor,
+                read after ``ready``).
+            ready: an object with ``synchronize()`` (a CUDA event) completing the device-to-host copy.
+            after: called on the writer thread once the file and its journal line are written.
+        """
+        self.raise_if_failed()
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        with self._cond:
+            while self._pending > 0 and self._pending + nbytes > self.max_pending_bytes and self.error is None:
+                self._cond.wait(timeout=1.0)
+            self._pending += nbytes
+        self._pool.submit(self._task, dict(entry), tensors, finite, ready, nbytes, after)
+
+    def _write_file(self, entry: dict, tensors: dict) -> tuple[int, str]:
+        # one metadata key only: safetensors keeps metadata in a hash map whose order changes
+        # from process to process, and the bytes (and sha256) of a file must not
+        meta = {"id": str(entry["id"])}
+        path = self.stage_dir / entry["file"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return _atomic_save(path, {k: v.contiguous() for k, v in tensors.items()}, meta, self.write_fn)
+        except Exception as exc:
+            if _is_disk_full(exc):
+                raise ExtractError(
+                    f"disk full while writing {path}: {exc}. Free space now: "
+                    f"{shutil.disk_usage(self.stage_dir).free} bytes; this run wrote {self.bytes_written} bytes in "
+                    f"{self.files_written} files before it. Finished files are kept and the partial "
+                    f"file was removed: free space (or move the run) and re-run to resume."
+                ) from exc
+            raise ExtractError(f"writing {path} failed: {type(exc).__name__}: {exc}") from exc
+
+    def _task(self, entry: dict, tensors: dict, finite, ready, nbytes: int, after=None) -> None:
+        t0 = time.perf_counter()
+        try:
+            if self.error is not None:
+                return
+            if ready is not None:
+                ready.synchronize()  # host sync: the device-to-host copy of this batch is complete
+            if not bool(finite):
+                where = first_non_finite(tensors["hidden_states"], self.stored_layers)
+                raise NonFiniteError(
+                    f"non-finite hidden states (NaN/Inf) in sample id {entry['id']} (row {entry['row']}): "
+                    f"{where}. Nothing was written for it; check the target's dtype (float16 overflows are "
+                    f"common: use bfloat16) and the sample."
+                )
+            nbytes_file, digest = self._write_file(entry, tensors)
+            line = {"row": int(entry["row"]), "id": str(entry["id"]), "num_tokens": int(tensors["token_ids"].shape[0]),
+                    "file": entry["file"], "bytes": nbytes_file, "sha256": digest}
+            with self._lock:
+                self._journal.write(json.dumps(line) + "\n")
+                self._journal.flush()
+                self.entries.append(line)
+                self.bytes_written += nbytes_file
+                self.files_written += 1
+            if after is not None:
+                after()
+        except BaseException as exc:  # noqa: BLE001 - surfaced on the main thread
+            with self._lock:
+                if self.error is None:
+                    self.error = exc
+        finally:
+            with self._cond:
+                self._pending -= nbytes
+                self.busy_s += time.perf_counter() - t0
+                self._cond.notify_all()
+
+    def raise_if_failed(self) -> None:
+        """Re-raise the first writer error on the calling thread."""
+        err = self.error
+        if err is None:
+            return
+        if isinstance(err, ExtractError):
+            raise err
+        raise ExtractError(f"writer failed: {type(err).__name__}: {err}") from err
+
+    def close(self, wait: bool = True) -> None:
+        """Wait for queued writes (``wait``) and close the journal; raises the first writer error."""
+        self._pool.shutdown(wait=wait, cancel_futures=not wait)
+        try:
+            self._journal.close()
+        except OSError:
+            pass
+        self.raise_if_failed()
+
+
+# ----------------------------------------------------------------------------------------------
+# Manifest, journals and meta.json
+# ----------------------------------------------------------------------------------------------
+
+
+def read_entries(path: str | Path) -> list[dict]:
+    """Records of one journal or manifest file, in file order; [] when it does not exist.
+
+    A line that is not a JSON record with ``row``, ``file``, ``bytes`` and ``sha256`` is skipped:
+    a killed writer leaves a torn last line, and a journal is only ever a hint that the resume scan
+    re-checks against the file itself.
+    """
+    p = Path(path)
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            e = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(e, dict) and {"row", "file", "bytes", "sha256"} <= e.keys():
+            out.append(e)
+    return out
+
+
+def known_entries(stage_dir: str | Path) -> dict[int, dict]:
+    """Finished-file records by row from the manifest and every rank's journal (later ones win)."""
+    sd = Path(stage_dir)
+    known: dict[int, dict] = {}
+    for p in [sd / MANIFEST, *sorted(sd.glob("manifest.part-*.jsonl"))]:
+        for e in read_entries(p):
+            known[int(e["row"])] = e
+    return known
+
+
+def read_manifest(stage_dir: str | Path) -> list[dict]:
+    """The final manifest's records, one per row, sorted by row (later lines for a row win).
+
+    Raises:
+        ExtractError: no ``manifest.jsonl`` or no record in it (Stage 3 has not finished).
+    """
+    sd = Path(stage_dir)
+    by_row = {int(e["row"]): e for e in read_entries(sd / MANIFEST)}
+    if not by_row:
+        raise ExtractError(f"{sd / MANIFEST} does not exist or is empty: run Stage 3 (extract) to completion "
+                           f"first (or set train.online: true)")
+    return [by_row[r] for r in sorted(by_row)]
+
+
+def write_manifest(stage_dir: str | Path, entries: dict[int, dict], num_rows: int) -> int:
+    """Write ``manifest.jsonl`` (one record per row ``0..num_rows-1``, keys :data:`MANIFEST_KEYS`)
+    atomically and remove the rank journals; returns the total bytes of the files.
+
+    Raises:
+        ExtractError: a row without a record.
+    """
+    from eagle3.io import atomic_write_text
+
+    sd = Path(stage_dir)
+    missing = [r for r in range(num_rows) if r not in entries]
+    if missing:
+        raise ExtractError(f"{len(missing)} row(s) have no file (first: row {missing[0]}); re-run to resume.")
+    lines = [json.dumps({k: entries[r][k] for k in MANIFEST_KEYS}) for r in range(num_rows)]
+    atomic_write_text(sd / MANIFEST, "\n".join(lines) + "\n")
+    for p in sd.glob("manifest.part-*.jsonl"):
+        p.unlink(missing_ok=True)
+    return sum(int(entries[r]["bytes"]) for r in range(num_rows))
+
+
+def read_meta(stage_dir: str | Path) -> dict | None:
+    """``meta.json`` (aux_layer_ids, num_hidden_layers, hidden_size, dtype, stored_layers, ...) or None."""
+    p = Path(stage_dir) / META
+    return json.loads(p.read_text(encoding="utf-8")) if p.exists() else None
+
+
+def write_meta(stage_dir: str | Path, meta: dict) -> None:
+    """Write ``meta.json`` atomically."""
+    from eagle3.io import atomic_write_json
+
+    atomic_write_json(Path(stage_dir) / META, meta)
+
+
+# ----------------------------------------------------------------------------------------------
+# Samples for training
+# ----------------------------------------------------------------------------------------------
+
+
+def to_training_item(sample: dict, n_aux: int, hidden_size: int, vocab_size: int, where: str) -> dict:
+    """One stored sample (file or online dict) -> speculators' per-sample training dict.
+
+    Args:
+        sample: ``token_ids`` int ``[seq]``, ``loss_mask`` ``[seq]``, ``hidden_states`` ``[seq, n_aux+1, H]``.
+        where: file name or sample id, for messages.
+
+    Returns:
+        dict: ``hidden_states`` ``[seq, n_aux*H]`` (aux slots concatenated in order), ``input_ids``
+        int64 ``[seq]``, ``verifier_last_hidden_states`` ``[seq, H]`` (last slot), ``loss_mask`` bool
+        ``[seq]``, ``lengths`` int64 ``[1]``, ``position_ids`` int64 ``[seq]`` (speculators'
+        ``BaseDataset.__getitem__`` adds the last two the same way).
+
+    Raises:
+        TrainError: missing tensors; an aux count or hidden size that disagrees with the model;
+            lengths that disagree; token ids outside the target vocab.
+    """
+    missing = [k for k in ("token_ids", "loss_mask", "hidden_states") if k not in sample]
+    if missing:
+        raise TrainError(f"{where}: missing tensor(s) {missing}")
+    hs, ids, lm = sample["hidden_states"], sample["token_ids"], sample["loss_mask"]
+    if hs.dim() != 3:
+        raise TrainError(f"{where}: hidden_states has shape {list(hs.shape)}, expected [seq, {n_aux + 1}, {hidden_size}]")
+    if hs.shape[1] != n_aux + 1:
+        raise TrainError(
+            f"{where}: hidden_states has {hs.shape[1]} layer slots but the drafter uses {n_aux} aux layers "
+            f"(+1 for layer N): aux count disagrees; re-run stage 3 or fix extract.aux_layer_ids"
+        )
+    if hs.shape[2] != hidden_size:
+        raise TrainError(
+            f"{where}: hidden size {hs.shape[2]} but the target/drafter has hidden size {hidden_size}: "
+            f"the hidden states come from another model"
+        )
+    if ids.dim() != 1 or ids.shape[0] != hs.shape[0] or lm.shape[0] != hs.shape[0]:
+        raise TrainError(
+            f"{where}: token_ids {list(ids.shape)}, loss_mask {list(lm.shape)} and hidden_states "
+            f"{list(hs.shape)} disagree in length"
+        )
+    if ids.numel() and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
+        raise TrainError(f"{where}: token id {int(ids.max())} outside the target vocab [0, {vocab_size})")
+    n = ids.shape[0]
+    return {
+        "hidden_states": hs[:, :n_aux].flatten(1),
+        "input_ids": ids.to(torch.long),
+        "verifier_last_hidden_states": hs[:, n_aux],
+        "loss_mask": lm.to(torch.bool),
+        "lengths": torch.tensor([n], dtype=torch.long),
+        "position_ids": torch.arange(n, dtype=torch.long),
+    }
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """One sample: its row in Stage 2's train split, id, token count and (offline) file."""
+
+    row: int
+    id: str
+    num_tokens: int
+    file: Path | None = None
+
+
+class HiddenStatesDataset(torch.utils.data.Dataset):
+    """The stored samples of a finished Stage 3 — the one dataset over these files.
+
+    ``HiddenStatesDataset(stage_dir)`` indexes every row (``ds[i]`` = row ``i`` of train.parquet);
+    :meth:`for_training` takes a subset of :class:`SampleRef` and yields speculators' training items.
+
+    ``ds[i]`` -> raw: ``{"token_ids": int64 [seq], "loss_mask": int8 [seq], "hidden_states": [seq, n_aux + 1,
+    hidden] (meta dtype)}`` (``hidden_states[:, -1]`` is layer N before the final norm); training:
+    :func:`to_training_item`'s dict.
+
+    Attributes:
+        dir: the stage folder. meta: ``meta.json``. refs: the samples. lengths: token counts.
+        ids: sample ids. entries: manifest records (raw mode).
+
+    Raises:
+        ExtractError: the folder has no meta.json / manifest.jsonl (Stage 3 has not finished).
+        TrainError (training items): a listed file missing or unreadable; shapes that disagree.
+    """
+
+    def __init__(self, stage_dir: str | Path) -> None:
+        self.dir = Path(stage_dir)
+        self.meta = read_meta(self.dir)
+        if not self.meta:
+            raise ExtractError(f"{self.dir}: no meta.json/manifest.jsonl; run Stage 3 (extract) to completion first")
+        self.entries = read_manifest(self.dir)
+        self.refs = [SampleRef(int(e["row"]), str(e["id"]), int(e["num_tokens"]), self.dir / e["file"])
+                     for e in self.entries]
+        self._item: Callable[[dict, str], dict] | None = None
+        self._set_refs(self.refs)
+
+    def _set_refs(self, refs: Sequence[SampleRef]) -> None:
+        self.refs = list(refs)
+        self.lengths = [r.num_tokens for r in self.refs]
+        self.ids = [r.id for r in self.refs]
+
+    @classmethod
+    def for_training(cls, refs: Sequence[SampleRef], n_aux: int, hidden_size: int, vocab_size: int) -> "HiddenStatesDataset":
+        """The samples ``refs`` (their ``file`` set) as speculators' training items."""
+        self = cls.__new__(cls)
+        self.dir, self.meta, self.entries = None, None, None
+        self._set_refs(refs)
+        self._item = lambda s, where: to_training_item(s, n_aux, hidden_size, vocab_size, where)
+        return self
+
+    def __len__(self) -> int:
+        return len(self.refs)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        ref = self.refs[i]
+        if self._item is None:
+            return load_file(str(ref.file))
+        try:
+            sample = load_file(str(ref.file))
+        except FileNotFoundError:
+            raise TrainError(f"{ref.file} (row {ref.row}, id {ref.id}) is listed in the manifest but missing") from None
+        except Exception as exc:  # noqa: BLE001
+            raise TrainError(f"{ref.file} (id {ref.id}): unreadable safetensors file ({exc})") from None
+        return self._item(sample, f"{ref.file} (id {ref.id})")
+
+
+# ----------------------------------------------------------------------------------------------
+# Full re-check
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_entry(sd: Path, e: dict, rows, meta: dict, check_hashes: bool, check_values: bool) -> str | None:
+    from safetensors.torch import load_file
+
+    r, path = int(e["row"]), sd / e["file"]
+    if r >= len(rows) or rows.ids[r] != e.get("id"):
+        return "row/id not in the dataset"
+    if not path.is_file():
+        return "missing"
+    if path.stat().st_size != int(e["bytes"]):
+        return f"size {path.stat().st_size} != manifest {e['bytes']}"
+    dtype = getattr(torch, meta["dtype"])
+    reason = check_sample_file(path, rows.tokens(r), len(meta["stored_layers"]), meta["hidden_size"], dtype,
+                               rows.loss_mask(r))
+    if reason:
+        return reason
+    if check_hashes and sha256_file(path) != e["sha256"]:
+        return "sha256 differs from the manifest"
+    if check_values:
+        hs = load_file(str(path))["hidden_states"]
+        if not bool(torch.isfinite(hs).all()):
+            return "non-finite hidden states: " + first_non_finite(hs, meta["stored_layers"])
+    return None
+
+
+def verify_folder(stage_dir: str | Path, rows, *, check_hashes: bool = True, check_values: bool = True,
+                  raise_on_problem: bool = False) -> dict:
+    """Full re-check of a Stage 3 folder against its manifest and Stage 2's rows.
+
+    For every manifest line: the file exists with the recorded size and sha256, its header, shapes,
+    dtypes, token ids and loss mask are right, and its hidden states are finite.
+
+    Args:
+        stage_dir: the Stage 3 folder. rows: Stage 2's tokenized rows (``ids``, ``tokens(r)``,
+            ``loss_mask(r)``, ``len``).
+
+    Returns:
+        dict: ``files``, ``bytes``, ``problems`` (list of ``{"row", "id", "file", "problem"}``).
+
+    Raises:
+        ExtractError: no manifest (the stage has not finished); with ``raise_on_problem``, any problem.
+    """
+    sd = Path(stage_dir)
+    meta = read_meta(sd)
+    manifest = read_entries(sd / MANIFEST)
+    if not meta or not manifest:
+        raise ExtractError(f"{sd}: no meta.json/manifest.jsonl; run Stage 3 to completion first")
+    problems = []
+    for e in manifest:
+        why = _check_entry(sd, e, rows, meta, check_hashes, check_values)
+        if why:
+            problems.append({"row": int(e["row"]), "id": e.get("id"), "file": str(sd / e["file"]), "problem": why})
+    seen = {int(e["row"]) for e in manifest}
+    problems += [{"row": r, "id": rows.ids[r], "file": None, "problem": "no manifest line"}
+                 for r in range(len(rows)) if r not in seen]
+    report = {"files": len(manifest), "bytes": sum(int(e["bytes"]) for e in manifest), "problems": problems}
+    if problems and raise_on_problem:
+        p = problems[0]
+        raise ExtractError(f"verify {sd}: {len(problems)} problem(s); first: row {p['row']} (id {p['id']}) "
+                           f"{p['file']}: {p['problem']}")
+    return report
+
+
+def iter_rows(entries: Iterable[dict]) -> list[int]:
+    """Row indices of manifest records."""
+    return [int(e["row"]) for e in entries]

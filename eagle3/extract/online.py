@@ -1,0 +1,98 @@
+"""Online mode: Stage 3's samples straight from the target, nothing written (``train.online``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from eagle3.config import Params
+from eagle3.contracts.hidden_states import NonFiniteError, first_non_finite, storage_dtype
+from eagle3.errors import ExtractError
+from eagle3.extract.core import finite_flags, pad_batch
+from eagle3.extract.prepare import load_rows
+from eagle3.hooks import PrefillCapture
+
+__all__ = ["OnlineExtractor", "online_samples"]
+
+_ONLINE: dict = {}
+
+
+class OnlineExtractor:
+    """The hooked target held in memory for :func:`online_samples` (loaded once per configuration).
+
+    Args:
+        params: the run's params (``target``, ``extract.aux_layer_ids``, ``extract.dtype``).
+        device: where the forward runs (default ``target.device``).
+    """
+
+    def __init__(self, params: Params, device: str | None = None) -> None:
+        from eagle3.target import load_target, pick_device
+
+        self.device = pick_device(device or params.target.device)
+        model, tok, resolved = load_target(params.target, device=self.device)
+        cdtype = next(model.parameters()).dtype
+        self.model = model
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+        self.capture = PrefillCapture(model, params.extract.aux_layer_ids, storage_dtype(params.extract.dtype, cdtype),
+                                      error=ExtractError)
+
+    @classmethod
+    def get(cls, params: Params, device: str | None = None) -> "OnlineExtractor":
+        key = (params.target.model_dump_json(), tuple(params.extract.aux_layer_ids or ()), params.extract.dtype, device)
+        if key not in _ONLINE:
+            _ONLINE.clear()  # one target in memory at a time
+            _ONLINE[key] = cls(params, device)
+        return _ONLINE[key]
+
+
+def online_samples(params: Params, run_dir: str | Path, rows: Iterable[int] | None = None, *,
+                   device: str | None = None, out_device: str = "cpu",
+                   extractor: OnlineExtractor | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """Yield the same per-sample dicts as :class:`eagle3.contracts.hidden_states.HiddenStatesDataset`, straight from the target.
+
+    Rows are taken in the given order, grouped into consecutive batches of at most
+    ``extract.token_budget`` padded tokens; nothing is written to disk.
+
+    Args:
+        params: the run's params.
+        run_dir: the run directory (reads Stage 2's train split).
+        rows: row indices (default: all, in order).
+        device: forward device (default ``target.device``).
+        out_device: where yielded tensors live (``"cpu"``, or the forward device to skip the copy).
+        extractor: a loaded :class:`OnlineExtractor` (default: cached per target/layers/dtype).
+
+    Yields:
+        dict: ``token_ids`` int64 ``[seq]``, ``loss_mask`` int8 ``[seq]``, ``hidden_states``
+        ``[seq, n_aux + 1, hidden]`` in the storage dtype.
+
+    Raises:
+        ExtractError: bad inputs as in :func:`run`; NonFiniteError naming the sample id.
+    """
+    data = load_rows(run_dir)
+    data.check_max_len(params.vocab.max_seq_len)
+    ex = extractor or OnlineExtractor.get(params, device)
+    order = list(range(len(data))) if rows is None else [int(r) for r in rows]
+    budget = params.extract.token_budget
+    i = 0
+    while i < len(order):
+        batch, m = [order[i]], int(data.lengths[order[i]])
+        i += 1
+        while i < len(order) and max(m, int(data.lengths[order[i]])) * (len(batch) + 1) <= budget:
+            m = max(m, int(data.lengths[order[i]]))
+            batch.append(order[i])
+            i += 1
+        ids, mask, lens = pad_batch(data, batch, ex.pad_id)
+        dev = ex.capture.device
+        mask_d = mask.to(dev) if mask is not None else None
+        hs = ex.capture.capture(ids.to(dev), mask_d)
+        fin = finite_flags(hs, mask_d).tolist()
+        for j, r in enumerate(batch):
+            h = hs[j, : lens[j]]
+            if not fin[j]:
+                raise NonFiniteError(f"non-finite hidden states in sample id {data.ids[r]} (row {r}): "
+                                     f"{first_non_finite(h.cpu(), ex.capture.stored_layers)}")
+            yield {"token_ids": torch.from_numpy(data.tokens(r).copy()).to(out_device),
+                   "loss_mask": torch.from_numpy(data.loss_mask(r).copy()).to(out_device),
+                   "hidden_states": h.to(out_device)}
