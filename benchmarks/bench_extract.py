@@ -3,7 +3,7 @@
 Three passes over the same token-budget batches (longest first, right-padded), side by side:
 
 * ``plain forward`` — the target's decoder (no LM head), ``use_cache=False``, no hooks, nothing kept;
-* ``capture only`` — :class:`eagle3.extract.core.HiddenStateCapture` (hooks on the stored layers,
+* ``capture only`` — :class:`eagle3.hooks.PrefillCapture` (hooks on the stored layers,
   forward stopped after layer N) plus the NaN/Inf check and the device-to-host copy, nothing written;
 * ``extract + write`` — the stage's loop (:func:`eagle3.extract.core.extract_batches`) with its
   background :class:`SampleWriter`: safetensors per sample, sha256, atomic rename, journal line.
@@ -47,16 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from eagle3.extract.core import (  # noqa: E402
-    HiddenStateCapture,
-    SampleWriter,
-    TokenizedRows,
-    to_host,
-    decoder_layers,
-    extract_batches,
-    pad_batch,
-    plan_batches,
-)
+from eagle3.contracts.hidden_states import SampleWriter  # noqa: E402
+from eagle3.extract.core import TokenizedRows, extract_batches, pad_batch, plan_batches, to_host  # noqa: E402
+from eagle3.hooks import HiddenStateCapture, decoder_layers  # noqa: E402
 
 H200_PEAK_BF16 = 989e12
 

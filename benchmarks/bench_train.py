@@ -3,7 +3,7 @@
   python benchmarks/bench_train.py                       # CPU: SmolLM2-135M-shaped target, draft vocab 2048
   python benchmarks/bench_train.py --device cuda         # GPU: Llama-3.1-8B-shaped target (no download)
 
-Both modes write a synthetic run directory (02_vocab mapping + 03_extract files of random hidden
+Both modes write a synthetic run directory (Stage 2 mapping + Stage 3 files of random hidden
 states in the contract layout) and time, on the same packed micro-batches:
 
 * ``ours``: ``eagle3.train.run`` end to end (reading the files, collate, forward/backward, clip,
@@ -35,6 +35,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eagle3.contracts import hidden_states as hsc
+from eagle3.rundir import EXTRACT, TRAIN, VOCAB, RunDir
+
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
                 rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -65,13 +68,12 @@ def fake_target(path: Path, shape: dict, dtype=torch.bfloat16, seed: int = 0) ->
 
 
 def synthetic_run(run_dir: Path, H: int, N: int, V: int, draft: int, lengths: list[int], seed: int = 0) -> None:
-    """02_vocab/ (random draft vocab of ``draft`` ids) and 03_extract/ (random hidden states, bf16)."""
+    """Stage 2's mapping (random draft vocab of ``draft`` ids) and Stage 3's files (random hidden states, bf16)."""
     from safetensors.torch import save_file
 
     rng = np.random.default_rng(seed)
     g = torch.Generator().manual_seed(seed)
-    d2 = run_dir / "02_vocab"
-    d2.mkdir(parents=True, exist_ok=True)
+    d2 = RunDir(run_dir).stage(VOCAB, create=True)
     kept = np.sort(rng.choice(V, size=draft, replace=False)) if draft < V else np.arange(V)
     if draft < V:
         t2d = torch.zeros(V, dtype=torch.bool)
@@ -79,19 +81,19 @@ def synthetic_run(run_dir: Path, H: int, N: int, V: int, draft: int, lengths: li
         save_file({"d2t": torch.from_numpy(kept - np.arange(draft)).long(), "t2d": t2d}, str(d2 / "vocab_mapping.safetensors"))
     (d2 / "mapping.json").write_text(json.dumps({"draft_vocab_size": draft, "target_vocab_size": V, "cache_key": "bench"}))
     aux = [2, N // 2, N - 3]
-    d3 = run_dir / "03_extract"
-    (d3 / "rows_000000-002000").mkdir(parents=True, exist_ok=True)
-    (d3 / "meta.json").write_text(json.dumps({"aux_layer_ids": aux, "num_hidden_layers": N, "hidden_size": H,
-                                              "dtype": "bfloat16", "target": "bench", "stored_layers": [*aux, N]}))
-    with open(d3 / "manifest.jsonl", "w") as f:
-        for row, L in enumerate(lengths):
-            rel = f"rows_000000-002000/{row:06d}.safetensors"
-            ids = torch.from_numpy(kept[rng.integers(0, draft, size=L)]).long()
-            lm = torch.ones(L, dtype=torch.int8)
-            lm[: L // 4] = 0
-            hs = torch.randn(L, len(aux) + 1, H, generator=g).to(torch.bfloat16)
-            save_file({"token_ids": ids, "loss_mask": lm, "hidden_states": hs}, str(d3 / rel))
-            f.write(json.dumps({"row": row, "id": f"b{row:05d}", "num_tokens": L, "file": rel, "bytes": 0, "sha256": ""}) + "\n")
+    d3 = RunDir(run_dir).stage(EXTRACT, create=True)
+    hsc.write_meta(d3, {"aux_layer_ids": aux, "num_hidden_layers": N, "hidden_size": H, "dtype": "bfloat16",
+                        "target": "bench", "stored_layers": [*aux, N], "shard_size": 2000})
+    writer = hsc.SampleWriter(d3, d3 / hsc.journal_name(0), [*aux, N])
+    for row, L in enumerate(lengths):
+        ids = torch.from_numpy(kept[rng.integers(0, draft, size=L)]).long()
+        lm = torch.ones(L, dtype=torch.int8)
+        lm[: L // 4] = 0
+        hs = torch.randn(L, len(aux) + 1, H, generator=g).to(torch.bfloat16)
+        writer.submit({"row": row, "id": f"b{row:05d}", "file": hsc.sample_relpath(row, 2000)},
+                      {"token_ids": ids, "loss_mask": lm, "hidden_states": hs})
+    writer.close()
+    hsc.write_manifest(d3, hsc.known_entries(d3), len(lengths))
 
 
 def params_for(target: str, device: str, token_budget: int, steps: int, epochs: int, **train):
@@ -107,11 +109,11 @@ def params_for(target: str, device: str, token_budget: int, steps: int, epochs: 
 def run_ours(params, run_dir: Path, warmup: int) -> dict:
     from eagle3.train import run
 
-    shutil.rmtree(run_dir / "04_train", ignore_errors=True)
+    shutil.rmtree(RunDir(run_dir).stage(TRAIN), ignore_errors=True)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     run(params, run_dir)
-    recs = [json.loads(x) for x in (run_dir / "04_train" / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(x) for x in RunDir(run_dir).train_metrics.read_text().splitlines()]
     recs = [r for r in recs if r["kind"] == "train"]
     meas = recs[warmup:]
     wall = meas[-1]["t"] - recs[warmup - 1]["t"]
@@ -124,15 +126,16 @@ def run_ours(params, run_dir: Path, warmup: int) -> dict:
 
 def run_bare(params, run_dir: Path, warmup: int) -> dict:
     """speculators' model, our batches pre-collated in memory, plain fwd/bwd/clip/AdamW loop."""
-    from eagle3.train.data import ExtractedSamples, MicroBatches, build_schedule, collate_fn, read_manifest
+    from eagle3.contracts.hidden_states import HiddenStatesDataset
+    from eagle3.train.data import MicroBatches, build_schedule, collate_fn, read_manifest
     from eagle3.train.model import build_drafter, default_attn_implementation, loss_config, resolve_inputs
 
     dev = torch.device("cuda:0" if params.train.device.startswith("cuda") else "cpu")
     tp = params.train
     inp = resolve_inputs(params, run_dir)
-    refs = read_manifest(run_dir / "03_extract")
+    refs = read_manifest(run_dir)
     sched = build_schedule([r.num_tokens - 1 for r in refs], tp.token_budget, tp.seed, tp.epochs, 1, tp.max_steps)
-    ds = ExtractedSamples(refs, inp.n_aux, inp.hidden_size, inp.target_vocab_size, tp.token_budget)
+    ds = HiddenStatesDataset.for_training(refs, inp.n_aux, inp.hidden_size, inp.target_vocab_size)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     batches = [{k: v.to(dev) for k, v in b.items()} for b in
                MicroBatches([g[0] for _, g in sched], collate_fn(tp.token_budget, inp.hidden_size, inp.n_aux, dtype), dataset=ds)]
@@ -220,7 +223,7 @@ def main(argv=None) -> int:
         n_samples = min(per_step * (steps + warmup), a.max_samples or (32 if cuda else 10**6))
         epochs = -(-(steps + warmup) * per_step // n_samples) + 1
         rd = work / "run"
-        if not (rd / "03_extract" / "manifest.jsonl").exists():
+        if not RunDir(rd).manifest.exists():
             t0 = time.time()
             synthetic_run(rd, shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"], draft,
                           [doc + 1] * n_samples)

@@ -68,23 +68,23 @@ def write_stage2(run_dir: Path, samples: list[dict], target_vocab: int, draft_vo
 
 
 def write_stage3(run_dir: Path, samples: list[dict], aux_ids: list[int], num_layers: int, hidden: int,
-                 target: str, dtype=torch.bfloat16) -> None:
-    """03_extract/: meta.json, manifest.jsonl, rows_000000-002000/<row>.safetensors (contract layout)."""
-    from safetensors.torch import save_file
+                 target: str, dtype=torch.bfloat16, shard_size: int = 2000) -> None:
+    """Stage 3's folder through its contract's writers (meta.json, the sample files, manifest.jsonl)."""
+    from eagle3.contracts import hidden_states as hsc
+    from eagle3.rundir import EXTRACT, RunDir
 
-    d = run_dir / "03_extract"
-    (d / "rows_000000-002000").mkdir(parents=True, exist_ok=True)
-    (d / "meta.json").write_text(json.dumps({"aux_layer_ids": aux_ids, "num_hidden_layers": num_layers,
-                                             "hidden_size": hidden, "dtype": str(dtype).replace("torch.", ""),
-                                             "target": target, "stored_layers": [*aux_ids, num_layers]}))
-    with open(d / "manifest.jsonl", "w") as f:
-        for row, s in enumerate(samples):
-            rel = f"rows_000000-002000/{row:06d}.safetensors"
-            save_file({"token_ids": torch.as_tensor(s["token_ids"], dtype=torch.int64),
+    d = RunDir(run_dir).stage(EXTRACT, create=True)
+    hsc.write_meta(d, {"aux_layer_ids": aux_ids, "num_hidden_layers": num_layers, "hidden_size": hidden,
+                       "dtype": hsc.dtype_name(dtype), "target": target, "stored_layers": [*aux_ids, num_layers],
+                       "shard_size": shard_size})
+    writer = hsc.SampleWriter(d, d / hsc.journal_name(0), [*aux_ids, num_layers], threads=1)
+    for row, s in enumerate(samples):
+        writer.submit({"row": row, "id": s["id"], "file": hsc.sample_relpath(row, shard_size)},
+                      {"token_ids": torch.as_tensor(s["token_ids"], dtype=torch.int64),
                        "loss_mask": torch.as_tensor(s["loss_mask"], dtype=torch.int8),
-                       "hidden_states": s["hidden_states"].to(dtype).contiguous()}, str(d / rel))
-            f.write(json.dumps({"row": row, "id": s["id"], "num_tokens": len(s["token_ids"]), "file": rel,
-                                "bytes": (d / rel).stat().st_size, "sha256": ""}) + "\n")
+                       "hidden_states": s["hidden_states"].to(dtype).contiguous()})
+    writer.close()
+    hsc.write_manifest(d, hsc.known_entries(d), len(samples))
 
 
 @torch.no_grad()

@@ -239,7 +239,7 @@ def test_run_writes_the_contract_files(ref):
         assert (sd / f"{fig}.png").stat().st_size > 1000
     assert not list(sd.glob("manifest.part-*")) and not list(sd.rglob("*.tmp"))
     # the dataset API
-    ds = HiddenStatesDataset(rd / "03_extract")
+    ds = HiddenStatesDataset.from_run(rd)
     assert len(ds) == N_ROWS and ds.meta["stored_layers"] == [2, 15, 27, 30]
     item = ds[3]
     assert item["hidden_states"].shape == (rows.lengths[3], 4, 576) and item["hidden_states"].dtype == torch.bfloat16
@@ -253,7 +253,7 @@ def test_run_writes_the_contract_files(ref):
 
 def test_online_samples_equal_the_stored_ones(ref):
     params, rd, _ = ref
-    ds = HiddenStatesDataset(rd / "03_extract")
+    ds = HiddenStatesDataset.from_run(rd)
     got = list(online_samples(params, rd, rows=[4, 1, 7]))
     assert len(got) == 3
     for r, item in zip([4, 1, 7], got):
@@ -306,7 +306,7 @@ def test_resume_redoes_truncated_corrupt_and_wrong_shape_files(ref, tmp_path):
     data = f[1].read_bytes()
     f[1].write_bytes(data[: len(data) - 1000])  # truncated
     f[5].write_bytes(b"\xff" * 8 + f[5].read_bytes()[8:])  # unreadable header
-    good = HiddenStatesDataset(rd / "03_extract")[8]
+    good = HiddenStatesDataset.from_run(rd)[8]
     save_file({**good, "hidden_states": good["hidden_states"][:, :3].contiguous()}, str(f[8]))  # wrong shape
     f[9].unlink()  # missing
     (sd / "rows_000000-000004" / ".000003.safetensors.abc.tmp").write_bytes(b"partial")  # killed writer
@@ -525,7 +525,7 @@ def test_adopting_vllm_files_gives_the_transformers_layout(ref, tmp_path, tok):
 
     params_ref, rd_ref, _ = ref
     params, rd = new_run(tmp_path, "adopt", tok, backend="vllm")
-    ds = HiddenStatesDataset(rd_ref / "03_extract")
+    ds = HiddenStatesDataset.from_run(rd_ref)
     raw = rd / "03_extract" / "vllm_raw"
     raw.mkdir(parents=True)
     row_map = list(reversed(range(N_ROWS)))  # hs_i is row N-1-i, as a client input of todo rows would be

@@ -106,11 +106,12 @@ def test_split_by_id_is_deterministic_and_order_independent():
 
 def test_batches_follow_shift_batch_alignment_and_pack_documents(tiny_target, tmp_path):
     """Packed micro-batch = speculators' CollateFn(shift_batch): input x[t+1], aux g[t], teacher y[t+1]."""
-    from eagle3.train.data import ExtractedSamples, MicroBatches, collate_fn, read_manifest
+    from eagle3.contracts.hidden_states import HiddenStatesDataset
+    from eagle3.train.data import MicroBatches, collate_fn, read_manifest
 
     samples = make_tiny_run(tmp_path, tiny_target, n=3)
-    refs = read_manifest(tmp_path / "03_extract")
-    ds = ExtractedSamples(refs, n_aux=3, hidden_size=64, vocab_size=512, max_len=256)
+    refs = read_manifest(tmp_path)
+    ds = HiddenStatesDataset.for_training(refs, n_aux=3, hidden_size=64, vocab_size=512)
     (batch,) = list(MicroBatches([np.array([0, 1])], collate_fn(256, 64, 3, torch.float32), dataset=ds))
     s0, s1 = samples[0], samples[1]
     n0, n1 = len(s0["token_ids"]) - 1, len(s1["token_ids"]) - 1
@@ -201,7 +202,7 @@ def test_run_writes_the_stage_contract(ref_run, tiny_target):
 def test_export_is_speculators_format_vllm_reads(ref_run, tiny_target):
     from speculators.models.eagle3 import Eagle3DraftModel
 
-    from eagle3.train import NORM_FLAGS, check_drafter
+    from eagle3.contracts.drafter import NORM_FLAGS, check_drafter
 
     rd, stats, params = ref_run
     d = Path(stats["drafter_dir"])
@@ -247,7 +248,7 @@ def test_served_name_is_the_exported_verifier(ref_run, tiny_target, tmp_path):
     w = load_file(str(d / "model.safetensors"))
     target = load_file(str(tiny_target / "model.safetensors"))
     assert torch.equal(w["embed_tokens.weight"], target["model.embed_tokens.weight"])  # bit-identical
-    from eagle3.train import check_drafter
+    from eagle3.contracts.drafter import check_drafter
 
     assert check_drafter(d, tiny_target) == []
 
@@ -347,7 +348,8 @@ def test_ddp_two_cpu_processes_match_one_process_with_accumulation(ref_run, tmp_
 
 
 def test_mapping_from_another_tokenizer_is_refused(ref_run, tmp_path):
-    from eagle3.train import TrainError, run
+    from eagle3.errors import TrainError
+    from eagle3.train import run
 
     rd, _, params = ref_run
     rd2 = _fresh_copy(rd, tmp_path / "run")
@@ -374,7 +376,8 @@ def _random_stage3(rd: Path, hidden: int, slots: int, meta_hidden: int = 64):
 
 
 def test_hidden_state_files_with_another_hidden_size_are_refused(tiny_target, tmp_path):
-    from eagle3.train import TrainError, run
+    from eagle3.errors import TrainError
+    from eagle3.train import run
 
     params = tiny_params(tiny_target, val_fraction=0.0)
     _random_stage3(tmp_path / "a", hidden=32, slots=4)
@@ -386,7 +389,8 @@ def test_hidden_state_files_with_another_hidden_size_are_refused(tiny_target, tm
 
 
 def test_hidden_state_files_with_another_aux_count_are_refused(tiny_target, tmp_path):
-    from eagle3.train import TrainError, run
+    from eagle3.errors import TrainError
+    from eagle3.train import run
 
     _random_stage3(tmp_path, hidden=64, slots=3)
     with pytest.raises(TrainError, match=r"\.safetensors \(id s\d+\): hidden_states has 3 layer slots but the drafter uses 3 aux layers \(\+1"):
@@ -394,7 +398,8 @@ def test_hidden_state_files_with_another_aux_count_are_refused(tiny_target, tmp_
 
 
 def test_empty_training_split_is_refused(tiny_target, tmp_path):
-    from eagle3.train import TrainError, run
+    from eagle3.errors import TrainError
+    from eagle3.train import run
 
     samples = random_token_samples(4, seed=2)
     for s in samples:
@@ -408,7 +413,8 @@ def test_empty_training_split_is_refused(tiny_target, tmp_path):
 
 
 def test_resume_from_checkpoint_of_other_params_is_refused(ref_run, tmp_path):
-    from eagle3.train import TrainError, run
+    from eagle3.errors import TrainError
+    from eagle3.train import run
 
     rd, _, params = ref_run
     rd2 = _fresh_copy(rd, tmp_path / "run")
@@ -436,7 +442,7 @@ def test_nan_loss_stops_naming_step_and_samples_and_keeps_last_good_checkpoint(r
     p = params.model_copy(deep=True)
     p.train.checkpoint_every = 1
     p.train.keep_checkpoints = 10
-    train, _ = split_by_id(read_manifest(rd2 / "03_extract"), p.train.val_fraction)
+    train, _ = split_by_id(read_manifest(rd2), p.train.val_fraction)
     sched = build_schedule([r.num_tokens - 1 for r in train], p.train.token_budget, p.train.seed, p.train.epochs, 1)
     victim = train[int(sched[2][1][0][0])]  # first sample of step 3
     t = load_file(str(victim.file))
@@ -509,7 +515,7 @@ DEFECTS = {
 def test_check_drafter_catches_planted_defect(defect, ref_run, tiny_target, tmp_path):
     import re
 
-    from eagle3.train import DrafterCheckError, check_drafter
+    from eagle3.contracts.drafter import DrafterCheckError, check_drafter
 
     src = Path(ref_run[1]["drafter_dir"])
     cfg = json.loads((src / "config.json").read_text())
@@ -578,7 +584,8 @@ def test_vllm_serves_the_embedded_target_with_the_exported_drafter(target_model,
     from _train_fixtures import PROMPTS
 
     from eagle3.config import load_params
-    from eagle3.train import check_drafter, run
+    from eagle3.contracts.drafter import check_drafter
+    from eagle3.train import run
 
     model, tok = target_model
     rd = tmp_path / "run"

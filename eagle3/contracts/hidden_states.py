@@ -17,13 +17,12 @@ Layout (docs/DESIGN.md "Hidden-state files"; one folder per run, see :mod:`eagle
 Readers: :func:`read_manifest` (records), :class:`HiddenStatesDataset` (the samples, raw or as
 speculators' training items), :func:`verify_folder` (a full re-check).
 
-Needs only torch, numpy and safetensors at import (the GPU benchmark imports it alone).
+Needs torch, numpy and safetensors, plus the package's own io/rundir/errors (no params machinery).
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -34,12 +33,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from eagle3.errors import ExtractError, TrainError
+from eagle3.io import atomic_write_json, atomic_write_text, file_sha256, read_jsonl
+from eagle3.rundir import EXTRACT_META_FILE, MANIFEST_FILE
 
 __all__ = [
     "NonFiniteError",
@@ -73,8 +74,8 @@ __all__ = [
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 ROW_FILE_RE = re.compile(r"^(\d{6,})\.safetensors$")
 SHARD_DIR_RE = re.compile(r"^rows_(\d{6,})-(\d{6,})$")
-MANIFEST = "manifest.jsonl"
-META = "meta.json"
+MANIFEST = MANIFEST_FILE
+META = EXTRACT_META_FILE
 MANIFEST_KEYS = ("row", "id", "num_tokens", "file", "bytes", "sha256")
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64, "I8": torch.int8}
 
@@ -121,10 +122,7 @@ def journal_name(rank: int) -> str:
     return f"manifest.part-{rank:03d}.jsonl"
 
 
-def sha256_file(path: str | Path) -> str:
-    """Hex sha256 of a file's bytes (``hashlib.file_digest``)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+sha256_file = file_sha256  # the digest the manifest records
 
 
 def first_non_finite(hs: torch.Tensor, stored_layers: Sequence[int]) -> str:
@@ -364,22 +362,15 @@ class SampleWriter:
 def read_entries(path: str | Path) -> list[dict]:
     """Records of one journal or manifest file, in file order; [] when it does not exist.
 
-    A line that is not a JSON record with ``row``, ``file``, ``bytes`` and ``sha256`` is skipped:
-    a killed writer leaves a torn last line, and a journal is only ever a hint that the resume scan
-    re-checks against the file itself.
+    A torn last line (a killed writer) is dropped (:func:`eagle3.io.read_jsonl`); a record without
+    ``row``, ``file``, ``bytes`` and ``sha256`` is skipped (a journal is only a hint that the resume
+    scan re-checks against the file itself).
+
+    Raises:
+        ExtractError: a line other than the last is not JSON (the file and line are named).
     """
-    p = Path(path)
-    if not p.exists():
-        return []
-    out = []
-    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            e = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(e, dict) and {"row", "file", "bytes", "sha256"} <= e.keys():
-            out.append(e)
-    return out
+    recs = read_jsonl(path, error=ExtractError, missing_ok=True)
+    return [e for e in recs if isinstance(e, dict) and {"row", "file", "bytes", "sha256"} <= e.keys()]
 
 
 def known_entries(stage_dir: str | Path) -> dict[int, dict]:
@@ -413,8 +404,6 @@ def write_manifest(stage_dir: str | Path, entries: dict[int, dict], num_rows: in
     Raises:
         ExtractError: a row without a record.
     """
-    from eagle3.io import atomic_write_text
-
     sd = Path(stage_dir)
     missing = [r for r in range(num_rows) if r not in entries]
     if missing:
@@ -434,8 +423,6 @@ def read_meta(stage_dir: str | Path) -> dict | None:
 
 def write_meta(stage_dir: str | Path, meta: dict) -> None:
     """Write ``meta.json`` atomically."""
-    from eagle3.io import atomic_write_json
-
     atomic_write_json(Path(stage_dir) / META, meta)
 
 
@@ -508,7 +495,7 @@ class SampleRef:
 class HiddenStatesDataset(torch.utils.data.Dataset):
     """The stored samples of a finished Stage 3 — the one dataset over these files.
 
-    ``HiddenStatesDataset(stage_dir)`` indexes every row (``ds[i]`` = row ``i`` of train.parquet);
+    ``HiddenStatesDataset(stage_dir)`` (or :meth:`from_run`) indexes every row (``ds[i]`` = row ``i`` of train.parquet);
     :meth:`for_training` takes a subset of :class:`SampleRef` and yields speculators' training items.
 
     ``ds[i]`` -> raw: ``{"token_ids": int64 [seq], "loss_mask": int8 [seq], "hidden_states": [seq, n_aux + 1,
@@ -539,6 +526,13 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
         self.refs = list(refs)
         self.lengths = [r.num_tokens for r in self.refs]
         self.ids = [r.id for r in self.refs]
+
+    @classmethod
+    def from_run(cls, run_dir: str | Path) -> "HiddenStatesDataset":
+        """The Stage 3 folder of run directory ``run_dir``."""
+        from eagle3.rundir import EXTRACT, RunDir
+
+        return cls(RunDir(run_dir).stage(EXTRACT))
 
     @classmethod
     def for_training(cls, refs: Sequence[SampleRef], n_aux: int, hidden_size: int, vocab_size: int) -> "HiddenStatesDataset":
@@ -632,8 +626,3 @@ def verify_folder(stage_dir: str | Path, rows, *, check_hashes: bool = True, che
         raise ExtractError(f"verify {sd}: {len(problems)} problem(s); first: row {p['row']} (id {p['id']}) "
                            f"{p['file']}: {p['problem']}")
     return report
-
-
-def iter_rows(entries: Iterable[dict]) -> list[int]:
-    """Row indices of manifest records."""
-    return [int(e["row"]) for e in entries]

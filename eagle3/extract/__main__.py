@@ -22,11 +22,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verify-only", action="store_true", help="re-check an existing folder and exit")
     args = ap.parse_args(argv)
 
-    from eagle3.config import ParamsError, load_params
-    from eagle3.errors import ExtractError
+    from eagle3.config import load_params
+    from eagle3.errors import ExtractError, ParamsError
     from eagle3.extract import run, verify
-    from eagle3.io import prepare_run_dir
-    from eagle3.paths import resolve_run_dir
+    from eagle3.rundir import prepare_run_dir, resolve_run_dir
 
     try:
         params = load_params(args.params, args.overrides)

@@ -22,7 +22,8 @@ from eagle3.distributed import DistContext
 from eagle3.errors import ExtractError
 from eagle3.extract.core import TokenizedRows, plan_batches
 from eagle3.hooks import resolve_layer_ids, text_config
-from eagle3.io import atomic_write_json, atomic_write_text, free_bytes, read_json, stage_dir
+from eagle3.io import atomic_write_json, atomic_write_text, free_bytes, read_json
+from eagle3.rundir import EXTRACT, RunDir
 
 __all__ = [
     "HEADER_BYTES_ESTIMATE",
@@ -35,7 +36,6 @@ __all__ = [
     "prepare",
 ]
 
-STAGE = 3
 # safetensors header of one sample file (JSON with 3 tensors + metadata, padded to 8 bytes), measured
 # at ~330 bytes; the projection counts it per file.
 HEADER_BYTES_ESTIMATE = 384
@@ -46,12 +46,12 @@ _META_KEYS = ("aux_layer_ids", "num_hidden_layers", "hidden_size", "dtype", "sto
 
 def extract_dir(run_dir: str | Path, create: bool = True) -> Path:
     """The run's Stage 3 folder."""
-    return stage_dir(run_dir, STAGE, create=create)
+    return RunDir(run_dir).stage(EXTRACT, create=create)
 
 
 def load_rows(run_dir: str | Path, split: str = "train") -> TokenizedRows:
     """Stage 2's tokenized samples (``<split>.parquet``) as :class:`TokenizedRows`."""
-    return TokenizedRows(stage_dir(run_dir, 2, create=False) / f"{split}.parquet")
+    return TokenizedRows(RunDir(run_dir).tokenized(split))
 
 
 @dataclass

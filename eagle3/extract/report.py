@@ -24,7 +24,8 @@ import torch
 from matplotlib.figure import Figure
 
 from eagle3.contracts import hidden_states as hsc
-from eagle3.io import read_json, stage_dir
+from eagle3.io import read_json
+from eagle3.rundir import EXTRACT, RunDir
 
 __all__ = [
     "preflight_rows",
@@ -38,7 +39,7 @@ __all__ = [
 
 
 def _sd(run_dir: str | Path) -> Path:
-    return stage_dir(run_dir, 3, create=False)
+    return RunDir(run_dir).stage(EXTRACT)
 
 
 def _gib(n) -> str:

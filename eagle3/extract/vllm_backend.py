@@ -126,7 +126,7 @@ def print_commands(params_file: str, run_dir: str | None = None, port: int = 800
     import shlex
 
     from eagle3.config import load_params
-    from eagle3.paths import resolve_run_dir
+    from eagle3.rundir import resolve_run_dir
 
     params = load_params(params_file)
     rd = Path(run_dir) if run_dir else resolve_run_dir(params)

@@ -17,22 +17,22 @@ and two processes with ``grad_accum=1`` see exactly the same micro-batches.
 from __future__ import annotations
 
 import hashlib
-import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from eagle3.train.model import TrainError
+from eagle3.contracts import hidden_states as hsc
+from eagle3.contracts.hidden_states import SampleRef
+from eagle3.errors import ExtractError, TrainError
+from eagle3.rundir import EXTRACT, RunDir
 
 __all__ = [
     "SampleRef",
     "read_manifest",
+    "online_refs",
     "heldout_ids",
     "split_by_id",
-    "ExtractedSamples",
-    "sample_to_item",
     "epoch_plan",
     "build_schedule",
     "plan_digest",
@@ -42,44 +42,36 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class SampleRef:
-    """One training sample: its row in Stage 2's train split, id, token count and (offline) file."""
-
-    row: int
-    id: str
-    num_tokens: int
-    file: Path | None = None
-
-
-def read_manifest(stage3_dir: str | Path) -> list[SampleRef]:
-    """Rows of ``03_extract/manifest.jsonl`` (later lines for the same row win).
+def read_manifest(run_dir: str | Path) -> list[SampleRef]:
+    """Stage 3's samples as :class:`SampleRef` (row, id, token count, file), by row.
 
     Raises:
-        TrainError: missing manifest, or a line that is not JSON / lacks row, id, num_tokens, file
-            (the message names the line).
+        TrainError: no manifest (run stage 3 first, or set train.online: true).
     """
-    d = Path(stage3_dir)
-    f = d / "manifest.jsonl"
+    sd = RunDir(run_dir).stage(EXTRACT)
+    try:
+        entries = hsc.read_manifest(sd)
+    except ExtractError as exc:
+        raise TrainError(str(exc)) from None
+    return [SampleRef(int(e["row"]), str(e["id"]), int(e["num_tokens"]), sd / e["file"]) for e in entries]
+
+
+def online_refs(run_dir: str | Path) -> list[SampleRef]:
+    """Stage 2's train split as :class:`SampleRef` without files (online training)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    f = RunDir(run_dir).tokenized("train")
     if not f.exists():
-        raise TrainError(f"{f} does not exist: run stage 3 first (or set train.online: true)")
-    rows: dict[int, SampleRef] = {}
-    with open(f, encoding="utf-8") as fh:
-        for i, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-                ref = SampleRef(int(r["row"]), str(r["id"]), int(r["num_tokens"]), d / r["file"])
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-                raise TrainError(f"{f} line {i}: not a manifest record ({type(exc).__name__}: {exc})") from None
-            rows[ref.row] = ref
-    return [rows[k] for k in sorted(rows)]
+        raise TrainError(f"{f} does not exist: online training reads Stage 2's tokenized samples. Run stage 2 first.")
+    t = pq.read_table(f, columns=["id", "input_ids"])
+    lens = pc.list_value_length(t.column("input_ids")).to_pylist()
+    return [SampleRef(i, str(x), int(n or 0), None) for i, (x, n) in enumerate(zip(t.column("id").to_pylist(), lens))]
 
 
 def heldout_ids(run_dir: str | Path) -> set[str]:
-    """Ids of Stage 2's held-out split (``02_vocab/heldout.parquet``); empty when absent."""
-    f = Path(run_dir) / "02_vocab" / "heldout.parquet"
+    """Ids of Stage 2's held-out split (``heldout.parquet``); empty when absent."""
+    f = RunDir(run_dir).tokenized("heldout")
     if not f.exists():
         return set()
     import pyarrow.parquet as pq
@@ -108,93 +100,6 @@ def split_by_id(refs: Sequence[SampleRef], val_fraction: float) -> tuple[list[Sa
     if val_fraction > 0 and not val and len(refs) >= 2:
         val = {min(keyed)[1]}
     return [r for i, r in enumerate(refs) if i not in val], [r for i, r in enumerate(refs) if i in val]
-
-
-def sample_to_item(sample: dict, n_aux: int, hidden_size: int, vocab_size: int, where: str) -> dict:
-    """One Stage 3 sample (file or online dict) -> speculators' per-sample training dict.
-
-    Args:
-        sample: ``token_ids`` int ``[seq]``, ``loss_mask`` ``[seq]``, ``hidden_states`` ``[seq, n_aux+1, H]``.
-        where: file name or sample id, for messages.
-
-    Returns:
-        dict: ``input_ids`` int64 ``[seq]``, ``hidden_states`` ``[seq, n_aux*H]`` (aux slots concatenated
-        in order), ``verifier_last_hidden_states`` ``[seq, H]`` (last slot), ``loss_mask`` bool ``[seq]``.
-
-    Raises:
-        TrainError: missing tensors; an aux count or hidden size that disagrees with the model;
-            lengths that disagree; token ids outside the target vocab.
-    """
-    import torch
-
-    missing = [k for k in ("token_ids", "loss_mask", "hidden_states") if k not in sample]
-    if missing:
-        raise TrainError(f"{where}: missing tensor(s) {missing}")
-    hs, ids, lm = sample["hidden_states"], sample["token_ids"], sample["loss_mask"]
-    if hs.dim() != 3:
-        raise TrainError(f"{where}: hidden_states has shape {list(hs.shape)}, expected [seq, {n_aux + 1}, {hidden_size}]")
-    if hs.shape[1] != n_aux + 1:
-        raise TrainError(
-            f"{where}: hidden_states has {hs.shape[1]} layer slots but the drafter uses {n_aux} aux layers "
-            f"(+1 for layer N): aux count disagrees; re-run stage 3 or fix extract.aux_layer_ids"
-        )
-    if hs.shape[2] != hidden_size:
-        raise TrainError(
-            f"{where}: hidden size {hs.shape[2]} but the target/drafter has hidden size {hidden_size}: "
-            f"the hidden states come from another model"
-        )
-    if ids.dim() != 1 or ids.shape[0] != hs.shape[0] or lm.shape[0] != hs.shape[0]:
-        raise TrainError(
-            f"{where}: token_ids {list(ids.shape)}, loss_mask {list(lm.shape)} and hidden_states "
-            f"{list(hs.shape)} disagree in length"
-        )
-    if ids.numel() and (int(ids.max()) >= vocab_size or int(ids.min()) < 0):
-        raise TrainError(f"{where}: token id {int(ids.max())} outside the target vocab [0, {vocab_size})")
-    return {
-        "hidden_states": hs[:, :n_aux].flatten(1),
-        "input_ids": ids.to(torch.long),
-        "verifier_last_hidden_states": hs[:, n_aux],
-        "loss_mask": lm.to(torch.bool),
-    }
-
-
-def _base_dataset():
-    from speculators.train.data import BaseDataset
-
-    return BaseDataset
-
-
-class ExtractedSamples(_base_dataset()):  # type: ignore[misc]
-    """Stage 3 files as a speculators ``BaseDataset`` (adds ``lengths`` and ``position_ids``).
-
-    ``approx_lengths`` are the token counts after ``shift_batch`` (``num_tokens - 1``), which is
-    what the packing sampler must budget.
-    """
-
-    def __init__(self, refs: Sequence[SampleRef], n_aux: int, hidden_size: int, vocab_size: int, max_len: int) -> None:
-        import torch
-
-        self.refs = list(refs)
-        self.n_aux, self.hidden_size, self.vocab_size = n_aux, hidden_size, vocab_size
-        super().__init__(max_len=max_len, hidden_states_dtype=torch.float32)
-
-    def __len__(self) -> int:
-        return len(self.refs)
-
-    def _compute_approx_lengths(self) -> list[int]:
-        return [max(r.num_tokens - 1, 0) for r in self.refs]
-
-    def _get_raw_data(self, index: int) -> dict:
-        from safetensors.torch import load_file
-
-        ref = self.refs[index]
-        try:
-            sample = load_file(str(ref.file))
-        except FileNotFoundError:
-            raise TrainError(f"{ref.file} (row {ref.row}, id {ref.id}) is listed in the manifest but missing") from None
-        except Exception as exc:  # noqa: BLE001
-            raise TrainError(f"{ref.file} (id {ref.id}): unreadable safetensors file ({exc})") from None
-        return sample_to_item(sample, self.n_aux, self.hidden_size, self.vocab_size, f"{ref.file} (id {ref.id})")
 
 
 def epoch_plan(lengths: Sequence[int], token_budget: int, seed: int, epoch: int) -> list[np.ndarray]:
@@ -263,7 +168,7 @@ def _strip(batch: dict) -> dict:
 class MicroBatches:
     """Iterate collated micro-batches for a list of index lists (one per micro-batch), in order.
 
-    Offline: a torch ``DataLoader`` over :class:`ExtractedSamples` (``num_workers`` background
+    Offline: a torch ``DataLoader`` over :class:`eagle3.contracts.hidden_states.HiddenStatesDataset` (``num_workers`` background
     readers). Online: ``fetch(indices) -> list of per-sample dicts`` is called per micro-batch.
     """
 

@@ -21,8 +21,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -32,8 +30,12 @@ from typing import Any
 import numpy as np
 
 from eagle3.config import Params, diff_params, dump_params, load_params, params_fingerprint
-from eagle3.io import Progress, atomic_write_json, atomic_write_text, read_json, stage_dir, write_stats
-from eagle3.train.model import TrainError
+from eagle3.contracts.drafter import check_drafter, export_drafter
+from eagle3.contracts.hidden_states import HiddenStatesDataset, to_training_item
+from eagle3.distributed import DistContext, in_torchrun, launch_torchrun
+from eagle3.errors import TrainError
+from eagle3.io import Progress, atomic_write_json, atomic_write_text, read_json, write_stats
+from eagle3.rundir import TRAIN, RunDir
 
 __all__ = [
     "TrainingDiverged",
@@ -46,7 +48,6 @@ __all__ = [
     "main",
 ]
 
-STAGE = "04_train"
 # Keys that may change between an interrupted run and its resumption without changing the weights.
 _RESUME_EXEMPT = (
     "evaluate.",
@@ -136,64 +137,6 @@ def summarize(sums: dict[str, float], ttt_steps: int, prefix: str = "") -> dict[
         cond.append(out[f"{prefix}cond_acc_{k}"])
     out[f"{prefix}tau_hat"] = tau_hat(cond)
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# distributed context
-
-
-@dataclass
-class _Dist:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    device: Any = None
-    owns_group: bool = False
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-    def all_sum(self, t):
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return t
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-
-
-def _in_torchrun() -> bool:
-    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
-
-
-def _setup_dist(device_pref: str) -> _Dist:
-    import torch
-
-    from eagle3.target import pick_device
-
-    dev = pick_device(device_pref)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    owns = False
-    if world > 1:
-        import torch.distributed as dist
-
-        if dev.startswith("cuda"):
-            dev = f"cuda:{local}"
-            torch.cuda.set_device(local)
-        if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if dev.startswith("cuda") else "gloo")
-            owns = True
-    elif dev == "cuda":
-        dev = "cuda:0"
-    return _Dist(rank=rank, world=world, local_rank=local, device=torch.device(dev), owns_group=owns)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -399,39 +342,14 @@ class _Prefetch:
         return b
 
 
-def _online_refs(run_dir: Path):
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    from eagle3.train.data import SampleRef
-
-    f = run_dir / "02_vocab" / "train.parquet"
-    if not f.exists():
-        raise TrainError(f"{f} does not exist: online training reads Stage 2's tokenized samples. Run stage 2 first.")
-    t = pq.read_table(f, columns=["id", "input_ids"])
-    lens = pc.list_value_length(t.column("input_ids")).to_pylist()
-    return [SampleRef(i, str(x), int(n or 0), None) for i, (x, n) in enumerate(zip(t.column("id").to_pylist(), lens))]
-
-
 def _online_fetch(params: Params, run_dir: Path, refs, inputs):
-    try:
-        from eagle3.extract import online_samples
-    except ImportError as exc:
-        raise TrainError(f"train.online needs eagle3.extract.online_samples (Stage 3): {exc}") from None
-    from eagle3.train.data import sample_to_item
+    from eagle3.extract import online_samples
 
     def fetch(indices: list[int]) -> list[dict]:
-        import torch
-
         rows = [refs[i].row for i in indices]
-        out = []
-        for i, s in zip(indices, online_samples(params, run_dir, rows)):
-            item = sample_to_item(s, inputs.n_aux, inputs.hidden_size, inputs.target_vocab_size, f"online row {refs[i].row} (id {refs[i].id})")
-            n = item["input_ids"].shape[0]
-            item["lengths"] = torch.tensor([n], dtype=torch.long)
-            item["position_ids"] = torch.arange(n, dtype=torch.long)
-            out.append(item)
-        return out
+        return [to_training_item(s, inputs.n_aux, inputs.hidden_size, inputs.target_vocab_size,
+                                 f"online row {refs[i].row} (id {refs[i].id})")
+                for i, s in zip(indices, online_samples(params, run_dir, rows))]
 
     return fetch
 
@@ -441,16 +359,16 @@ def _online_fetch(params: Params, run_dir: Path, refs, inputs):
 
 
 def run(params: Params, run_dir: str | Path, *, stop_after: int | None = None) -> dict:
-    """Stage 4: train the drafter, checkpoint, export the best checkpoint to ``04_train/drafter/``.
+    """Stage 4: train the drafter, checkpoint, export the best checkpoint to the stage's ``drafter/``.
 
-    Resumes from the newest checkpoint in ``04_train/checkpoints/`` (exactly: weights, optimizer,
+    Resumes from the newest checkpoint in the stage's ``checkpoints/`` (exactly: weights, optimizer,
     scheduler, RNG states, data position); a finished stage is not trained again. With
     ``train.data_parallel > 1`` (and not already under torchrun) it launches
     ``torchrun --nproc-per-node P -m eagle3.train`` and waits for it.
 
     Args:
         params: the run's params (``train`` section; ``target``; ``extract.aux_layer_ids`` online).
-        run_dir: the run directory (reads ``02_vocab/``, ``03_extract/``; writes ``04_train/``).
+        run_dir: the run directory (reads Stages 2 and 3; writes Stage 4's folder).
         stop_after: stop (checkpoint, stage left incomplete) after this many optimizer steps in this
             call; a later call resumes. For time-boxed sessions and tests.
 
@@ -466,50 +384,45 @@ def run(params: Params, run_dir: str | Path, *, stop_after: int | None = None) -
     """
     run_dir = Path(run_dir)
     tp = params.train
-    if tp.data_parallel > 1 and not _in_torchrun():
+    if tp.data_parallel > 1 and not in_torchrun():
         return _launch_torchrun(params, run_dir, stop_after)
-    ctx = _setup_dist(tp.device)
+    from eagle3.target import pick_device
+
+    ctx = DistContext.from_env(device=pick_device(tp.device))
     try:
         return _Trainer(params, run_dir, ctx).train(stop_after)
     finally:
-        if ctx.owns_group:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
+        ctx.close()
 
 
 def _launch_torchrun(params: Params, run_dir: Path, stop_after: int | None) -> dict:
-    sd = stage_dir(run_dir, 4)
+    sd = RunDir(run_dir).stage(TRAIN, create=True)
     pfile = sd / ".torchrun_params.yaml"
     atomic_write_text(pfile, dump_params(params))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={params.train.data_parallel}",
-           "-m", "eagle3.train", str(pfile), "--run-dir", str(run_dir)]
-    if stop_after is not None:
-        cmd += ["--stop-after", str(stop_after)]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // params.train.data_parallel)))
-    r = subprocess.run(cmd, env=env)
-    if r.returncode != 0:
-        raise TrainError(f"torchrun exited with code {r.returncode}: {' '.join(cmd)} (see its output above)")
+    extra = ["--stop-after", str(stop_after)] if stop_after is not None else []
+    rc, cmd = launch_torchrun("eagle3.train", pfile, run_dir, params.train.data_parallel, extra, omp_threads=True)
+    if rc != 0:
+        raise TrainError(f"torchrun exited with code {rc}: {' '.join(cmd)} (see its output above)")
     return read_json(sd / "stats.json") or read_json(sd / "last_call.json") or {}
 
 
 class _Trainer:
-    def __init__(self, params: Params, run_dir: Path, ctx: _Dist) -> None:
+    def __init__(self, params: Params, run_dir: Path, ctx: DistContext) -> None:
         self.params, self.run_dir, self.ctx = params, run_dir, ctx
         self.tp = params.train
-        self.sd = stage_dir(run_dir, 4, create=ctx.main)
+        self.sd = RunDir(run_dir).stage(TRAIN, create=ctx.main)
         self.ckpt_root = self.sd / "checkpoints"
         self.metrics_file = self.sd / "metrics.jsonl"
 
     # -- set-up ---------------------------------------------------------------------------------
     def _data(self):
-        from eagle3.train.data import ExtractedSamples, heldout_ids, read_manifest, split_by_id
+        from eagle3.train.data import heldout_ids, online_refs, read_manifest, split_by_id
 
+        rd = RunDir(self.run_dir)
         if self.tp.online:
-            refs = _online_refs(self.run_dir)
+            refs = online_refs(self.run_dir)
         else:
-            refs = read_manifest(self.run_dir / "03_extract")
+            refs = read_manifest(self.run_dir)
         held = heldout_ids(self.run_dir)
         excluded = [r for r in refs if r.id in held]
         refs = [r for r in refs if r.id not in held]
@@ -517,7 +430,7 @@ class _Trainer:
         if not train:
             raise TrainError(
                 f"empty training split: {len(refs) + len(excluded)} samples in "
-                f"{'02_vocab/train.parquet' if self.tp.online else '03_extract/manifest.jsonl'}, "
+                f"{(rd.tokenized('train') if self.tp.online else rd.manifest).relative_to(rd.root)}, "
                 f"{len(excluded)} held out, {len(val)} to validation (train.val_fraction={self.tp.val_fraction}). "
                 f"Synthesize more samples or lower train.val_fraction."
             )
@@ -529,8 +442,8 @@ class _Trainer:
             self.train_ds = self.val_ds = None
             self.fetch, self.vfetch = fetch, vfetch
         else:
-            self.train_ds = ExtractedSamples(train, inp.n_aux, inp.hidden_size, inp.target_vocab_size, self.tp.token_budget)
-            self.val_ds = ExtractedSamples(val, inp.n_aux, inp.hidden_size, inp.target_vocab_size, self.tp.token_budget)
+            self.train_ds = HiddenStatesDataset.for_training(train, inp.n_aux, inp.hidden_size, inp.target_vocab_size)
+            self.val_ds = HiddenStatesDataset.for_training(val, inp.n_aux, inp.hidden_size, inp.target_vocab_size)
             self.fetch = self.vfetch = None
 
     def _micro(self, index_lists, val: bool = False):
@@ -657,7 +570,7 @@ class _Trainer:
             if st.get("plan_digest") != digest:
                 raise TrainError(
                     f"refusing to resume from {path}: the training samples changed since it was written "
-                    f"(03_extract was re-run?). Delete {self.ckpt_root} to start over."
+                    f"(stage 3 was re-run?). Delete {self.ckpt_root} to start over."
                 )
             state = _load_checkpoint(path, model, opt, sched, ctx.device)
         start = int(state["step"])
@@ -682,8 +595,8 @@ class _Trainer:
         if ctx.main:
             from eagle3.tracking import Tracker
 
-            self.tracker = Tracker(self.params, self.run_dir, STAGE)
-            prog = Progress(self.sd, total=total, unit="steps", done=start, tokens=int(state["tokens_seen"]), desc=STAGE)
+            self.tracker = Tracker(self.params, self.run_dir, self.sd.name)
+            prog = Progress(self.sd, total=total, unit="steps", done=start, tokens=int(state["tokens_seen"]), desc=self.sd.name)
             prog.extra.update({"train_samples": len(self.train_refs), "val_samples": len(self.val_refs)})
         info = {"train_samples": len(self.train_refs), "val_samples": len(self.val_refs),
                 "excluded_heldout": len(self.excluded), "total_steps": total, "global_batch_micro": G,
@@ -822,7 +735,6 @@ class _Trainer:
         from safetensors.torch import load_file
 
         from eagle3.target import torch_dtype
-        from eagle3.train.model import check_drafter, export_drafter
 
         ctx, tp = self.ctx, self.tp
         best = state.get("best_step")
@@ -887,23 +799,20 @@ class _Trainer:
         return last
 
     def _figures(self) -> None:
-        import matplotlib.pyplot as plt  # no backend switch: a notebook keeps showing its figures inline
-
-        from eagle3.train.plots import load_metrics, plot_training, plot_validation
+        from eagle3.train.report import load_metrics, plot_training, plot_validation
 
         df = load_metrics(self.run_dir)
         for name, fn in (("training_curves", plot_training), ("validation_tau_hat", plot_validation)):
             fig = fn(df)
             if fig is not None:
                 self.tracker.figure(name, fig)
-                plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m eagle3.train PARAMS.yaml --run-dir DIR [--stop-after N]`` (also under torchrun)."""
     import argparse
 
-    from eagle3.paths import resolve_run_dir
+    from eagle3.rundir import resolve_run_dir
 
     ap = argparse.ArgumentParser(prog="python -m eagle3.train", description=__doc__.splitlines()[0])
     ap.add_argument("params_file")

@@ -1,24 +1,30 @@
-"""Stage 4 tables and figures from ``04_train/metrics.jsonl`` and the checkpoints (notebook 04)."""
+"""Stage 4 tables and figures from ``metrics.jsonl`` and the checkpoints (notebook 04).
+
+Figures are :class:`matplotlib.figure.Figure` objects (no pyplot state: a notebook displays the one a
+cell returns; the stage saves them as PNG)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
 from eagle3.io import read_json
+from eagle3.rundir import TRAIN, RunDir
 
 __all__ = ["load_metrics", "checkpoint_table", "plot_training", "plot_validation", "inputs_table", "export_summary"]
 
 
 def load_metrics(run_dir: str | Path):
-    """``04_train/metrics.jsonl`` as a pandas DataFrame (one row per record; ``kind`` is 'train' or 'val').
+    """Stage 4's ``metrics.jsonl`` as a pandas DataFrame (one row per record; ``kind`` is 'train' or 'val').
 
     Train rows: step, epoch, lr, loss, loss_k, full_acc_k, cond_acc_k, tau_hat (training batches),
     grad_norm, tokens, tokens_per_s. Val rows: step, val_loss, val_*_k, val_tau_hat, val_tokens.
     """
     import pandas as pd
 
-    f = Path(run_dir) / "04_train" / "metrics.jsonl"
+    f = RunDir(run_dir).train_metrics
     rows = [json.loads(x) for x in f.read_text(encoding="utf-8").splitlines() if x.strip()] if f.exists() else []
     return pd.DataFrame(rows)
 
@@ -28,10 +34,10 @@ def checkpoint_table(run_dir: str | Path):
     the best (by validation tau_hat) and the exported one."""
     import pandas as pd
 
-    sd = Path(run_dir) / "04_train"
-    stats = read_json(sd / "stats.json", {}) or {}
+    rd = RunDir(run_dir)
+    stats = read_json(rd.stats(TRAIN), {}) or {}
     rows = []
-    for d in sorted((sd / "checkpoints").glob("step_*")):
+    for d in sorted(rd.checkpoints_dir.glob("step_*")):
         st = read_json(d / "state.json")
         if not st:
             continue
@@ -45,15 +51,14 @@ def checkpoint_table(run_dir: str | Path):
 def plot_training(df):
     """Loss, per-TTT-step conditional and full accuracy, lr and tokens/s against the step (matplotlib
     Figure), or None when there are no training records."""
-    import matplotlib.pyplot as plt
-
     if df is None or df.empty or "kind" not in df:
         return None
     tr = df[df["kind"] == "train"]
     if tr.empty:
         return None
     ks = sorted(int(c.split("_")[-1]) for c in tr.columns if c.startswith("cond_acc_"))
-    fig, ax = plt.subplots(2, 2, figsize=(11, 7))
+    fig = Figure(figsize=(11, 7))
+    ax = fig.subplots(2, 2)
     ax[0, 0].plot(tr["step"], tr["loss"], label="train loss (sum over TTT steps)")
     val = df[df["kind"] == "val"] if "val_loss" in df else None
     if val is not None and not val.empty:
@@ -77,14 +82,13 @@ def plot_training(df):
 
 def plot_validation(df):
     """Validation tau_hat (and per-step conditional accuracy) against the step, or None."""
-    import matplotlib.pyplot as plt
-
     if df is None or df.empty or "val_tau_hat" not in df:
         return None
     val = df[df["kind"] == "val"]
     if val.empty:
         return None
-    fig, ax = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig = Figure(figsize=(11, 3.8))
+    ax = fig.subplots(1, 2)
     ax[0].plot(val["step"], val["val_tau_hat"], "o-")
     best = val.loc[val["val_tau_hat"].idxmax()]
     ax[0].axvline(best["step"], color="gray", ls=":", label=f"best: step {int(best['step'])}")
@@ -111,7 +115,7 @@ def inputs_table(params, run_dir: str | Path) -> dict:
            "target vocab": inp.target_vocab_size, "draft vocab": inp.draft_vocab_size,
            "aux hidden state layer ids": inp.aux_layer_ids}
     if not params.train.online:
-        refs = read_manifest(Path(run_dir) / "03_extract")
+        refs = read_manifest(run_dir)
         held = heldout_ids(run_dir)
         train, val = split_by_id([r for r in refs if r.id not in held], params.train.val_fraction)
         out.update({"train samples": len(train), "validation samples": len(val),
@@ -124,16 +128,16 @@ def inputs_table(params, run_dir: str | Path) -> dict:
 
 def export_summary(run_dir: str | Path) -> dict:
     """The exported drafter: which checkpoint and why, its check against the target, how to serve it."""
-    from eagle3.train.model import check_drafter
+    from eagle3.contracts.drafter import check_drafter
 
-    sd = Path(run_dir) / "04_train"
-    stats = read_json(sd / "stats.json", {}) or {}
-    d = sd / "drafter"
+    rd = RunDir(run_dir)
+    stats = read_json(rd.stats(TRAIN), {}) or {}
+    d = rd.drafter_dir
     if not stats.get("complete") or not d.exists():
         return {"exported": False}
     cfg = json.loads((d / "config.json").read_text())
     verifier = cfg["speculators_config"]["verifier"]["name_or_path"]
-    problems = check_drafter(d, _target_dir(run_dir) if (Path(run_dir) / "params.yaml").exists() else verifier)
+    problems = check_drafter(d, _target_dir(run_dir) if rd.params_file.exists() else verifier)
     spec = json.dumps({"method": "eagle3", "model": str(d), "num_speculative_tokens": cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]})
     return {"drafter": str(d), "exported checkpoint": f"step_{stats['best_step']:06d}", "why": stats.get("export_reason"),
             "best validation tau_hat": stats.get("best_val_tau_hat"), "final validation tau_hat": stats.get("final_val_tau_hat"),
@@ -145,4 +149,4 @@ def _target_dir(run_dir: str | Path) -> str:
     from eagle3.config import load_params
     from eagle3.target import resolve_target
 
-    return str(resolve_target(load_params(Path(run_dir) / "params.yaml").target).path)
+    return str(resolve_target(load_params(RunDir(run_dir).params_file).target).path)
