@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from eagle3.config import Params
 from eagle3.contracts import hidden_states as hs
@@ -12,13 +13,17 @@ from eagle3.errors import ExtractError
 from eagle3.extract import report
 from eagle3.extract.prepare import Setup, extract_dir, load_rows
 from eagle3.io import write_stats
+from eagle3.stage import Stats
 
 __all__ = ["ExtractStats", "finalize", "verify"]
 
 
 @dataclass
-class ExtractStats:
+class ExtractStats(Stats):
     """Stage 3's summary numbers: exactly the keys of ``stats.json`` (bytes in B, times in s)."""
+
+    HEADLINE: ClassVar[tuple[str, ...]] = ("num_samples", "num_tokens", "aux_layer_ids", "dtype", "bytes",
+                                           "bytes_per_token", "tokens_per_s", "elapsed_s", "world_size")
 
     backend: str
     num_samples: int
@@ -124,7 +129,7 @@ def finalize(params: Params, run_dir: Path, sd: Path, setup: Setup, pf: dict, lo
     if params.extract.verify:
         verify(run_dir, raise_on_problem=True)
         verified = True
-    stats = asdict(_stats(params, setup, pf, loops, redone, world, total_bytes, verified))
+    stats = (_stats(params, setup, pf, loops, redone, world, total_bytes, verified)).to_dict()
     for d in sd.glob(".rank*"):
         shutil.rmtree(d, ignore_errors=True)
     if tracker is not None:

@@ -1,0 +1,207 @@
+"""Stage 4 checkpoints: ``checkpoints/step_NNNNNN/`` written atomically, loaded exactly, resume checks.
+
+A checkpoint holds the trainable weights in float32 (``model.safetensors``), the optimizer and the
+scheduler (``torch.save``), the RNG states (torch CPU/CUDA in ``rng.safetensors``, numpy and Python
+in ``rng.json``), the params (``params.yaml``) and the loop's state (``state.json``: step, tokens
+seen, best step, validation history, global batch, plan digest), so a resumed run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from eagle3.config import Params, diff_params, dump_params, load_params
+from eagle3.errors import TrainError
+from eagle3.io import atomic_write_json, atomic_write_text, read_json
+from eagle3.train.model import trainable_state
+
+__all__ = ["list_checkpoints", "checkpoint_path", "save_checkpoint", "load_checkpoint", "resume_state", "prune",
+           "truncate_metrics"]
+
+# Keys that may change between an interrupted run and its resumption without changing the weights.
+_RESUME_EXEMPT = (
+    "evaluate.",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.eval_every",
+    "train.num_workers",
+    "train.data_parallel",
+    "train.grad_accum",
+    "train.device",
+    "train.export_embed_tokens",
+    "target.served_name",
+    "target.device",
+    "target.max_model_len",
+    "target.tensor_parallel_size",
+)
+
+
+def list_checkpoints(root: str | Path) -> list[int]:
+    """Steps of the complete checkpoints under ``root`` (``step_NNNNNN`` folders), ascending."""
+    root = Path(root)
+    if not root.exists():
+        return []
+    out = []
+    for d in root.iterdir():
+        if d.is_dir() and d.name.startswith("step_") and (d / "state.json").exists():
+            try:
+                out.append(int(d.name[5:]))
+            except ValueError:
+                continue
+    return sorted(out)
+
+
+def checkpoint_path(root: Path, step: int) -> Path:
+    """``root/step_NNNNNN``."""
+    return root / f"step_{step:06d}"
+
+
+def _rng_state(device) -> tuple[dict, dict]:
+    import torch
+
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = s
+    np_state = np.random.get_state()
+    py = random.getstate()
+    meta = {
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": [py[0], list(py[1]), py[2]],
+    }
+    return tensors, meta
+
+
+def _set_rng_state(tensors: dict, meta: dict, device) -> None:
+    import torch
+
+    torch.set_rng_state(tensors["torch_cpu"])
+    if device.type == "cuda":
+        states = [tensors[k] for k in sorted(k for k in tensors if k.startswith("torch_cuda_"))]
+        if states:
+            torch.cuda.set_rng_state_all(states)
+    n = meta["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    p = meta["python"]
+    random.setstate((p[0], tuple(p[1]), p[2]))
+
+
+def save_checkpoint(root: Path, step: int, model, opt, sched, state: dict, params: Params) -> Path:
+    """Write ``root/step_NNNNNN`` atomically (temp folder + rename); no-op when it already exists."""
+    import torch
+    from safetensors.torch import save_file
+
+    final = checkpoint_path(root, step)
+    if (final / "state.json").exists():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        weights = {k: v.float().cpu().contiguous() for k, v in trainable_state(model).items()}
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt", "step": str(step)})
+        torch.save(opt.state_dict(), tmp / "optimizer.pt")
+        torch.save(sched.state_dict(), tmp / "scheduler.pt")
+        rng_t, rng_m = _rng_state(next(model.parameters()).device)
+        save_file(rng_t, str(tmp / "rng.safetensors"))
+        atomic_write_json(tmp / "rng.json", rng_m)
+        atomic_write_text(tmp / "params.yaml", dump_params(params))
+        atomic_write_json(tmp / "state.json", state)
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if final.exists():  # an incomplete folder from a crash during a previous rename
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, model, opt, sched, device) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(str(path / "model.safetensors"))
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if set(weights) != set(params):
+        raise TrainError(
+            f"{path}/model.safetensors does not match the drafter: missing {sorted(set(params) - set(weights))}, "
+            f"unexpected {sorted(set(weights) - set(params))}"
+        )
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(weights[n].to(p.dtype))
+    opt.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
+    sched.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    _set_rng_state(load_file(str(path / "rng.safetensors")), read_json(path / "rng.json"), device)
+    return read_json(path / "state.json")
+
+
+def resume_state(root: Path, params: Params, global_batch: int, digest: str) -> Path | None:
+    """The newest checkpoint under ``root`` when this run may resume from it exactly (None: none yet).
+
+    Args:
+        global_batch: micro-batches per optimizer step now (``data_parallel x grad_accum``).
+        digest: :func:`eagle3.train.data.plan_digest` of the training samples now.
+
+    Raises:
+        TrainError: the checkpoint was trained with other params (keys outside the bookkeeping ones
+            listed in ``_RESUME_EXEMPT``), another global batch, or other training samples.
+    """
+    steps = list_checkpoints(root)
+    if not steps:
+        return None
+    path = checkpoint_path(root, steps[-1])
+    diffs = [d for d in diff_params(load_params(path / "params.yaml"), params) if not d.startswith(_RESUME_EXEMPT)]
+    if diffs:
+        raise TrainError(
+            f"refusing to resume from {path}: it was trained with different params:\n  "
+            + "\n  ".join(diffs) + f"\nUse a new run directory, or delete {root} to start over."
+        )
+    st = read_json(path / "state.json")
+    if st.get("global_batch") != global_batch:
+        raise TrainError(
+            f"refusing to resume from {path}: global batch {st.get('global_batch')} micro-batches there, "
+            f"{global_batch} now (train.data_parallel x train.grad_accum); keep the product equal to resume exactly"
+        )
+    if st.get("plan_digest") != digest:
+        raise TrainError(
+            f"refusing to resume from {path}: the training samples changed since it was written "
+            f"(stage 3 was re-run?). Delete {root} to start over."
+        )
+    return path
+
+
+def prune(root: Path, keep: int, protect: set[int]) -> None:
+    steps = list_checkpoints(root)
+    keep_set = set(steps[-keep:]) | protect
+    for s in steps:
+        if s not in keep_set:
+            d = checkpoint_path(root, s)
+            trash = root / f".trash-{d.name}-{os.getpid()}"
+            os.replace(d, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop metrics.jsonl records of steps after ``step`` (they are recomputed on resume)."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                keep.append(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a crash
+    atomic_write_text(path, "".join(x + "\n" for x in keep))
