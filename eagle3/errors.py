@@ -23,6 +23,7 @@ __all__ = [
     "EvaluateError",
     "ParityError",
     "StageFailed",
+    "RunnerError",
 ]
 
 
@@ -78,3 +79,8 @@ class ParityError(Eagle3Error, RuntimeError):
 
 class StageFailed(Eagle3Error, RuntimeError):
     """A stage notebook raised; the message names the stage, the cell and the error."""
+
+
+class RunnerError(Eagle3Error, RuntimeError):
+    """``eagle3 run`` / ``eagle3 report`` cannot start: the Jupyter kernel is not registered, or a run
+    directory has nothing to render yet; the message says what to run."""

@@ -45,6 +45,16 @@ def key_numbers(run_dir: str | Path) -> dict[str, dict]:
     return out
 
 
+def _unfinished(run_dir: Path, stage: int) -> str:
+    """What the index says for a stage without ``stats.json``: not run, or how far it got."""
+    prog = read_json(Path(run_dir) / STAGES[stage] / "progress.json", None)
+    if not prog:
+        return "not run"
+    total = prog.get("total")
+    done = f"{prog.get('done', 0)}/{total}" if total is not None else str(prog.get("done", 0))
+    return f"not finished: {prog.get('status', 'unknown')} at {done} {prog.get('unit', '')}".rstrip()
+
+
 def _fmt(v) -> str:
     if v is None:
         return "-"
@@ -78,7 +88,7 @@ def index_html(run_dir: str | Path, pages: list[str], figures: dict[str, list[st
             rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>" for k, v in nums[name].items())
             parts.append(f"<table>{rows}</table>")
         else:
-            parts.append("<p><em>not run</em></p>")
+            parts.append(f"<p><em>{html.escape(_unfinished(run_dir, s))}</em></p>")
         for fig in figures.get(name, []):
             parts.append(f"<img src='{html.escape(fig)}' alt='{html.escape(Path(fig).stem)}'>")
     parts.append("</body></html>")

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from eagle3.config import load_params
-from eagle3.errors import ParamsError, StageFailed
+from eagle3.errors import ParamsError, RunnerError, StageFailed
 from eagle3.io import format_bytes, read_json
 from eagle3.rundir import NOTEBOOKS, STAGES, notebooks_dir, prepare_run_dir, resolve_run_dir, stage_complete
 
@@ -66,7 +66,7 @@ def run_pipeline(
     Raises:
         ParamsError: invalid params or a run directory created with other params.
         StageFailed: a notebook cell raised (message: stage, cell index, exception).
-        RuntimeError: the Jupyter kernel ``eagle3`` is not registered (run ``make venv``).
+        RunnerError: the Jupyter kernel ``eagle3`` is not registered (run ``make venv``).
     """
     import papermill as pm
 
@@ -76,7 +76,7 @@ def run_pipeline(
     params = load_params(params_file, ov)
     run_dir = prepare_run_dir(params, resolve_run_dir(params))
     if not _kernel_available(kernel):
-        raise RuntimeError(
+        raise RunnerError(
             f"Jupyter kernel {kernel!r} is not registered. Run `make venv` (it registers the kernel "
             f"of the project's virtual environment) or pass --kernel NAME."
         )
@@ -186,7 +186,7 @@ def render_report(run_dir: str | Path) -> Path:
         Path: ``<run_dir>/report/index.html``.
 
     Raises:
-        FileNotFoundError: the run directory has no executed notebooks.
+        RunnerError: the run directory has no executed notebooks.
     """
     import nbformat
     from nbconvert import HTMLExporter
@@ -197,7 +197,7 @@ def render_report(run_dir: str | Path) -> Path:
     nb_dir = run_dir / "notebooks"
     executed = sorted(nb_dir.glob("*.ipynb")) if nb_dir.exists() else []
     if not executed:
-        raise FileNotFoundError(f"{run_dir}: no executed notebooks in {nb_dir}; run `eagle3 run` first")
+        raise RunnerError(f"{run_dir}: no executed notebooks in {nb_dir}; run `eagle3 run` first")
     rep = run_dir / "report"
     (rep / "figures").mkdir(parents=True, exist_ok=True)
     exporter = HTMLExporter()

@@ -63,3 +63,16 @@ def test_index_shows_every_headline_number(tmp_path):
             if not (s == 4 and k == "final_train_loss"):
                 assert f"<td>v{s}-{i}</td>" in page
     assert "not_a_headline" not in page and MISSING in page
+
+
+def test_a_half_done_stage_says_how_far_it_got(tmp_path):
+    from eagle3.io import Progress
+
+    write_stats(stage_dir(tmp_path, 1), {"samples": 3})
+    with pytest.raises(KeyError):
+        with Progress(stage_dir(tmp_path, 3), total=18, unit="samples") as prog:
+            prog.update(7)
+            raise KeyError("killed")
+    page = index_html(tmp_path, [], {})
+    assert "not finished: failed at 7/18 samples" in page
+    assert page.count("not run") == 3  # stages 2, 4 and 5: nothing on disk

@@ -164,3 +164,9 @@ def test_status_into_a_closed_pipe_is_quiet(tmp_path):
                        env={**os.environ, "CODE": code})
     assert r.stdout == "line\n"
     assert "BrokenPipeError" not in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_report_of_a_run_without_notebooks_is_a_clean_error(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no executed notebooks" in err and "Traceback" not in err
