@@ -8,24 +8,35 @@ from pathlib import Path
 
 from eagle3.io import read_json
 from eagle3.rundir import STAGES
+from eagle3.stage import Stats
 
-__all__ = ["HEADLINE", "index_html", "key_numbers"]
+__all__ = ["MISSING", "headline_keys", "stats_classes", "index_html", "key_numbers"]
 
-# The headline numbers of each stage, in display order: keys its ``stats.json`` always holds
-# (a value may be None, e.g. tau_vllm when vLLM was not run). tests/test_report.py checks that
-# each stage writes every one of them.
-HEADLINE: dict[int, tuple[str, ...]] = {
+# Headline keys of the stages whose Stats class has not landed yet (their stats.json keys today).
+_HEADLINE_FALLBACK: dict[int, tuple[str, ...]] = {
     1: ("samples", "samples_train", "samples_heldout", "turns", "completion_tokens", "completion_tokens_mean",
         "length_fraction", "reasoning_capture_rate", "failed", "tokens_per_s", "elapsed_s"),
     2: ("target_vocab_size", "draft_vocab_size", "distinct_tokens", "masked_tokens", "coverage", "heldout_oov_rate",
         "train_rows", "train_tokens", "train_truncated_rows", "heldout_rows", "cache_hit"),
-    3: ("num_samples", "num_tokens", "aux_layer_ids", "dtype", "bytes", "bytes_per_token", "tokens_per_s",
-        "elapsed_s", "world_size"),
     4: ("best_step", "best_val_tau_hat", "final_step", "final_val_tau_hat", "final_train_loss", "total_steps",
         "tokens_seen", "tokens_per_s", "train_time_s", "drafter_dir"),
-    5: ("num_prompts", "k", "tau_offline", "tau_vllm", "tokens_per_forward_vllm", "tau_ngram",
-        "tokens_per_forward_ngram", "speedup_vllm_eagle3", "parity_ok", "parity_gap", "vllm_serve_command"),
 }
+
+
+def stats_classes() -> dict[int, type[Stats]]:
+    """Stage number -> its :class:`eagle3.stage.Stats` subclass (field names = ``stats.json`` keys)."""
+    # Imported here: the stage packages pull in torch, which `eagle3 status` does not need.
+    from eagle3.evaluate.stage import EvaluateStats
+    from eagle3.extract.finalize import ExtractStats
+
+    return {3: ExtractStats, 5: EvaluateStats}
+
+
+def headline_keys() -> dict[int, tuple[str, ...]]:
+    """Stage number -> the keys the index shows for it, in order (each stage's ``Stats.HEADLINE``)."""
+    classes = stats_classes()
+    return {s: (classes[s].HEADLINE if s in classes else _HEADLINE_FALLBACK[s]) for s in STAGES}
+
 
 MISSING = "(missing from stats.json)"
 
@@ -37,11 +48,12 @@ def key_numbers(run_dir: str | Path) -> dict[str, dict]:
     keys drifted is visible on the index page.
     """
     out = {}
+    keys = headline_keys()
     for s, name in STAGES.items():
         st = read_json(Path(run_dir) / name / "stats.json", None)
         if not st:
             continue
-        out[name] = {k: st.get(k, MISSING) for k in HEADLINE[s]}
+        out[name] = {k: st.get(k, MISSING) for k in keys[s]}
     return out
 
 
