@@ -1,0 +1,674 @@
+"""Self-prompting (Magpie-style): the target writes the user turns itself.
+
+The chat template is rendered up to and including the user-turn header (derived from the target's
+own template: a conversation whose last user message is a sentinel is rendered and cut before the
+sentinel), and the target samples the user message at a high temperature until the template's
+end-of-turn token. The idea and the recipe are Magpie's (Xu et al. 2024, "Magpie: Alignment Data
+Synthesis from Scratch by Prompting Aligned LLMs with Nothing"): an aligned model, given only the
+pre-query template, writes a plausible user query.
+
+The module is backend-agnostic. It produces :class:`SelfPromptRequest` (the prefix as text and as
+token ids, the stop ids, a per-request seed) and consumes :class:`Candidate` (the generated text and
+why it stopped), so any backend can drive it:
+
+* transformers: :class:`TransformersDriver` (batched left-padded sampling, here);
+* vLLM offline: ``LLM.generate`` on ``TokensPrompt(prompt_token_ids=req.prefix_ids)`` with
+  ``SamplingParams(stop_token_ids=req.stop_ids, seed=req.seed, skip_special_tokens=True)``;
+* an OpenAI-compatible server: ``POST /v1/completions`` with ``prompt=req.prefix_text`` (the raw
+  rendered prefix, no chat endpoint) and ``stop_token_ids`` / ``stop=[fmt.end_text]``.
+
+Filters (:class:`PromptFilter`), applied in this order, each counted (the counts add up to the
+candidates seen): ``not_terminated`` (no end-of-turn within ``max_new_tokens``), ``empty``,
+``too_short``, ``too_long``, ``garbage`` (mostly non-text, long character runs, a few words
+repeated), ``refusal`` (the "user" refuses or speaks as an assistant), ``exact_duplicate``
+(normalised text), ``near_duplicate`` (word n-gram Jaccard ≥ threshold, candidates found with MinHash
+LSH, then checked exactly); the rest are ``kept``. datasketch (MinHash LSH on PyPI) was considered:
+it pulls in scipy (not otherwise installed), so the few lines of MinHash/LSH here are used instead.
+
+Diversity: :func:`distinct_n` (distinct-1/2: unique word n-grams over all n-grams, Li et al. 2016).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+import struct
+import unicodedata
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable, Sequence
+
+__all__ = [
+    "SelfPromptError",
+    "SENTINEL",
+    "FILTER_REASONS",
+    "UserTurnFormat",
+    "user_turn_format",
+    "SelfPromptSettings",
+    "SelfPromptRequest",
+    "Candidate",
+    "SelfPrompt",
+    "SelfPromptResult",
+    "NearDuplicateIndex",
+    "PromptFilter",
+    "plan_requests",
+    "followup_request",
+    "run_self_prompting",
+    "distinct_n",
+    "TransformersDriver",
+]
+
+# A user message no template rewrites (no leading/trailing whitespace, no markup); it must appear
+# exactly once in the render, which is checked.
+SENTINEL = "SELFPROMPTSENTINEL7f3a"
+
+FILTER_REASONS = (
+    "not_terminated",
+    "empty",
+    "too_short",
+    "too_long",
+    "garbage",
+    "refusal",
+    "exact_duplicate",
+    "near_duplicate",
+    "kept",
+)
+
+# The "user" refuses or writes as the assistant (Magpie's typical failure on small targets).
+_REFUSAL = re.compile(
+    r"^\W*(i'?m sorry|i am sorry|sorry,? (but )?i|i can(not|'t)|i am (not able|unable)|i'?m (not able|unable)|"
+    r"as an ai\b|i am an ai\b|i'?m an ai\b|i apologi[sz]e|i won'?t be able|unfortunately,? i (can|am))",
+    re.IGNORECASE,
+)
+_WORD = re.compile(r"\w+", re.UNICODE)
+
+
+class SelfPromptError(ValueError):
+    """The chat template cannot be cut into a user-turn prefix, or self-prompting settings are invalid."""
+
+
+# ----------------------------------------------------------------------------- the template
+
+
+@dataclass(frozen=True)
+class UserTurnFormat:
+    """What the chat template puts around one user message.
+
+    Attributes:
+        prefix_text: the render of the conversation up to and including the user-turn header
+            (e.g. SmolLM2: ``"<|im_start|>system\\n...<|im_end|>\\n<|im_start|>user\\n"``).
+        end_text: what the template writes right after the user message (``"<|im_end|>\\n"``).
+        eot_ids: token ids that end a user turn: the first token of ``end_text`` when it is a
+            special token, else the tokenizer's EOS ids (a template without a special end marker).
+    """
+
+    prefix_text: str
+    end_text: str
+    eot_ids: tuple[int, ...]
+
+
+def _special_ids(tokenizer) -> set[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(i for i, t in added.items() if getattr(t, "special", False))
+    return ids
+
+
+def _eos_ids(tokenizer, model=None) -> list[int]:
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gc = getattr(model, "generation_config", None)
+    eos = getattr(gc, "eos_token_id", None)
+    if eos is not None:
+        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return sorted(ids)
+
+
+def user_turn_format(tokenizer, system: str | None = None, history: Sequence[dict] = (),
+                     template_kwargs: dict | None = None) -> UserTurnFormat:
+    """Cut the target's chat template at the start of a new user message.
+
+    Renders ``[system?] + history + [{"role": "user", "content": SENTINEL}]`` with
+    ``add_generation_prompt=False`` and splits at the sentinel.
+
+    Args:
+        tokenizer: a transformers tokenizer with a chat template.
+        system: a system prompt (None: the template's own default, if it has one).
+        history: earlier ``{"role", "content"}`` messages (for a follow-up user turn).
+        template_kwargs: extra template variables (e.g. ``{"enable_thinking": False}``).
+
+    Returns:
+        UserTurnFormat
+
+    Raises:
+        SelfPromptError: the sentinel is missing from the render or appears more than once
+            (a template that rewrites or drops user content cannot be self-prompted this way).
+    """
+    msgs = ([{"role": "system", "content": system}] if system else []) + [dict(m) for m in history]
+    msgs.append({"role": "user", "content": SENTINEL})
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False, **(template_kwargs or {}))
+    if text.count(SENTINEL) != 1:
+        raise SelfPromptError(
+            f"the chat template rendered the sentinel user message {text.count(SENTINEL)} times "
+            f"(expected once); cannot derive the user-turn header from it"
+        )
+    prefix, end = text.split(SENTINEL)
+    end_ids = tokenizer(end, add_special_tokens=False)["input_ids"] if end else []
+    if end_ids and end_ids[0] in _special_ids(tokenizer):
+        eot = (int(end_ids[0]),)
+    else:
+        eot = tuple(_eos_ids(tokenizer))
+    if not eot:
+        raise SelfPromptError("the chat template ends a user turn without a special token and the tokenizer has no EOS")
+    return UserTurnFormat(prefix, end, eot)
+
+
+# ----------------------------------------------------------------------------- settings and requests
+
+
+@dataclass
+class SelfPromptSettings:
+    """How many prompts to write and how.
+
+    Attributes:
+        count: user prompts to keep.
+        temperature, top_p: sampling of the user turn (Magpie samples at 1.0; higher = more diverse).
+        max_new_tokens: limit of one user turn in tokens (a turn not ended by then is dropped).
+        system_prompts: system prompts cycled over requests (empty: the template's default).
+        seed_topics: topics cycled over requests; each is added to the system prompt with
+            ``topic_template`` to steer what the user asks about (empty: no steering).
+        topic_template: format string with ``{topic}``.
+        multi_turn: also let the target write a follow-up user turn after its first answer.
+        seed: base seed; request ``i`` samples with :func:`_request_seed` of (seed, kind, i).
+        min_chars, max_chars: length filter of a user turn (characters after stripping).
+        min_words: fewer words than this is ``too_short``.
+        near_dup_threshold: word n-gram Jaccard at or above which a prompt is a near duplicate.
+        ngram: n of the word n-grams (shingles) for near duplicates.
+        max_attempts: candidates sampled at most (default ``4 * count``) before giving up short.
+    """
+
+    count: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 128
+    system_prompts: list[str] = field(default_factory=list)
+    seed_topics: list[str] = field(default_factory=list)
+    topic_template: str = "The user will ask you about {topic}."
+    multi_turn: bool = False
+    seed: int = 0
+    min_chars: int = 12
+    max_chars: int = 2000
+    min_words: int = 3
+    near_dup_threshold: float = 0.6
+    ngram: int = 3
+    max_attempts: int | None = None
+
+    def attempts(self) -> int:
+        """The most candidates sampled for first turns."""
+        return self.max_attempts if self.max_attempts is not None else 4 * self.count
+
+    def to_dict(self) -> dict:
+        """JSON-ready settings (recorded per sample and in ``stats.json``)."""
+        return asdict(self)
+
+
+@dataclass
+class SelfPromptRequest:
+    """One prefix for the backend to continue.
+
+    Attributes:
+        index: request number (0, 1, ...; follow-ups share their first turn's index).
+        kind: ``"first"`` or ``"followup"``.
+        system: the system prompt rendered (None = the template's default).
+        topic: the seed topic steering it (or None).
+        history: the messages before the new user turn (follow-ups: system?, user, assistant).
+        prefix_text: rendered prefix ending with the user-turn header.
+        prefix_ids: ``prefix_text`` tokenized without extra special tokens (list[int]).
+        stop_ids: end-of-turn ids (:attr:`UserTurnFormat.eot_ids`).
+        end_text: what the template writes after a user message (a stop string for servers).
+        seed: the sampling seed of this request (int < 2**31).
+    """
+
+    index: int
+    kind: str
+    system: str | None
+    topic: str | None
+    history: list[dict]
+    prefix_text: str
+    prefix_ids: list[int]
+    stop_ids: tuple[int, ...]
+    end_text: str
+    seed: int
+
+
+@dataclass
+class Candidate:
+    """What a backend generated for one request.
+
+    Attributes:
+        text: the user message (decoded without special tokens, the end-of-turn token excluded).
+        finish_reason: ``"stop"`` when an id of ``stop_ids`` ended it, ``"length"`` at
+            ``max_new_tokens``, ``"eos"`` when another EOS id ended it.
+        num_tokens: generated tokens including the end-of-turn token.
+        token_ids: the generated ids (optional; the transformers driver fills them).
+    """
+
+    text: str
+    finish_reason: str
+    num_tokens: int = 0
+    token_ids: list[int] | None = None
+
+
+@dataclass
+class SelfPrompt:
+    """One kept self-written conversation start.
+
+    Attributes:
+        index: the request number it came from.
+        system, topic: as in :class:`SelfPromptRequest`.
+        user: the self-written first user message.
+        followup: the self-written second user message (multi-turn), or None.
+        answer: the target's first answer used to write ``followup`` (not a training target:
+            stage 1 regenerates the assistant turns).
+    """
+
+    index: int
+    system: str | None
+    topic: str | None
+    user: str
+    followup: str | None = None
+    answer: str | None = None
+
+    def turns(self) -> list[list[dict]]:
+        """Turn groups as :class:`eagle3.prompts.Prompt` holds them (one group per assistant turn)."""
+        first = ([{"role": "system", "content": self.system}] if self.system else []) + [
+            {"role": "user", "content": self.user}]
+        return [first] + ([[{"role": "user", "content": self.followup}]] if self.followup else [])
+
+
+@dataclass
+class SelfPromptResult:
+    """Kept prompts and the counts.
+
+    Attributes:
+        prompts: kept prompts in request order.
+        counts: first-turn candidates by :data:`FILTER_REASONS` (sum = ``attempts``).
+        followup_counts: follow-up candidates by reason (multi-turn only).
+        attempts: first-turn candidates sampled.
+        tokens: generated tokens (all candidates, both turns).
+    """
+
+    prompts: list[SelfPrompt]
+    counts: dict
+    followup_counts: dict
+    attempts: int
+    tokens: int
+
+    def stats(self, settings: SelfPromptSettings) -> dict:
+        """JSON-ready numbers for ``stats.json`` (with distinct-1/2 of the kept first turns)."""
+        users = [p.user for p in self.prompts]
+        lens = sorted(len(u) for u in users)
+        return {
+            "requested": settings.count,
+            "kept": len(self.prompts),
+            "attempts": self.attempts,
+            "filtered": dict(self.counts),
+            "followup_filtered": dict(self.followup_counts),
+            "multi_turn_kept": sum(p.followup is not None for p in self.prompts),
+            "generated_tokens": self.tokens,
+            "distinct_1": round(distinct_n(users, 1), 4),
+            "distinct_2": round(distinct_n(users, 2), 4),
+            "chars_median": lens[len(lens) // 2] if lens else None,
+        }
+
+
+def _request_seed(seed: int, kind: str, index: int) -> int:
+    h = hashlib.sha256(f"{seed}\0{kind}\0{index}".encode()).digest()
+    return int.from_bytes(h[:4], "little") % (2**31)
+
+
+def plan_requests(tokenizer, settings: SelfPromptSettings, indices: Iterable[int],
+                  template_kwargs: dict | None = None) -> list[SelfPromptRequest]:
+    """First-turn requests for the given request numbers (a pure function of settings and index).
+
+    Request ``i`` takes ``system_prompts[i % len]`` and ``seed_topics[(i // len(system_prompts)) % len]``
+    (so every pair occurs when both lists are given), the topic appended to the system prompt with
+    ``topic_template`` (or used alone when there is no system prompt).
+    """
+    systems = list(settings.system_prompts) or [None]
+    topics = list(settings.seed_topics) or [None]
+    fmts: dict = {}
+    out = []
+    for i in indices:
+        system = systems[i % len(systems)]
+        topic = topics[(i // len(systems)) % len(topics)]
+        if topic is not None:
+            steer = settings.topic_template.replace("{topic}", topic)
+            system = f"{system} {steer}" if system else steer
+        if system not in fmts:
+            fmt = user_turn_format(tokenizer, system, (), template_kwargs)
+            fmts[system] = (fmt, tokenizer(fmt.prefix_text, add_special_tokens=False)["input_ids"])
+        fmt, ids = fmts[system]
+        out.append(SelfPromptRequest(i, "first", system, topic, [], fmt.prefix_text, list(ids), fmt.eot_ids,
+                                     fmt.end_text, _request_seed(settings.seed, "first", i)))
+    return out
+
+
+def followup_request(tokenizer, settings: SelfPromptSettings, prompt: SelfPrompt, answer: str,
+                     template_kwargs: dict | None = None) -> SelfPromptRequest:
+    """The request for the follow-up user turn after the target's ``answer`` to ``prompt.user``."""
+    history = [{"role": "user", "content": prompt.user}, {"role": "assistant", "content": answer}]
+    fmt = user_turn_format(tokenizer, prompt.system, history, template_kwargs)
+    ids = tokenizer(fmt.prefix_text, add_special_tokens=False)["input_ids"]
+    return SelfPromptRequest(prompt.index, "followup", prompt.system, prompt.topic, history, fmt.prefix_text,
+                             list(ids), fmt.eot_ids, fmt.end_text,
+                             _request_seed(settings.seed, "followup", prompt.index))
+
+
+# ----------------------------------------------------------------------------- filters
+
+
+def _normalise(text: str) -> str:
+    text = unicodedata.normalize("NFKC", text).lower()
+    return " ".join(_WORD.findall(text))
+
+
+def _shingles(text: str, n: int) -> set[str]:
+    words = _normalise(text).split()
+    if len(words) <= n:
+        return {" ".join(words)}
+    return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+_MERSENNE = (1 << 61) - 1
+
+
+class NearDuplicateIndex:
+    """Near-duplicate detection on word n-gram sets: MinHash signatures, LSH banding for candidates,
+    exact Jaccard to confirm (so there are no false positives; misses need J near the threshold and
+    an unlucky band split).
+
+    Args:
+        threshold: Jaccard similarity at or above which two texts are near duplicates.
+        ngram: shingle size in words.
+        num_perm: MinHash permutations (``bands * rows``).
+        bands: LSH bands; with ``rows = num_perm // bands`` a pair of similarity s becomes a candidate
+            with probability 1 - (1 - s**rows)**bands (64 perms in 32 bands of 2: 0.99 at s = 0.5).
+        seed: permutation seed.
+    """
+
+    def __init__(self, threshold: float = 0.6, ngram: int = 3, num_perm: int = 64, bands: int = 32,
+                 seed: int = 1) -> None:
+        if num_perm % bands:
+            raise SelfPromptError(f"num_perm {num_perm} is not a multiple of bands {bands}")
+        self.threshold, self.ngram, self.bands, self.rows = threshold, ngram, bands, num_perm // bands
+        rng = random.Random(seed)
+        self.perms = [(rng.randrange(1, _MERSENNE), rng.randrange(0, _MERSENNE)) for _ in range(num_perm)]
+        self.buckets: dict[tuple, list[int]] = {}
+        self.sets: list[set[str]] = []
+
+    def _signature(self, sh: set[str]) -> list[int]:
+        hs = [struct.unpack("<Q", hashlib.blake2b(s.encode(), digest_size=8).digest())[0] for s in sh]
+        return [min((a * h + b) % _MERSENNE for h in hs) for a, b in self.perms]
+
+    def query(self, text: str) -> tuple[float, int | None]:
+        """Highest Jaccard with an indexed text among LSH candidates: ``(similarity, its number)``."""
+        sh = _shingles(text, self.ngram)
+        best, who = 0.0, None
+        for key in self._keys(self._signature(sh)):
+            for j in self.buckets.get(key, ()):
+                other = self.sets[j]
+                jac = len(sh & other) / len(sh | other)
+                if jac > best:
+                    best, who = jac, j
+        return best, who
+
+    def _keys(self, sig: list[int]) -> list[tuple]:
+        r = self.rows
+        return [(b, *sig[b * r:(b + 1) * r]) for b in range(self.bands)]
+
+    def add(self, text: str) -> int:
+        """Index a text; returns its number."""
+        sh = _shingles(text, self.ngram)
+        j = len(self.sets)
+        self.sets.append(sh)
+        for key in self._keys(self._signature(sh)):
+            self.buckets.setdefault(key, []).append(j)
+        return j
+
+
+def _garbage(text: str) -> bool:
+    """Mostly non-text: under half letters/digits/whitespace, a run of 24+ equal characters, or 12+
+    words of which under a quarter are distinct."""
+    n = len(text)
+    if sum(c.isalnum() or c.isspace() for c in text) < 0.5 * n:
+        return True
+    if re.search(r"(.)\1{23,}", text, re.DOTALL):
+        return True
+    words = _normalise(text).split()
+    return len(words) >= 12 and len(set(words)) < 0.25 * len(words)
+
+
+class PromptFilter:
+    """Stateful filter over candidates in order; duplicates are judged against earlier kept ones.
+
+    Args:
+        settings: length limits, near-duplicate threshold and n-gram size.
+        dedup: check exact / near duplicates (off for follow-up turns: "thanks, and ...?" repeats).
+
+    Attributes:
+        counts: Counter over :data:`FILTER_REASONS`.
+    """
+
+    def __init__(self, settings: SelfPromptSettings, dedup: bool = True) -> None:
+        self.s = settings
+        self.dedup = dedup
+        self.counts: Counter = Counter({r: 0 for r in FILTER_REASONS})
+        self.exact: set[str] = set()
+        self.near = NearDuplicateIndex(settings.near_dup_threshold, settings.ngram)
+
+    def reason(self, cand: Candidate) -> str:
+        """Why ``cand`` is dropped (a reason of :data:`FILTER_REASONS`), or ``"kept"``; not counted."""
+        text = cand.text.strip()
+        if cand.finish_reason != "stop":
+            return "not_terminated"
+        if not text:
+            return "empty"
+        if len(text) < self.s.min_chars or len(_WORD.findall(text)) < self.s.min_words:
+            return "too_short"
+        if len(text) > self.s.max_chars:
+            return "too_long"
+        if _garbage(text):
+            return "garbage"
+        if _REFUSAL.search(text):
+            return "refusal"
+        if self.dedup:
+            if _normalise(text) in self.exact:
+                return "exact_duplicate"
+            if self.near.query(text)[0] >= self.s.near_dup_threshold:
+                return "near_duplicate"
+        return "kept"
+
+    def __call__(self, cand: Candidate) -> str:
+        """Judge, count, and (when kept) remember ``cand``; returns the reason."""
+        why = self.reason(cand)
+        self.counts[why] += 1
+        if why == "kept" and self.dedup:
+            text = cand.text.strip()
+            self.exact.add(_normalise(text))
+            self.near.add(text)
+        return why
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+SampleFn = Callable[[list[SelfPromptRequest]], list[Candidate]]
+AnswerFn = Callable[[list[list[dict]]], list[str]]
+
+
+def run_self_prompting(tokenizer, settings: SelfPromptSettings, sample: SampleFn, *, batch_size: int = 8,
+                       answer: AnswerFn | None = None, template_kwargs: dict | None = None,
+                       done: Sequence[Candidate] = (),
+                       on_batch: Callable[[list[SelfPromptRequest], list[Candidate]], None] | None = None,
+                       ) -> SelfPromptResult:
+    """Write ``settings.count`` user prompts with the target (and follow-ups when ``multi_turn``).
+
+    Requests are made in fixed batches of ``batch_size`` (request numbers ``b*batch_size ...``), so
+    the candidates, and hence the kept prompts, depend only on the settings, the batch size and the
+    backend's seeded sampling: the same seed gives the same prompts, and a run resumed from the
+    candidates of its finished batches (``done``) gives the same prompts as one uninterrupted run.
+
+    Args:
+        tokenizer: the target's tokenizer (chat template).
+        settings: see :class:`SelfPromptSettings`.
+        sample: backend call: requests -> one :class:`Candidate` each, in order.
+        batch_size: requests per ``sample`` call.
+        answer: backend call for multi-turn: conversations (lists of messages ending with a user
+            turn) -> the target's answers; needed when ``settings.multi_turn``.
+        done: first-turn candidates of earlier sessions, in request order (resume).
+        on_batch: called after each sampled first-turn batch (to persist the candidates).
+
+    Returns:
+        SelfPromptResult
+
+    Raises:
+        SelfPromptError: ``multi_turn`` without ``answer``; a backend returning the wrong number of
+            candidates; see :func:`user_turn_format`.
+    """
+    if settings.multi_turn and answer is None:
+        raise SelfPromptError("multi_turn self-prompting needs an answer function (the target's first answers)")
+    filt = PromptFilter(settings)
+    kept: list[SelfPrompt] = []
+    tokens = 0
+    n = 0
+    limit = settings.attempts()
+
+    def consume(req: SelfPromptRequest, cand: Candidate) -> None:
+        nonlocal tokens
+        tokens += cand.num_tokens
+        if len(kept) < settings.count and filt(cand) == "kept":
+            kept.append(SelfPrompt(req.index, req.system, req.topic, cand.text.strip()))
+
+    # Replay candidates of earlier sessions (their requests are re-planned: a pure function of the index).
+    for start in range(0, len(done), batch_size):
+        chunk = list(done[start:start + batch_size])
+        for req, cand in zip(plan_requests(tokenizer, settings, range(start, start + len(chunk)), template_kwargs), chunk):
+            consume(req, cand)
+        n = start + len(chunk)
+    while len(kept) < settings.count and n < limit:
+        reqs = plan_requests(tokenizer, settings, range(n, min(n + batch_size, limit)), template_kwargs)
+        cands = sample(reqs)
+        if len(cands) != len(reqs):
+            raise SelfPromptError(f"backend returned {len(cands)} candidates for {len(reqs)} requests")
+        if on_batch is not None:
+            on_batch(reqs, cands)
+        for req, cand in zip(reqs, cands):
+            consume(req, cand)
+        n += len(reqs)
+    # Candidates sampled in the last batch after the count was reached are not judged (not counted).
+    counted = sum(filt.counts.values())
+
+    ffilt = PromptFilter(settings, dedup=False)
+    if settings.multi_turn and kept:
+        for start in range(0, len(kept), batch_size):
+            chunk = kept[start:start + batch_size]
+            convs = [p.turns()[0] for p in chunk]
+            answers = answer(convs)
+            reqs = [followup_request(tokenizer, settings, p, a, template_kwargs) for p, a in zip(chunk, answers)]
+            cands = sample(reqs)
+            for p, a, c in zip(chunk, answers, cands):
+                tokens += c.num_tokens
+                if ffilt(c) == "kept":
+                    p.followup, p.answer = c.text.strip(), a
+    return SelfPromptResult(kept, dict(filt.counts), dict(ffilt.counts) if settings.multi_turn else {},
+                            counted, tokens)
+
+
+# ----------------------------------------------------------------------------- diversity
+
+
+def distinct_n(texts: Iterable[str], n: int) -> float:
+    """Distinct-n: unique word n-grams divided by all word n-grams over ``texts`` (lower-cased word
+    tokens; Li et al. 2016). 0.0 when there is no n-gram; 1.0 when no n-gram repeats."""
+    total = 0
+    seen: set[tuple] = set()
+    for t in texts:
+        w = _normalise(t).split()
+        grams = [tuple(w[i:i + n]) for i in range(len(w) - n + 1)]
+        total += len(grams)
+        seen.update(grams)
+    return len(seen) / total if total else 0.0
+
+
+# ----------------------------------------------------------------------------- transformers driver
+
+
+class TransformersDriver:
+    """Drives self-prompting with transformers ``generate`` (batched, left-padded).
+
+    Args:
+        model: a causal LM (the target).
+        tokenizer: its tokenizer.
+        settings: sampling settings (temperature, top_p, max_new_tokens).
+        answer_max_new_tokens: limit of the target's first answers (multi-turn), greedy.
+
+    A batch is seeded with the first request's seed (``torch.manual_seed``), so a batch's samples
+    depend on its requests and the batch size; :func:`run_self_prompting` keeps batches fixed.
+    """
+
+    def __init__(self, model, tokenizer, settings: SelfPromptSettings, answer_max_new_tokens: int = 128,
+                 template_kwargs: dict | None = None) -> None:
+        import torch
+
+        self.model, self.tok, self.s = model, tokenizer, settings
+        self.answer_max_new_tokens = answer_max_new_tokens
+        self.template_kwargs = dict(template_kwargs or {})
+        self.eos_ids = _eos_ids(tokenizer, model)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.device = next(model.parameters()).device
+        self._torch = torch
+
+    def _generate(self, ids: list[list[int]], stop_ids: list[int], max_new: int, seed: int | None) -> list[list[int]]:
+        torch = self._torch
+        width = max(len(x) for x in ids)
+        inp = torch.tensor([[self.pad_id] * (width - len(x)) + x for x in ids], device=self.device)
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=self.device)
+        kw: dict = dict(max_new_tokens=max_new, pad_token_id=self.pad_id, eos_token_id=stop_ids)
+        if seed is None:
+            kw["do_sample"] = False
+        else:
+            kw.update(do_sample=True, temperature=self.s.temperature, top_p=self.s.top_p, top_k=0)
+            torch.manual_seed(seed)
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=inp, attention_mask=mask, **kw)
+        return out[:, width:].tolist()
+
+    def sample(self, reqs: list[SelfPromptRequest]) -> list[Candidate]:
+        """One sampled user turn per request (stops at the end-of-turn ids or any EOS id)."""
+        stops = sorted(set(reqs[0].stop_ids) | set(self.eos_ids))
+        outs = self._generate([r.prefix_ids for r in reqs], stops, self.s.max_new_tokens, reqs[0].seed)
+        cands = []
+        for r, toks in zip(reqs, outs):
+            end = next((i for i, t in enumerate(toks) if t in stops), None)
+            if end is None:
+                body, finish = toks, "length"
+            else:
+                body, finish = toks[:end], ("stop" if toks[end] in r.stop_ids else "eos")
+                toks = toks[: end + 1]
+            cands.append(Candidate(self.tok.decode(body, skip_special_tokens=True), finish, len(toks), toks))
+        return cands
+
+    def answer(self, convs: list[list[dict]]) -> list[str]:
+        """The target's greedy answers to conversations ending with a user turn (multi-turn)."""
+        ids = [self.tok(self.tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True,
+                                                     **self.template_kwargs),
+                        add_special_tokens=False)["input_ids"] for c in convs]
+        outs = self._generate(ids, self.eos_ids, self.answer_max_new_tokens, None)
+        res = []
+        for toks in outs:
+            end = next((i for i, t in enumerate(toks) if t in self.eos_ids), len(toks))
+            res.append(self.tok.decode(toks[:end], skip_special_tokens=True).strip())
+        return res
