@@ -36,8 +36,8 @@ import re
 import struct
 import unicodedata
 from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Sequence
 
 __all__ = [
     "SelfPromptError",
