@@ -254,7 +254,7 @@ class EvaluateParams(_Section):
         0.15, ge=0.0, description="max |tau_offline - tau_vllm| / tau_offline at temperature 0"
     )
     drafter_dir: str | None = Field(
-        None, description="evaluate this speculators-format drafter instead of the run's 04_train export"
+        None, description="evaluate this speculators-format drafter instead of the one stage 4 exported"
     )
     vllm_timeout_s: float = Field(1800.0, gt=0, description="limit per vLLM measurement (engine start included)")
     vllm_methods: list[Literal["eagle3", "ngram", "none"]] = Field(
