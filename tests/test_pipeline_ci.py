@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eagle3.io import STAGES, read_json
+from eagle3.io import read_json
+from eagle3.rundir import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -36,7 +37,7 @@ def ci_run(tmp_path_factory):
 def test_every_stage_complete_with_progress(ci_run):
     from eagle3.runner import format_status
 
-    for s, name in STAGES.items():
+    for name in STAGES.values():
         assert read_json(ci_run / name / "stats.json")["complete"], name
         prog = read_json(ci_run / name / "progress.json")
         assert prog["status"] == "done" and prog["done"] == prog["total"], (name, prog)
