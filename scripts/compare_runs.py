@@ -24,7 +24,9 @@ import re
 import sys
 from pathlib import Path
 
-from eagle3.io import read_json, read_jsonl
+from eagle3.contracts.hidden_states import read_entries
+from eagle3.contracts.samples import read_samples
+from eagle3.io import read_json
 from eagle3.rundir import STAGES, RunDir
 
 # Keys whose values depend on the machine's speed or the clock, not on the computation.
@@ -80,8 +82,8 @@ def compare_stats(a: RunDir, b: RunDir) -> list[tuple[str, str, bool]]:
 def compare_sample_ids(a: RunDir, b: RunDir) -> list[tuple[str, str, bool]]:
     if not a.samples.exists() and not b.samples.exists():
         return []
-    ia = {r["id"] for r in read_jsonl(a.samples, missing_ok=True)}
-    ib = {r["id"] for r in read_jsonl(b.samples, missing_ok=True)}
+    ia = {r["id"] for r in read_samples(a.root)} if a.samples.exists() else set()
+    ib = {r["id"] for r in read_samples(b.root)} if b.samples.exists() else set()
     ok = ia == ib
     detail = f"{len(ia)} ids equal" if ok else f"{len(ia - ib)} only in A, {len(ib - ia)} only in B"
     return [("samples.jsonl ids", detail, ok)]
@@ -89,7 +91,7 @@ def compare_sample_ids(a: RunDir, b: RunDir) -> list[tuple[str, str, bool]]:
 
 def _manifest(rd: RunDir) -> dict[str, str]:
     # Later lines for the same row win (a resumed stage re-journals a redone file).
-    return {e["id"]: e["sha256"] for e in read_jsonl(rd.manifest, missing_ok=True)}
+    return {e["id"]: e["sha256"] for e in read_entries(rd.manifest)}
 
 
 def compare_hidden_states(a: RunDir, b: RunDir) -> list[tuple[str, str, bool]]:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from eagle3.io import atomic_write_text, write_stats
+from eagle3.contracts.hidden_states import write_manifest
+from eagle3.contracts.samples import write_samples
+from eagle3.io import write_stats
 from eagle3.rundir import RunDir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,18 +19,15 @@ compare_runs = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(compare_runs)
 
 
-def _jsonl(path: Path, rows: list[dict]) -> None:
-    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
-
-
 def _run(root: Path, *, loss: float = 2.5, elapsed: float = 10.0, ids=("a", "b"), sha="00", weight=1.0) -> Path:
     rd = RunDir(root)
     write_stats(rd.stage(1, create=True), {"samples": len(ids), "elapsed_s": elapsed, "tokens_per_s": 100 / elapsed,
                                            "finish_reasons": {"length": 2}})
-    _jsonl(rd.samples, [{"id": i, "split": "train", "messages": []} for i in ids])
+    write_samples(root, [{"id": i, "source": "q", "split": "train", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]} for i in ids])
     write_stats(rd.stage(3, create=True), {"num_samples": len(ids), "bytes": 4096, "writer_busy_s": elapsed / 3})
-    _jsonl(rd.manifest, [{"row": n, "id": i, "num_tokens": 3, "file": f"rows/{n:06d}.safetensors", "bytes": 10,
-                          "sha256": sha + i} for n, i in enumerate(ids)])
+    write_manifest(rd.stage(3), {n: {"row": n, "id": i, "num_tokens": 3, "file": f"rows/{n:06d}.safetensors",
+                                     "bytes": 10, "sha256": sha + i} for n, i in enumerate(ids)}, len(ids))
     write_stats(rd.stage(4, create=True), {"final_train_loss": loss, "train_time_s": elapsed, "best_step": 6})
     rd.drafter_dir.mkdir(parents=True)
     save_file({"fc.weight": torch.full((2, 3), weight), "d2t": torch.arange(4)}, str(rd.drafter_dir / "model.safetensors"))
