@@ -68,10 +68,30 @@ class TrackingParams(_Section):
     entity: str | None = None
 
 
-class PromptSource(_Section):
-    """One prompt set. See ``eagle3.prompts`` for the formats and the field mapping."""
+class SelfPromptParams(_Section):
+    """Self-prompting (``kind: self``): the target writes the user turns (see ``eagle3.self_prompt``)."""
 
-    kind: Literal["embedded", "file", "hf"] = "embedded"
+    count: int = Field(64, ge=1, description="user prompts to keep (after the filters)")
+    temperature: float = Field(1.0, gt=0.0, description="sampling of the user turn (Magpie: 1.0)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(128, ge=1, description="tokens of one user turn; unfinished turns are dropped")
+    system_prompts: list[str] = Field(default_factory=list, description="cycled over requests (empty: template default)")
+    seed_topics: list[str] = Field(default_factory=list, description="cycled; added to the system prompt")
+    topic_template: str = Field("The user will ask you about {topic}.", description="format string with {topic}")
+    multi_turn: bool = Field(False, description="the target also writes a follow-up user turn after its answer")
+    seed: int = Field(0, ge=0)
+    min_chars: int = Field(12, ge=0)
+    max_chars: int = Field(2000, ge=1)
+    min_words: int = Field(3, ge=0)
+    near_dup_threshold: float = Field(0.6, gt=0.0, le=1.0, description="word 3-gram Jaccard of a near duplicate")
+    max_attempts: int | None = Field(None, ge=1, description="candidates sampled at most (default 4 x count)")
+
+
+class PromptSource(_Section):
+    """One prompt set. See ``eagle3.prompts`` for the formats and the field mapping; ``kind: self``
+    is written by the target itself in stage 1 (``self_prompt`` settings, ``eagle3.self_prompt``)."""
+
+    kind: Literal["embedded", "file", "hf", "self"] = "embedded"
     name: str = Field("human-eval", description="embedded set name or Hugging Face dataset id")
     path: str | None = Field(None, description="JSON/JSONL/Parquet file (kind=file)")
     subset: str | None = None
@@ -89,7 +109,16 @@ class PromptSource(_Section):
     )
     system_prompt: str | None = None
     limit: int | None = Field(None, ge=1)
-    label: str | None = Field(None, description="the 'source' recorded per sample (default: name/path)")
+    label: str | None = Field(None, description="the 'source' recorded per sample (default: name/path; 'self')")
+    self_prompt: SelfPromptParams | None = Field(None, description="kind=self only (default settings when omitted)")
+
+    @model_validator(mode="after")
+    def _self_prompt_only_for_self(self) -> PromptSource:
+        if self.kind == "self" and self.self_prompt is None:
+            self.self_prompt = SelfPromptParams()
+        elif self.kind != "self" and self.self_prompt is not None:
+            raise ValueError(f"self_prompt settings are for kind: self sources (this one is kind: {self.kind})")
+        return self
 
 class ServerParams(_Section):
     base_url: str = "http://127.0.0.1:8000/v1"

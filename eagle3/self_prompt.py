@@ -672,3 +672,143 @@ class TransformersDriver:
             end = next((i for i, t in enumerate(toks) if t in self.eos_ids), len(toks))
             res.append(self.tok.decode(toks[:end], skip_special_tokens=True).strip())
         return res
+
+
+# ----------------------------------------------------------------------------- stage 1: kind: self sources
+
+SELF_PROMPTS_DIR = "self_prompts"  # inside 01_synthesize/
+
+
+def settings_from_params(p) -> SelfPromptSettings:
+    """:class:`SelfPromptSettings` from a source's ``self_prompt`` section (:class:`eagle3.config.SelfPromptParams`)."""
+    return SelfPromptSettings(**p.model_dump())
+
+
+def _fingerprint(obj) -> str:
+    import json
+
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _complete_batches(rows: list[dict], batch_size: int, limit: int) -> list[dict]:
+    """The rows of the leading batches that were written whole (a batch is appended in one write,
+    but a kill can tear it); later rows are dropped and sampled again."""
+    out: list[dict] = []
+    b = 0
+    while True:
+        want = min(batch_size, limit - b * batch_size)
+        chunk = [r for r in rows if r.get("batch") == b]
+        if want <= 0 or len(chunk) != want or [r["index"] for r in chunk] != list(range(b * batch_size, b * batch_size + want)):
+            return out
+        out += chunk
+        b += 1
+
+
+def prepare_self_sources(params, run_dir) -> tuple[list, list[dict]]:
+    """Write the prompts of every ``kind: self`` source of ``synthesize.sources`` with the target,
+    and return the sources with each such source replaced by a ``kind: file`` source of them.
+
+    Files, in ``01_synthesize/self_prompts/`` (``N`` = the source's position in the list):
+
+    * ``source_N.meta.json``: the settings and their fingerprint (target, template variables,
+      batch size included); a run dir written with other settings is refused, never reused.
+    * ``source_N.candidates.jsonl``: every sampled first-turn candidate, appended one whole batch at
+      a time (``{"batch", "index", "text", "finish_reason", "num_tokens"}``). A killed run resumes
+      from its whole batches, and as sampling is seeded per batch, writes the same prompts.
+    * ``source_N.jsonl``: the kept prompts as OpenAI-style records (``messages``: system?, user, and
+      with a follow-up an empty assistant placeholder and the second user turn; ``self_prompt``:
+      index, topic), written atomically once complete; a finished source is not sampled again.
+    * ``source_N.stats.json``: :meth:`SelfPromptResult.stats` (filter counts, distinct-1/2, ...).
+
+    The replacing source has ``label`` ``"self"`` (unless the source names one), so each sample
+    records ``source: self``; stage 1 then answers these prompts like any other (dedup, split, limits).
+
+    Args:
+        params: run params (``target``, ``synthesize``).
+        run_dir: the run directory.
+
+    Returns:
+        ``(sources, stats)``: the new source list and one stats dict per self source (with
+        ``source_index``, ``label`` and ``settings``).
+
+    Raises:
+        SynthesisError: a backend other than transformers (vLLM offline and server: not yet), or
+            self-prompt files written with other settings.
+    """
+    import json
+    from pathlib import Path
+
+    from eagle3.config import PromptSource
+    from eagle3.errors import SynthesisError
+    from eagle3.io import atomic_write_json, atomic_write_text, read_json, read_jsonl
+    from eagle3.rundir import RunDir
+
+    syn = params.synthesize
+    out_sources, all_stats = [], []
+    model = tok = None
+    for i, src in enumerate(syn.sources):
+        if src.kind != "self":
+            out_sources.append(src)
+            continue
+        if syn.backend != "transformers":
+            raise SynthesisError(
+                f"synthesize.sources[{i}] (kind: self) needs synthesize.backend: transformers for now; "
+                f"backend {syn.backend!r} is not wired to self-prompting yet")
+        settings = settings_from_params(src.self_prompt)
+        tkw = {} if syn.enable_thinking is None else {"enable_thinking": bool(syn.enable_thinking)}
+        d = RunDir(run_dir).stage(1, create=True) / SELF_PROMPTS_DIR
+        d.mkdir(parents=True, exist_ok=True)
+        meta_p, cand_p = d / f"source_{i}.meta.json", d / f"source_{i}.candidates.jsonl"
+        final_p, stats_p = d / f"source_{i}.jsonl", d / f"source_{i}.stats.json"
+        meta = {"settings": settings.to_dict(), "target": params.target.model, "dtype": params.target.dtype,
+                "template_kwargs": tkw, "batch_size": syn.batch_size,
+                "answer_max_new_tokens": syn.max_new_tokens}
+        meta["fingerprint"] = _fingerprint(meta)
+        old = read_json(meta_p)
+        if old is not None and old.get("fingerprint") != meta["fingerprint"]:
+            raise SynthesisError(
+                f"{meta_p}: self-prompts in this run dir were written with other settings "
+                f"({old.get('settings')} vs {meta['settings']}); use another run name or delete {d}")
+        label = src.label or "self"
+        if not (final_p.is_file() and stats_p.is_file()):
+            atomic_write_json(meta_p, meta)
+            if tok is None:
+                from eagle3.target import load_target
+
+                model, tok, _ = load_target(params.target)
+            rows = _complete_batches(read_jsonl(cand_p, missing_ok=True), syn.batch_size, settings.attempts())
+            atomic_write_text(cand_p, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+            done = [Candidate(r["text"], r["finish_reason"], r["num_tokens"]) for r in rows]
+            drv = TransformersDriver(model, tok, settings, answer_max_new_tokens=syn.max_new_tokens,
+                                     template_kwargs=tkw)
+            with open(cand_p, "a", encoding="utf-8") as fh:
+                def persist(reqs, cands):
+                    b = reqs[0].index // syn.batch_size
+                    fh.write("".join(json.dumps({"batch": b, "index": r.index, "text": c.text,
+                                                 "finish_reason": c.finish_reason, "num_tokens": c.num_tokens},
+                                                ensure_ascii=False) + "\n" for r, c in zip(reqs, cands)))
+                    fh.flush()
+                    import os
+
+                    os.fsync(fh.fileno())
+
+                res = run_self_prompting(tok, settings, drv.sample, batch_size=syn.batch_size, answer=drv.answer,
+                                         template_kwargs=tkw, done=done, on_batch=persist)
+            recs = []
+            for p in res.prompts:
+                msgs = ([{"role": "system", "content": p.system}] if p.system else []) + [
+                    {"role": "user", "content": p.user}]
+                if p.followup:
+                    msgs += [{"role": "assistant", "content": ""}, {"role": "user", "content": p.followup}]
+                recs.append({"messages": msgs, "self_prompt": {"index": p.index, "topic": p.topic}})
+            if not recs:
+                raise SynthesisError(f"synthesize.sources[{i}] (kind: self): no prompt survived the filters "
+                                     f"({res.counts}); raise max_new_tokens or max_attempts")
+            st = {"source_index": i, "label": label, **res.stats(settings), "settings": settings.to_dict(),
+                  "resumed_candidates": len(done)}
+            atomic_write_json(stats_p, st)
+            atomic_write_text(final_p, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+        all_stats.append(read_json(stats_p))
+        out_sources.append(PromptSource(kind="file", path=str(Path(final_p).resolve()), format="openai",
+                                        label=label, limit=src.limit))
+    return out_sources, all_stats

