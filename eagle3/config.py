@@ -12,10 +12,10 @@ import difflib
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from eagle3.errors import ParamsError
 
@@ -31,13 +31,39 @@ __all__ = [
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: `lr: .inf` is refused here instead of failing later as a "divergence".
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, data: Any) -> Any:
+        # pydantic's lax mode reads `epochs: true` as 1; a boolean is never meant as a number.
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                v = data.get(name)
+                if isinstance(v, bool):
+                    allowed = set(get_args(field.annotation)) or {field.annotation}
+                    if bool not in allowed and allowed & {int, float}:
+                        raise ValueError(f"{name}: expected a number, got the boolean {v}")
+        return data
 
 
 class RunParams(_Section):
-    name: str = Field("default", description="Run name: the run directory is <output_dir>/<name>")
+    name: str = Field(
+        "default",
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="Run name: the run directory is <output_dir>/<name> (letters, digits, '.', '_', '-'; "
+        "no path: a name like ../x would put the run outside output_dir)",
+    )
     output_dir: str = Field("outputs", description="Parent of run directories")
     seed: int = Field(0, ge=0)
+
+    @field_validator("name")
+    @classmethod
+    def _not_dots(cls, v: str) -> str:
+        if v in (".", ".."):
+            raise ValueError(f"run name {v!r} is not a folder name inside output_dir")
+        return v
 
 
 class TargetParams(_Section):
@@ -385,6 +411,20 @@ def apply_overrides(data: dict, overrides: dict) -> dict:
     return merged
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (first at line {seen[key] + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_params(
     path: str | Path | None,
     overrides: list[str] | dict | None = None,
@@ -413,7 +453,7 @@ def load_params(
                 f"(e.g. params/smollm2-135m.yaml) or a path to your own YAML file."
             )
         try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+            loaded = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -151,11 +151,22 @@ def resolve_target(params: TargetParams) -> ResolvedTarget:
 
 
 def pick_device(device: str = "auto") -> str:
-    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; other values are returned unchanged."""
+    """'auto' -> 'cuda' when a GPU is visible, else 'cpu'; other values are returned unchanged.
+
+    Raises:
+        TargetError: a ``cuda`` device was asked for where torch sees none (a CPU build or no GPU),
+            instead of torch's ``AssertionError: Torch not compiled with CUDA enabled`` later.
+    """
     import torch
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, but no GPU is visible"
+        raise TargetError(
+            f"device {device!r} was requested (target.device / train.device) but torch {torch.__version__} is "
+            f"{build}. Set the device to 'auto' or 'cpu', or run on a GPU machine."
+        )
     return device
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,22 @@ def test_target_coverage_alone_replaces_the_default_size(tmp_path):
     p.write_text("vocab:\n  draft_vocab_size: null\n")
     with pytest.raises(ParamsError, match="both are null"):
         load_params(p)
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("train:\n  epochs: true\n", "epochs: expected a number, got the boolean True"),
+    ("train:\n  lr: .inf\n", "train.lr: Input should be a finite number"),
+    ("train:\n  lr: 0.1\n  warmup_steps: 2\n  lr: 0.2\n", "key 'lr' is given twice (first at line 2)"),
+    ("run:\n  name: ../x\n", "run.name: String should match pattern"),
+    ("run:\n  name: ..\n", "is not a folder name inside output_dir"),
+])
+def test_params_that_would_be_silently_wrong_are_refused(tmp_path, text, msg):
+    p = tmp_path / "p.yaml"
+    p.write_text(text)
+    with pytest.raises(ParamsError, match=re.escape(msg)):
+        load_params(p)
+
+
+def test_run_name_override_cannot_leave_output_dir():
+    with pytest.raises(ParamsError, match="run.name"):
+        load_params(ROOT / "params" / "ci.yaml", ["run.name=/tmp/elsewhere"])

@@ -55,3 +55,15 @@ def test_offline_hub_id_names_model(monkeypatch, tmp_path):
 def test_unknown_embedded():
     with pytest.raises(TargetError, match="unknown embedded model"):
         resolve_target(TargetParams(model="embedded:gpt-5"))
+
+
+def test_cuda_on_a_machine_without_cuda_is_a_clear_error(monkeypatch):
+    import torch
+
+    from eagle3.errors import TargetError
+    from eagle3.target import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pick_device("auto") == "cpu" and pick_device("cpu") == "cpu"
+    with pytest.raises(TargetError, match=r"device 'cuda:1' was requested .* Set the device to 'auto' or 'cpu'"):
+        pick_device("cuda:1")
