@@ -8,11 +8,20 @@ a bug and propagates with its full traceback (exit 1).
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 import time
 
 __all__ = ["main"]
+
+# OSErrors that describe the machine, with the fix; any other OSError keeps its traceback.
+_ENVIRONMENT_ERRNOS = {
+    errno.ENOSPC: "the disk is full: free space or set run.output_dir to a larger disk",
+    errno.EDQUOT: "the disk quota is used up: free space or set run.output_dir elsewhere",
+    errno.EROFS: "the file system is read-only: set run.output_dir to a writable folder",
+    errno.EACCES: "no permission: set run.output_dir to a folder you can write, or fix its owner",
+}
 
 _SET_HELP = ("override one params key, e.g. --set train.lr=0.003 --set synthesize.num_samples=64 "
              "(repeatable; VALUE is parsed as YAML)")
@@ -96,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(args)
     except Eagle3Error as exc:
         print(f"eagle3: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        # A full disk or a read-only / foreign run directory is the machine's state, not a bug.
+        if exc.errno not in _ENVIRONMENT_ERRNOS:
+            raise
+        print(f"eagle3: {exc.strerror}: {exc.filename or ''} ({_ENVIRONMENT_ERRNOS[exc.errno]})", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # `eagle3 status RUN | head`: the reader closed the pipe. Point stdout at /dev/null so the

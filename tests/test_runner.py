@@ -170,3 +170,31 @@ def test_report_of_a_run_without_notebooks_is_a_clean_error(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "no executed notebooks" in err and "Traceback" not in err
+
+
+def test_a_read_only_run_directory_is_a_clean_error(tmp_path, capsys):
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    out = tmp_path / "ro"
+    out.mkdir()
+    out.chmod(0o500)
+    try:
+        assert main(["run", str(ROOT / "params" / "ci.yaml"), "--set", f"run.output_dir={out}"]) == 2
+    finally:
+        out.chmod(0o700)
+    err = capsys.readouterr().err
+    assert "Permission denied" in err and "run.output_dir" in err and "Traceback" not in err
+
+
+def test_a_full_disk_is_a_clean_error(monkeypatch, capsys):
+    import errno
+
+    import eagle3.runner
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", "/data/run/params.yaml")
+
+    monkeypatch.setattr(eagle3.runner, "render_report", full)
+    assert main(["report", "x"]) == 2
+    assert capsys.readouterr().err == ("eagle3: No space left on device: /data/run/params.yaml (the disk is full: "
+                                       "free space or set run.output_dir to a larger disk)\n")
