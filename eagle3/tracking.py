@@ -8,6 +8,7 @@ variables named in params, never stored). Every figure is also saved as a PNG in
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -16,6 +17,8 @@ from typing import Any
 from eagle3.config import Params
 
 __all__ = ["Tracker", "resolve_mode", "scrub_secrets"]
+
+log = logging.getLogger(__name__)
 
 # Key names that hold secrets: exact names and suffixes, never substrings (`max_new_tokens`,
 # `token_budget`, `num_speculative_tokens` are settings, not secrets).
@@ -100,18 +103,31 @@ class Tracker:
             os.environ.setdefault("WANDB_SILENT", "true")
             # One W&B run per run directory; each stage resumes it (same id).
             run_id = f"{params.run.name}-{self._run_id_suffix()}"
-            self.run = wandb.init(
+            kwargs = dict(
                 project=params.tracking.project,
                 entity=params.tracking.entity,
                 name=params.run.name,
                 id=re.sub(r"[^A-Za-z0-9_-]", "-", run_id)[:64],
                 resume="allow",
                 dir=str(self.run_dir),
-                mode=self.mode,
                 config=scrub_secrets(params.model_dump(mode="json")),
                 reinit="finish_previous",
-                settings=wandb.Settings(console="off", x_disable_stats=True),
             )
+            auto_online = params.tracking.mode == "auto" and self.mode == "online"
+            try:
+                # 'auto' only guessed that W&B is reachable (a key exists): give it 20 s, not
+                # wandb's 90, before falling back to offline files (`wandb sync` uploads them later).
+                self.run = wandb.init(mode=self.mode, settings=wandb.Settings(
+                    console="off", x_disable_stats=True, **({"init_timeout": 20} if auto_online else {})), **kwargs)
+            except Exception as exc:  # wandb raises CommError/UsageError/TimeoutError variants
+                if not auto_online:
+                    raise
+                log.warning("tracking.mode auto: W&B is not reachable (%s: %s); logging offline to %s/wandb "
+                            "instead (upload later with `wandb sync`)", type(exc).__name__,
+                            str(exc).splitlines()[0] if str(exc) else "", self.run_dir)
+                self.mode = "offline"
+                self.run = wandb.init(mode="offline", settings=wandb.Settings(console="off", x_disable_stats=True),
+                                      **kwargs)
 
     def _run_id_suffix(self) -> str:
         from eagle3.config import params_fingerprint

@@ -39,7 +39,10 @@ def tmp_params(tmp_path):
 
     def make(text: str = "", name: str = "p.yaml") -> Path:
         p = tmp_path / name
-        body = f"run:\n  name: t\n  output_dir: {tmp_path / 'outputs'}\ntracking:\n  mode: disabled\n"
+        # Default sections, unless `text` states that section itself (a key given twice is an error).
+        defaults = {"run": f"run:\n  name: t\n  output_dir: {tmp_path / 'outputs'}\n",
+                    "tracking": "tracking:\n  mode: disabled\n"}
+        body = "".join(v for k, v in defaults.items() if not any(ln.startswith(f"{k}:") for ln in text.splitlines()))
         p.write_text(body + text)
         return p
 

@@ -58,3 +58,26 @@ def test_offline_run_logs_and_saves_png_without_secrets(tmp_params, monkeypatch)
     for f in rd.rglob("*"):
         if f.is_file():
             assert secret.encode() not in f.read_bytes(), f
+
+
+def test_auto_mode_falls_back_to_offline_when_wandb_is_unreachable(tmp_params, monkeypatch, caplog):
+    import wandb
+
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    calls = []
+    real_init = wandb.init
+
+    def init(*, mode, **kw):
+        calls.append(mode)
+        if mode == "online":
+            raise wandb.errors.CommError("no such host: api.wandb.ai")
+        return real_init(mode=mode, **kw)
+
+    monkeypatch.setattr(wandb, "init", init)
+    p = load_params(tmp_params("tracking:\n  mode: auto\n"))
+    t = Tracker(p, Path(p.run.output_dir) / "t", "01_synthesize")
+    try:
+        assert calls == ["online", "offline"] and t.mode == "offline" and t.run is not None
+        assert "W&B is not reachable (CommError: no such host: api.wandb.ai)" in caplog.text
+    finally:
+        t.finish()
