@@ -46,8 +46,7 @@ def test_stage_complete_and_notebooks(tmp_path):
 
 
 def test_old_locations_still_import():
-    from eagle3 import io, paths
+    from eagle3 import io
 
     assert io.STAGES is rundir.STAGES and io.stage_dir is rundir.stage_dir
     assert io.prepare_run_dir is rundir.prepare_run_dir
-    assert paths.resolve_run_dir is rundir.resolve_run_dir
