@@ -2,10 +2,11 @@
 
 :func:`make_drafter` builds speculators' ``Eagle3DraftModel`` for the embedded SmolLM2 target
 (one Llama layer, a 2048-token draft vocab from token counts per the DESIGN rule, aux ids
-[2, 15, 27], norm_before_residual) and saves it in the speculators format that vLLM loads.
-With ``train_steps > 0`` it is fitted for a few dozen steps (speculators' forward with TTT and its
-KL loss) on the target's own hidden states for greedy continuations of ``TRAIN_QUESTIONS``, so
-that it accepts a meaningful share of drafts on the similar ``EVAL_QUESTIONS``.
+[2, 15, 27], norm_before_residual) and writes it through Stage 4's writer
+(:func:`eagle3.contracts.drafter.export_drafter`), the format vLLM loads. With ``train_steps > 0``
+it is fitted for a few dozen steps (speculators' forward with TTT and its KL loss) on the target's
+own hidden states for greedy continuations of ``TRAIN_QUESTIONS``, so that it accepts a meaningful
+share of drafts on the similar ``EVAL_QUESTIONS``.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def make_drafter(target_dir: str | Path, out_dir: str | Path, model, tok, train_
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import AutoConfig, DynamicCache
 
-    from eagle3.evaluate import TargetAuxRunner
+    from eagle3.contracts.drafter import export_drafter
+    from eagle3.hooks import CachedCapture
 
     torch.manual_seed(seed)
     prompts = [render(tok, q) for q in TRAIN_QUESTIONS]
@@ -114,7 +116,7 @@ def make_drafter(target_dir: str | Path, out_dir: str | Path, model, tok, train_
     m.load_verifier_weights()
     if train_steps:
         n = model.config.num_hidden_layers
-        runner = TargetAuxRunner(model, [*AUX_IDS, n])
+        runner = CachedCapture(model, [*AUX_IDS, n])
         data = []
         with torch.no_grad():
             for ids, cont in seqs:
@@ -141,6 +143,4 @@ def make_drafter(target_dir: str | Path, out_dir: str | Path, model, tok, train_
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
         m.eval()
-    out = Path(out_dir)
-    m.save_pretrained(out)
-    return out
+    return export_drafter(m, out_dir, verifier_name=str(target_dir))  # Stage 4's writer

@@ -3,7 +3,8 @@
 One module per concern (see ``docs/DESIGN.md``, "Acceptance", for the definitions):
 
 * :mod:`~eagle3.evaluate.metrics`: τ, per-position acceptance, tokens per target forward;
-* :mod:`~eagle3.evaluate.drafter`: the speculators drafter with a KV cache, as vLLM's proposer runs it;
+* :mod:`~eagle3.evaluate.drafter`: the speculators drafter with a KV cache, as vLLM's proposer runs it
+  (its settings and the one checkpoint check: :mod:`eagle3.contracts.drafter`);
 * :mod:`~eagle3.evaluate.decoding`: offline EAGLE-3 chain speculation and the acceptance rules;
 * :mod:`~eagle3.evaluate.prompts`: the held-out prompts, rendered as vLLM renders them;
 * :mod:`~eagle3.evaluate.vllm_jobs` (stage side) and :mod:`~eagle3.evaluate.vllm_worker` (the
@@ -15,19 +16,13 @@ One module per concern (see ``docs/DESIGN.md``, "Acceptance", for the definition
 
 from eagle3.errors import EvaluateError, ParityError
 from eagle3.evaluate.decoding import (
-    TargetAuxRunner,
     evaluate_offline,
     speculative_accept,
     speculative_generate,
     stop_ids,
 )
 from eagle3.evaluate.diagnosis import diagnose, probe_layer_ids
-from eagle3.evaluate.drafter import (
-    DrafterSettings,
-    Eagle3Drafter,
-    drafter_settings_from_config,
-    load_drafter,
-)
+from eagle3.evaluate.drafter import Eagle3Drafter, load_drafter
 from eagle3.evaluate.metrics import acceptance_metrics, context_bucket, summarize_rounds
 from eagle3.evaluate.parity import parity_check
 from eagle3.evaluate.prompts import chat_template_kwargs, heldout_prompts, render_prompt
@@ -43,10 +38,7 @@ __all__ = [
     "summarize_rounds",
     "context_bucket",
     "speculative_accept",
-    "DrafterSettings",
-    "drafter_settings_from_config",
     "load_drafter",
-    "TargetAuxRunner",
     "Eagle3Drafter",
     "speculative_generate",
     "stop_ids",

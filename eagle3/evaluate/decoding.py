@@ -19,16 +19,15 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 from eagle3.errors import EvaluateError
 from eagle3.evaluate.drafter import Eagle3Drafter, crop_cache
 from eagle3.evaluate.metrics import summarize_rounds
+from eagle3.hooks import CachedCapture
 from eagle3.io import Progress, read_jsonl
 
 __all__ = [
     "speculative_accept",
-    "TargetAuxRunner",
     "stop_ids",
     "speculative_generate",
     "evaluate_offline",
@@ -73,64 +72,6 @@ def speculative_accept(p_target, q_draft, drafts, generator=None) -> tuple[int, 
         return i, tok
     tok = int(torch.multinomial(p_target[n] / p_target[n].sum(), 1, generator=generator))
     return n, tok
-
-
-class TargetAuxRunner:
-    """The target with forward hooks that capture aux hidden states (vLLM's convention).
-
-    Aux id ``k`` (1 <= k <= N) is the output of decoder layer ``k-1`` (the residual stream,
-    transformers' ``hidden_states[k]`` for k < N; for k = N the pre-final-norm state); id 0 is the
-    embedding output. States are concatenated in the order of ``aux_layer_ids``.
-
-    Args:
-        model: transformers Llama-family causal LM (``model.model.layers``).
-        aux_layer_ids: ids to capture.
-
-    Raises:
-        EvaluateError: an id outside ``[0, num_hidden_layers]``.
-    """
-
-    def __init__(self, model, aux_layer_ids: Sequence[int]):
-        self.model = model
-        self.ids = [int(i) for i in aux_layer_ids]
-        layers = model.model.layers
-        n = len(layers)
-        bad = [i for i in self.ids if i < 0 or i > n]
-        if bad:
-            raise EvaluateError(f"aux layer ids {bad} are outside [0, {n}] for a target with {n} layers")
-        self._store: dict[int, Any] = {}
-        self._handles = []
-        for i in sorted(set(self.ids)):
-            mod = model.model.embed_tokens if i == 0 else layers[i - 1]
-            self._handles.append(mod.register_forward_hook(self._hook(i)))
-
-    def _hook(self, i: int):
-        def fn(_mod, _inp, out):
-            self._store[i] = out[0] if isinstance(out, tuple) else out
-        return fn
-
-    def close(self) -> None:
-        """Remove the hooks."""
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    def forward(self, input_ids, cache):
-        """One target forward over new tokens with a KV cache.
-
-        Args:
-            input_ids: int64 ``[1, q]`` new tokens (positions continue the cache).
-            cache: transformers ``DynamicCache`` (updated in place).
-
-        Returns:
-            ``(logits, aux)``: float ``[q, V]`` and ``[q, n_aux * H]`` (target dtype).
-        """
-        import torch
-
-        self._store.clear()
-        out = self.model(input_ids=input_ids, past_key_values=cache, use_cache=True)
-        aux = torch.cat([self._store[i][0] for i in self.ids], dim=-1)
-        return out.logits[0], aux
 
 
 def stop_ids(tokenizer, model) -> set[int]:
@@ -238,7 +179,7 @@ def speculative_generate(target, drafter_model, prompt_ids: Sequence[int], k: in
         raise ValueError("k must be >= 1")
     stops = set(int(s) for s in stop_ids)
     dev = next(target.parameters()).device
-    runner = TargetAuxRunner(target, aux_layer_ids)
+    runner = CachedCapture(target, aux_layer_ids, error=EvaluateError)  # aux states in vLLM's convention
     dr = Eagle3Drafter(drafter_model)
     tcache = DynamicCache()
     try:

@@ -1,26 +1,24 @@
 """Train/serve mismatches between a drafter, its target and vLLM: one line per problem found.
 
-Each line starts with its category (``layer ids``, ``norm flags``, ``hidden size / vocab``,
-``vocab mapping``, ``dtype``, ``chat template``, ``per-position``), so that a failed parity check
-(:class:`eagle3.evaluate.errors.ParityError`) names its suspects.
+The checkpoint is checked by :func:`eagle3.contracts.drafter.check_drafter` (the one check, shared
+with Stage 4); this module adds what only Stage 5 can see: the engine's dtype, rendered prompts and
+greedy outputs, the measured effect of wrong layer ids, the mapping the training data used, and the
+per-position pattern of acceptance, so that a failed parity check (:class:`eagle3.errors.ParityError`)
+names its suspects.
 """
 
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from eagle3.evaluate.decoding import TargetAuxRunner
-from eagle3.evaluate.drafter import DrafterSettings, Eagle3Drafter, read_drafter_config
+from eagle3.contracts.drafter import DrafterSettings, check_drafter, read_config
+from eagle3.errors import EvaluateError
+from eagle3.evaluate.drafter import Eagle3Drafter
+from eagle3.hooks import CachedCapture
 from eagle3.rundir import STAGES, VOCAB, RunDir
 
 __all__ = ["probe_layer_ids", "diagnose"]
-
-_NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-
 
 def probe_layer_ids(target, drafter_model, sequences: list[list[int]], candidates: dict[str, list[int]]) -> dict[str, float]:
     """First-draft accuracy of the drafter on target text with different aux layer ids.
@@ -44,7 +42,7 @@ def probe_layer_ids(target, drafter_model, sequences: list[list[int]], candidate
     dev = next(target.parameters()).device
     for name, ids in candidates.items():
         hit = tot = 0
-        runner = TargetAuxRunner(target, ids)
+        runner = CachedCapture(target, ids, error=EvaluateError)
         try:
             with torch.no_grad():
                 for seq in sequences:
@@ -66,65 +64,12 @@ def probe_layer_ids(target, drafter_model, sequences: list[list[int]], candidate
     return res
 
 
-@dataclass
-class _Checkpoint:
-    """What the checks read: the drafter's config and weights, the target's sizes."""
-
-    dir: Path
-    target_dir: Path
-    cfg: dict
-    weights: dict[str, Any]
-    n_layers: int
-    hidden: int
-    vocab: int
-    target_dtype: str  # as the target's config.json names it ("" when absent)
-
-
-def _open(drafter_dir: str | Path, target_dir: str | Path) -> tuple[_Checkpoint, list[str]]:
-    """The checkpoint's config and weights (all tensors, on CPU) and the target's sizes."""
-    from safetensors import safe_open
-
-    d = Path(drafter_dir)
-    cfg = read_drafter_config(d)
-    tcfg = json.loads((Path(target_dir) / "config.json").read_text())
-    tcfg = tcfg.get("text_config", tcfg)
-    weights: dict[str, Any] = {}
-    probs = []
-    wfile = d / "model.safetensors"
-    if wfile.exists():
-        with safe_open(str(wfile), "pt") as f:
-            weights = {kk: f.get_tensor(kk) for kk in f.keys()}
-    else:
-        probs.append(f"weights: {wfile} is missing")
-    ck = _Checkpoint(d, Path(target_dir), cfg, weights, tcfg["num_hidden_layers"], tcfg["hidden_size"],
-                     tcfg["vocab_size"], str(tcfg.get("dtype") or tcfg.get("torch_dtype") or ""))
-    return ck, probs
-
-
-def _layer_ids(ck: _Checkpoint, reference: DrafterSettings | None) -> tuple[list[str], list]:
-    """Problems with ``eagle_aux_hidden_state_layer_ids``; also returns the ids (``[]`` when absent)."""
-    probs = []
-    ids = ck.cfg.get("eagle_aux_hidden_state_layer_ids")
-    n = ck.n_layers
-    if not ids:
-        probs.append("layer ids: config.json has no eagle_aux_hidden_state_layer_ids (vLLM then guesses)")
-        ids = []
-    else:
-        bad = [i for i in ids if not 0 <= int(i) <= n]
-        if bad:
-            probs.append(f"layer ids: {bad} outside [0, {n}] for a target with {n} layers")
-        if len(set(ids)) != len(ids):
-            probs.append(f"layer ids: duplicates in {ids}")
-        if list(ids) != sorted(ids):
-            probs.append(f"layer ids: {ids} not ascending; vLLM concatenates aux states in ascending layer "
-                         f"order {sorted(set(ids))}, so fc sees them in another order than in training")
-    fcw = ck.weights.get("fc.weight")
-    if fcw is not None and ids and fcw.shape[1] != len(ids) * ck.hidden:
-        probs.append(f"layer ids: fc expects {fcw.shape[1] // ck.hidden} aux states, config lists {len(ids)}")
-    if reference is not None and ids and list(reference.aux_layer_ids) != list(ids):
-        probs.append(f"layer ids: config.json lists {list(ids)} but the drafter was trained on "
-                     f"{list(reference.aux_layer_ids)} ({reference.source})")
-    return probs, ids
+def _config_ids(drafter_dir: str | Path) -> list:
+    """The config's ``eagle_aux_hidden_state_layer_ids`` (``[]`` when absent or unreadable)."""
+    try:
+        return list(read_config(drafter_dir).get("eagle_aux_hidden_state_layer_ids") or [])
+    except Exception:  # noqa: BLE001 - check_drafter reports an unreadable config
+        return []
 
 
 def _layer_probe(target, drafter_model, ids, reference, prompts, offline_records) -> list[str]:
@@ -139,104 +84,47 @@ def _layer_probe(target, drafter_model, ids, reference, prompts, offline_records
         return [f"layer ids: probe failed ({type(exc).__name__}: {exc})"]
 
 
-def _norm_flags(ck: _Checkpoint, reference: DrafterSettings | None) -> list[str]:
-    """Norm flags written, equal to the training values, consistent with the weights present."""
-    probs, cfg, w = [], ck.cfg, ck.weights
-    for flag in _NORM_FLAGS:
-        if flag not in cfg:
-            extra = " (vLLM then assumes True, speculators False)" if flag == "norm_before_residual" else ""
-            probs.append(f"norm flags: {flag} is not written in config.json{extra}")
-        elif reference is not None and bool(cfg[flag]) != bool(getattr(reference, flag)):
-            probs.append(f"norm flags: config.json has {flag}={cfg[flag]} but the drafter was trained with "
-                         f"{getattr(reference, flag)} ({reference.source})")
-    if not w:
-        return probs
-    has_in = "input_norm.weight" in w
-    if bool(cfg.get("norm_before_fc")) != has_in:
-        probs.append(f"norm flags: norm_before_fc={cfg.get('norm_before_fc')} but input_norm.weight is "
-                     f"{'present' if has_in else 'absent'} in the weights")
-    has_fcn = any(kk.startswith("fc_norm.") for kk in w)
-    if bool(cfg.get("fc_norm")) != has_fcn:
-        probs.append(f"norm flags: fc_norm={cfg.get('fc_norm')} but fc_norm.* weights are "
-                     f"{'present' if has_fcn else 'absent'}")
-    if "layers.0.hidden_norm.weight" not in w:
-        probs.append("norm flags: layers.0.hidden_norm.weight missing (vLLM would leave it at 1.0)")
-    return probs
-
-
-def _sizes(ck: _Checkpoint) -> list[str]:
-    """Drafter vs target hidden size and vocab; ``lm_head`` rows vs ``draft_vocab_size``."""
-    probs, cfg = [], ck.cfg
-    tl = cfg.get("transformer_layer_config", {})
-    if tl.get("vocab_size") not in (None, ck.vocab):
-        probs.append(f"hidden size / vocab: transformer_layer_config.vocab_size {tl.get('vocab_size')} != target {ck.vocab}")
-    if tl.get("hidden_size") not in (None, ck.hidden) or cfg.get("target_hidden_size") not in (None, ck.hidden):
-        probs.append(f"hidden size / vocab: drafter hidden {tl.get('hidden_size')} / target_hidden_size "
-                     f"{cfg.get('target_hidden_size')} vs target {ck.hidden}")
-    lm, dvs = ck.weights.get("lm_head.weight"), cfg.get("draft_vocab_size")
-    if lm is not None and dvs is not None and lm.shape[0] != dvs:
-        probs.append(f"vocab mapping: lm_head has {lm.shape[0]} rows, draft_vocab_size is {dvs}")
-    return probs
-
-
-def _vocab_mapping(ck: _Checkpoint, run_dir: str | Path | None) -> list[str]:
-    """``d2t``/``t2d``: present for a reduced draft vocab, lengths, range, order, consistency, equal
-    to the mapping the training data used (stage 2's ``vocab_mapping.safetensors``)."""
-    import torch
-
-    dvs, vocab = ck.cfg.get("draft_vocab_size"), ck.vocab
-    d2t, t2d = ck.weights.get("d2t"), ck.weights.get("t2d")
-    if dvs is None or dvs == vocab:
-        if d2t is not None and d2t.numel() and bool((d2t != 0).any()):
-            return ["vocab mapping: full-size draft vocab but a non-identity d2t in the weights"]
-        return []
-    if d2t is None or t2d is None:
-        return [f"vocab mapping: draft_vocab_size {dvs} < {vocab} but d2t/t2d are missing from the weights"]
-    probs = []
-    if d2t.numel() != dvs:
-        probs.append(f"vocab mapping: d2t has {d2t.numel()} entries, draft_vocab_size is {dvs}")
-    tids = torch.arange(d2t.numel()) + d2t.long()
-    if tids.numel() and (int(tids.min()) < 0 or int(tids.max()) >= vocab):
-        probs.append(f"vocab mapping: d2t maps outside the target vocab [0, {vocab})")
-    elif tids.numel() > 1 and not bool((tids[1:] > tids[:-1]).all()):
-        probs.append("vocab mapping: d2t target ids are not strictly ascending")
-    elif t2d.numel() != vocab or int(t2d.sum()) != d2t.numel() or not bool(t2d.bool()[tids].all()):
-        probs.append("vocab mapping: t2d is inconsistent with d2t")
-    mp = RunDir(run_dir).vocab_mapping if run_dir is not None else None
-    if mp is not None and mp.exists():
-        from safetensors.torch import load_file
-
-        ref = load_file(str(mp))
-        if ref["d2t"].shape != d2t.shape or not torch.equal(ref["d2t"].long(), d2t.long()):
-            probs.append(f"vocab mapping: d2t differs from {mp} (the mapping the training data used)")
-    return probs
-
-
-def _dtype(ck: _Checkpoint, vllm: dict | None) -> list[str]:
-    """``embed_tokens`` bit-identical to the target's; checkpoint vs target vs vLLM dtype."""
+def _training_mapping(drafter_dir: str | Path, run_dir: str | Path) -> list[str]:
+    """The checkpoint's ``d2t`` equals the mapping the training data used (stage 2's)."""
     import torch
     from safetensors import safe_open
 
+    mp, wfile = RunDir(run_dir).vocab_mapping, Path(drafter_dir) / "model.safetensors"
+    if not mp.exists() or not wfile.exists():
+        return []
+    with safe_open(str(wfile), "pt") as f:
+        if "d2t" not in f.keys():
+            return []
+        d2t = f.get_tensor("d2t")
+    with safe_open(str(mp), "pt") as f:
+        ref = f.get_tensor("d2t")
+    if ref.shape != d2t.shape or not torch.equal(ref.long(), d2t.long()):
+        return [f"vocab mapping: d2t differs from {mp} (the mapping the training data used)"]
+    return []
+
+
+def _dtype(drafter_dir: str | Path, target_dir: str | Path, vllm: dict) -> list[str]:
+    """Checkpoint vs target vs the dtype vLLM ran in."""
+    from safetensors import safe_open
+
     probs = []
-    floats = [t for t in ck.weights.values() if t.is_floating_point()]
-    ck_dtype = str(floats[0].dtype).replace("torch.", "") if floats else None
-    t_dtype = ck.target_dtype
-    emb = ck.weights.get("embed_tokens.weight")
-    tfile = ck.target_dir / "model.safetensors"
-    if emb is not None:
-        with safe_open(str(tfile), "pt") if tfile.exists() else nullcontext() as f:
-            key = next((kk for kk in f.keys() if kk.endswith("embed_tokens.weight")), None) if f is not None else None
-            if key is not None:
-                te = f.get_tensor(key)
-                if te.shape != emb.shape or not torch.equal(te.to(emb.dtype), emb):
-                    probs.append("dtype: embed_tokens in the drafter is not bit-identical to the target's "
-                                 "(vLLM then keeps a separate copy; training used the target's)")
-    if vllm is not None:
-        vd = vllm.get("dtype")
-        if vd and t_dtype and vd != t_dtype:
-            probs.append(f"dtype: vLLM ran the target in {vd}, the checkpoint is {t_dtype} (offline used {t_dtype})")
-        if ck_dtype and vd and ck_dtype != vd:
-            probs.append(f"dtype: drafter weights are {ck_dtype}, vLLM ran it in {vd}")
+    tcfg = json.loads((Path(target_dir) / "config.json").read_text())
+    tcfg = tcfg.get("text_config", tcfg)
+    t_dtype = str(tcfg.get("dtype") or tcfg.get("torch_dtype") or "")
+    ck_dtype = None
+    wfile = Path(drafter_dir) / "model.safetensors"
+    if wfile.exists():
+        with safe_open(str(wfile), "pt") as f:
+            for name in f.keys():
+                t = f.get_slice(name)
+                if t.get_dtype() in ("F32", "F16", "BF16", "F64"):
+                    ck_dtype = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}[t.get_dtype()]
+                    break
+    vd = vllm.get("dtype")
+    if vd and t_dtype and vd != t_dtype:
+        probs.append(f"dtype: vLLM ran the target in {vd}, the checkpoint is {t_dtype} (offline used {t_dtype})")
+    if ck_dtype and vd and ck_dtype != vd:
+        probs.append(f"dtype: drafter weights are {ck_dtype}, vLLM ran it in {vd}")
     return probs
 
 
@@ -294,44 +182,37 @@ def _per_position(offline: dict, vllm: dict) -> list[str]:
 def diagnose(drafter_dir: str | Path, target_dir: str | Path, reference: DrafterSettings | None = None,
              run_dir: str | Path | None = None, target=None, drafter_model=None,
              offline: dict | None = None, vllm: dict | None = None, prompts: list[dict] | None = None,
-             offline_records: list[dict] | None = None) -> list[str]:
+             offline_records: list[dict] | None = None, drafter_problems: list[str] | None = None) -> list[str]:
     """Look for train/serve mismatches between a drafter, its target and vLLM; one line per problem.
 
-    Checked (each line starts with its category):
+    Checked:
 
-    * ``layer ids``: present, in ``[0, N]``, distinct, ascending (vLLM concatenates the aux states
-      in ascending layer order), as many as ``fc`` expects, equal to the ids the drafter was
-      trained on (``reference``, e.g. stage 3's ``meta.json``); with ``target`` and
-      ``drafter_model`` also measured: first-draft accuracy with the config's vs the trained ids.
-    * ``norm flags``: written in config.json (vLLM defaults ``norm_before_residual`` to True,
-      speculators to False), equal to the training values, consistent with the weights present
-      (``input_norm`` for ``norm_before_fc``, ``fc_norm.*`` for ``fc_norm``).
-    * ``hidden size / vocab``: drafter vs target config.
-    * ``vocab mapping``: ``d2t``/``t2d`` present for a reduced draft vocab, lengths, range, order,
-      t2d consistent with d2t, ``lm_head`` rows = ``draft_vocab_size``, equal to stage 2's
-      ``vocab_mapping.safetensors``.
-    * ``dtype``: checkpoint vs target vs vLLM dtype; ``embed_tokens`` bit-identical to the target's;
-      vLLM's greedy output equal to transformers' (numerics of the target itself).
+    * the checkpoint itself, with :func:`eagle3.contracts.drafter.check_drafter` (the one check, also
+      Stage 4's): layer ids, norm flags, hidden sizes, rope, the d2t/t2d mapping, embeddings, and, with
+      ``reference``, the layer ids and norm flags the drafter was trained with (pass the result as
+      ``drafter_problems`` when it is already known);
+    * ``layer ids`` measured: with ``target``, ``drafter_model`` and ``offline_records``, the
+      first-draft accuracy with the config's vs the trained ids when they differ;
+    * ``vocab mapping``: ``d2t`` equal to stage 2's ``vocab_mapping.safetensors`` (with ``run_dir``);
+    * ``dtype``: checkpoint vs target vs vLLM dtype; vLLM's greedy output equal to transformers'
+      (numerics of the target itself);
     * ``chat template``: vLLM's rendered prompt ids equal the offline ones; the offline render is a
-      prefix of the same conversation tokenized for training (stage 2's ``heldout.parquet``).
+      prefix of the same conversation tokenized for training (stage 2's ``heldout.parquet``);
     * ``per-position``: where vLLM's conditional acceptance falls below offline's.
 
     Returns:
         list[str]: problems found (empty when nothing is wrong).
-
-    Raises:
-        EvaluateError: the drafter has no readable config.json.
     """
-    ck, probs = _open(drafter_dir, target_dir)
-    id_probs, ids = _layer_ids(ck, reference)
-    probs += id_probs
+    probs = list(check_drafter(drafter_dir, target_dir, reference=reference)
+                 if drafter_problems is None else drafter_problems)
+    ids = _config_ids(drafter_dir)
     if (reference is not None and ids and list(reference.aux_layer_ids) != list(ids)
             and target is not None and drafter_model is not None and offline_records):
         probs += _layer_probe(target, drafter_model, ids, reference, prompts, offline_records)
-    probs += _norm_flags(ck, reference)
-    probs += _sizes(ck)
-    probs += _vocab_mapping(ck, run_dir)
-    probs += _dtype(ck, vllm)
+    if run_dir is not None:
+        probs += _training_mapping(drafter_dir, run_dir)
+    if vllm is not None:
+        probs += _dtype(drafter_dir, target_dir, vllm)
     if prompts and vllm is not None and vllm.get("per_prompt"):
         probs += _vllm_outputs(vllm, prompts, offline_records)
     if prompts and run_dir is not None:

@@ -10,81 +10,16 @@ ids through ``d2t`` (target id = i + d2t[i]).
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3.contracts.drafter import DrafterSettings, read_config
 from eagle3.errors import EvaluateError
 
 __all__ = [
-    "DrafterSettings",
-    "read_drafter_config",
-    "drafter_settings_from_config",
     "load_drafter",
     "Eagle3Drafter",
     "crop_cache",
 ]
-
-
-@dataclass
-class DrafterSettings:
-    """How the drafter is wired to the target: what vLLM reads from the drafter's config.json.
-
-    Attributes:
-        aux_layer_ids: aux hidden state layer ids, in the order they are concatenated for ``fc``.
-        norm_before_residual, norm_before_fc, fc_norm, norm_output: speculators' norm flags.
-        source: where these values came from (e.g. "config.json", "aux ids: <stage 3>/meta.json").
-        vocab_mapping: a ``vocab_mapping.safetensors`` (``d2t``, ``t2d``) to use instead of the
-            checkpoint's (the mapping the training data used, stage 2's); None = the checkpoint's.
-    """
-
-    aux_layer_ids: list[int]
-    norm_before_residual: bool
-    norm_before_fc: bool = False
-    fc_norm: bool = False
-    norm_output: bool = False
-    source: str = "config.json"
-    vocab_mapping: str | None = None
-
-
-def read_drafter_config(drafter_dir: str | Path) -> dict:
-    """The drafter's ``config.json`` as a dict.
-
-    Raises:
-        EvaluateError: the file is missing or not valid JSON.
-    """
-    p = Path(drafter_dir) / "config.json"
-    if not p.is_file():
-        raise EvaluateError(f"{p}: not found; a speculators-format drafter dir holds config.json + model.safetensors")
-    try:
-        return json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise EvaluateError(f"{p}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
-
-
-def drafter_settings_from_config(drafter_dir: str | Path, vllm_view: bool = True) -> DrafterSettings:
-    """The settings vLLM derives from a speculators config (``transformers_utils/configs/speculators``).
-
-    vLLM concatenates the target's aux states in ascending layer order (it collects them while
-    iterating the layers) and defaults ``norm_before_residual`` to True when the key is absent
-    (speculators defaults it to False). ``vllm_view=False`` gives the values as written.
-
-    Raises:
-        EvaluateError: no config.json, or no ``eagle_aux_hidden_state_layer_ids``.
-    """
-    cfg = read_drafter_config(drafter_dir)
-    ids = cfg.get("eagle_aux_hidden_state_layer_ids")
-    if not ids:
-        raise EvaluateError(f"{Path(drafter_dir) / 'config.json'}: eagle_aux_hidden_state_layer_ids is missing")
-    ids = [int(i) for i in ids]
-    return DrafterSettings(
-        aux_layer_ids=sorted(set(ids)) if vllm_view else ids,
-        norm_before_residual=bool(cfg.get("norm_before_residual", True if vllm_view else False)),
-        norm_before_fc=bool(cfg.get("norm_before_fc", False)),
-        fc_norm=bool(cfg.get("fc_norm", False)),
-        norm_output=bool(cfg.get("norm_output", False)),
-        source="config.json (as vLLM reads it)" if vllm_view else "config.json",
-    )
 
 
 def _speculators_config(d: Path, target_model, settings: DrafterSettings | None):
@@ -144,7 +79,7 @@ def load_drafter(drafter_dir: str | Path, target_model, settings: DrafterSetting
     Args:
         drafter_dir: directory with config.json + model.safetensors.
         target_model: the loaded target (transformers causal LM); its dtype is used.
-        settings: optional overrides (:class:`DrafterSettings`).
+        settings: optional overrides (:class:`eagle3.contracts.drafter.DrafterSettings`).
         device: torch device.
 
     Returns:
@@ -159,7 +94,7 @@ def load_drafter(drafter_dir: str | Path, target_model, settings: DrafterSetting
     from speculators.models.eagle3.core import Eagle3DraftModel
 
     d = Path(drafter_dir)
-    read_drafter_config(d)
+    read_config(d, EvaluateError)
     wfile = d / "model.safetensors"
     if not wfile.is_file():
         raise EvaluateError(f"{wfile}: not found")

@@ -20,15 +20,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from eagle3.contracts.drafter import DrafterSettings, check_drafter, read_config, settings_from_config
 from eagle3.errors import EvaluateError, ParityError
 from eagle3.evaluate.decoding import backend_summary, evaluate_offline
 from eagle3.evaluate.diagnosis import diagnose
-from eagle3.evaluate.drafter import (
-    DrafterSettings,
-    drafter_settings_from_config,
-    load_drafter,
-    read_drafter_config,
-)
+from eagle3.evaluate.drafter import load_drafter
 from eagle3.evaluate.parity import parity_result
 from eagle3.evaluate.prompts import chat_template_kwargs, heldout_prompts
 from eagle3.evaluate.report import figures
@@ -114,7 +110,7 @@ def training_reference(params, run_dir: str | Path, drafter_dir: str | Path) -> 
     The offline evaluator uses these values, vLLM uses the exported config: a difference is a
     train/serve mismatch that the parity check catches.
     """
-    cfg = drafter_settings_from_config(drafter_dir, vllm_view=False)
+    cfg = settings_from_config(drafter_dir, vllm_view=False, error=EvaluateError)
     rd = RunDir(run_dir)
     meta = read_json(rd.extract_meta, None)
     own = Path(drafter_dir).resolve().is_relative_to(rd.stage(TRAIN).resolve()) and not params.evaluate.drafter_dir
@@ -137,18 +133,6 @@ def training_reference(params, run_dir: str | Path, drafter_dir: str | Path) -> 
         mapping = str(vm)
         srcs.append(f"vocab mapping: {vm.relative_to(rd.root)}")
     return DrafterSettings(aux_layer_ids=ids, **flags, source="; ".join(srcs) or "config.json", vocab_mapping=mapping)
-
-
-def _stage4_check(drafter_dir: Path, target_dir: Path) -> list[str] | None:
-    """Stage 4's ``check_drafter`` problems (None when that module is unavailable)."""
-    try:
-        from eagle3.train import check_drafter
-    except ImportError:
-        return None
-    try:
-        return list(check_drafter(drafter_dir, target_dir))
-    except Exception as exc:  # a crash of the checker is itself worth reporting, not fatal here
-        return [f"check_drafter raised {type(exc).__name__}: {exc}"]
 
 
 @dataclass
@@ -183,8 +167,8 @@ def _load_inputs(params, run_dir: Path) -> _Inputs:
     return _Inputs(
         resolved=resolved, model=model, tok=tok, drafter_dir=drafter_dir, prompts=prompts, prompt_info=pinfo,
         ref=training_reference(params, run_dir, drafter_dir),
-        served=drafter_settings_from_config(drafter_dir, vllm_view=True),
-        drafter_key=_key([file_sha256(drafter_dir / "model.safetensors")[:16], read_drafter_config(drafter_dir)]),
+        served=settings_from_config(drafter_dir, vllm_view=True, error=EvaluateError),
+        drafter_key=_key([file_sha256(drafter_dir / "model.safetensors")[:16], read_config(drafter_dir, EvaluateError)]),
         prompts_key=_key([[p["id"], p["prompt_ids"]] for p in prompts]),
         t_dtype=str(t_dtype).replace("torch.", ""))
 
@@ -298,13 +282,11 @@ def run(params, run_dir: str | Path) -> EvaluateStats:
             backends.update(summaries)
         off, vl = backends.get("offline/eagle3"), backends.get("vllm/eagle3")
         parity = parity_result(off, vl, temp, ev.parity_tolerance)
+        drafter_check = check_drafter(inp.drafter_dir, inp.resolved.path, reference=inp.ref)
         diagnosis = diagnose(inp.drafter_dir, inp.resolved.path, reference=inp.ref, run_dir=rd.root, target=inp.model,
                              drafter_model=dm, offline=off, vllm=(vllm_results.get("eagle3") and
                              {**vllm_results["eagle3"], **(vl or {})}), prompts=inp.prompts,
-                             offline_records=offline_recs)
-        drafter_check = _stage4_check(inp.drafter_dir, inp.resolved.path)
-        if parity.get("checked") and not parity.get("ok") and drafter_check:
-            diagnosis += [f"drafter check: {p}" for p in drafter_check]
+                             offline_records=offline_recs, drafter_problems=drafter_check)
         cmd = vllm_serve_command(inp.resolved.name, inp.drafter_dir, k)
         results = _results(params, inp, backends, parity, diagnosis, drafter_check, cmd)
         atomic_write_json(rd.evaluate_results, results)
