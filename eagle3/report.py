@@ -10,7 +10,7 @@ from eagle3.io import read_json
 from eagle3.rundir import STAGES
 from eagle3.stage import Stats
 
-__all__ = ["MISSING", "headline_keys", "stats_classes", "index_html", "key_numbers"]
+__all__ = ["MISSING", "headline_keys", "stats_classes", "summary_html", "index_html", "key_numbers"]
 
 # Headline keys of the stages whose Stats class has not landed yet (their stats.json keys today).
 _HEADLINE_FALLBACK: dict[int, tuple[str, ...]] = {
@@ -77,8 +77,53 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def _ratio(a, b) -> float | None:
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+
+
+def summary_html(run_dir: str | Path) -> str:
+    """The answer first: the drafter vs n-gram lookup vs no speculation in vLLM, from stage 5's stats.
+
+    Tokens per target forward are the comparable acceptance number (a round without drafts counts
+    as one token); τ counts accepted drafts per verification round, so n-gram's τ is higher than its
+    tokens per forward whenever it often has nothing to propose. Empty when stage 5 has not finished.
+    """
+    st = read_json(Path(run_dir) / STAGES[5] / "stats.json", None)
+    if not st:
+        return ""
+    none_tps = st.get("tokens_per_s_vllm_none")
+    rows = [
+        ("EAGLE-3 drafter", st.get("tokens_per_forward_vllm"), st.get("tau_vllm"), st.get("tokens_per_s_vllm_eagle3")),
+        ("n-gram lookup", st.get("tokens_per_forward_ngram"), st.get("tau_ngram"), st.get("tokens_per_s_vllm_ngram")),
+        ("no speculation", 1.0 if none_tps else None, None, none_tps),
+    ]
+    head = ("<tr><th>vLLM</th><th>tokens per target forward</th><th>τ (accepted per round)</th>"
+            "<th>tokens/s</th><th>speed-up vs no speculation</th></tr>")
+    body = "".join(
+        f"<tr><th>{name}</th><td>{_fmt(tpf)}</td><td>{_fmt(tau)}</td><td>{_fmt(tps)}</td>"
+        f"<td>{_fmt(_ratio(tps, none_tps))}</td></tr>" for name, tpf, tau, tps in rows)
+    parts = ["<h2>Result</h2>", f"<table>{head}{body}</table>"]
+    d, n = st.get("tokens_per_s_vllm_eagle3"), st.get("tokens_per_s_vllm_ngram")
+    if isinstance(d, (int, float)) and isinstance(n, (int, float)):
+        faster = "the drafter" if d > n else "n-gram lookup"
+        parts.append(f"<p>In vLLM {faster} was faster ({_fmt(max(d, n))} vs {_fmt(min(d, n))} tokens/s).</p>")
+    parity = st.get("parity_ok")
+    parity_txt = ("not checked" if parity is None else ("agrees" if parity else "DISAGREES")) + (
+        f" (relative gap {_fmt(st.get('parity_gap'))}, tolerance {_fmt(st.get('parity_tolerance'))})"
+        if parity is not None else "")
+    parts.append(f"<p>Offline τ {_fmt(st.get('tau_offline'))} vs vLLM τ {_fmt(st.get('tau_vllm'))}: parity "
+                 f"{html.escape(parity_txt)}. Settings: k = {_fmt(st.get('k'))} draft tokens, temperature "
+                 f"{_fmt(st.get('temperature'))}, {_fmt(st.get('num_prompts'))} held-out prompts.</p>")
+    diag = [x for x in (st.get("diagnosis") or []) if x]
+    if diag:
+        items = "".join(f"<li>{html.escape(str(x))}</li>" for x in diag)
+        parts.append(f"<p><strong>Warnings</strong></p><ul>{items}</ul>")
+    return "\n".join(parts)
+
+
 def index_html(run_dir: str | Path, pages: list[str], figures: dict[str, list[str]]) -> str:
-    """HTML text of the index page: per stage a table of key numbers, its figures, its notebook."""
+    """HTML text of the index page: the result (:func:`summary_html`), then per stage a table of its
+    headline numbers, its figures (full width, linked to the file) and its executed notebook."""
     run_dir = Path(run_dir)
     nums = key_numbers(run_dir)
     parts = [
@@ -86,10 +131,11 @@ def index_html(run_dir: str | Path, pages: list[str], figures: dict[str, list[st
         f"<title>eagle3 report: {html.escape(run_dir.name)}</title>",
         "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;}"
         "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}"
-        "img{max-width:520px;margin:4px;border:1px solid #eee}code{background:#f4f4f4}</style>",
+        "img{max-width:100%;margin:4px 0;border:1px solid #eee}code{background:#f4f4f4}</style>",
         "</head><body>",
         f"<h1>eagle3 report: {html.escape(run_dir.name)}</h1>",
         f"<p>Run directory: <code>{html.escape(str(run_dir.resolve()))}</code></p>",
+        summary_html(run_dir),
     ]
     for s, name in STAGES.items():
         page = next((p for p in pages if p.startswith(f"{s:02d}_")), None)
@@ -102,6 +148,7 @@ def index_html(run_dir: str | Path, pages: list[str], figures: dict[str, list[st
         else:
             parts.append(f"<p><em>{html.escape(_unfinished(run_dir, s))}</em></p>")
         for fig in figures.get(name, []):
-            parts.append(f"<img src='{html.escape(fig)}' alt='{html.escape(Path(fig).stem)}'>")
+            f = html.escape(fig)
+            parts.append(f"<a href='{f}'><img src='{f}' alt='{html.escape(Path(fig).stem)}'></a>")
     parts.append("</body></html>")
     return "\n".join(parts)

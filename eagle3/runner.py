@@ -207,7 +207,11 @@ def render_report(run_dir: str | Path) -> Path:
         # Widget state (tqdm bars, the vocab slider) would make nbconvert load the widget manager
         # from a CDN; the report must render offline, so widgets fall back to their text output.
         nb.metadata.pop("widgets", None)
-        body, _ = exporter.from_notebook_node(nb)
+        # Each page gets its stage's title (nbconvert's default is "Notebook" for every page).
+        stage = next((n for n, f in NOTEBOOKS.items() if f == nb_path.name), None)
+        title = f"Stage {stage}: {STAGES[stage][3:]} ({run_dir.name})" if stage else f"{nb_path.stem} ({run_dir.name})"
+        nb.metadata["title"] = title
+        body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": title}})
         out = rep / (nb_path.stem + ".html")
         out.write_text(offline_html(body), encoding="utf-8")
         pages.append(out.name)

@@ -86,3 +86,21 @@ def test_a_half_done_stage_says_how_far_it_got(tmp_path):
     page = index_html(tmp_path, [], {})
     assert "not finished: failed at 7/18 samples" in page
     assert page.count("not run") == 3  # stages 2, 4 and 5: nothing on disk
+
+
+def test_the_index_opens_with_the_vllm_comparison(tmp_path):
+    stats = {"num_prompts": 21, "k": 3, "temperature": 0.0, "tau_offline": 1.7, "tau_vllm": 1.696,
+             "tokens_per_forward_vllm": 1.696, "tau_ngram": 2.532, "tokens_per_forward_ngram": 1.49,
+             "tokens_per_s_vllm_eagle3": 45.4, "tokens_per_s_vllm_ngram": 46.2, "tokens_per_s_vllm_none": 37.0,
+             "parity_ok": True, "parity_gap": 0.0, "parity_tolerance": 0.15, "diagnosis": ["aux ids differ"]}
+    write_stats(stage_dir(tmp_path, 1), {"samples": 3})
+    write_stats(stage_dir(tmp_path, 5), stats)
+    page = index_html(tmp_path, [], {"05_evaluate": ["figures/05_evaluate__tau.png"]})
+    assert page.index("<h2>Result</h2>") < page.index("<h2>1. synthesize</h2>")
+    assert ("<tr><th>EAGLE-3 drafter</th><td>1.696</td><td>1.696</td><td>45.4</td><td>1.227</td></tr>"
+            "<tr><th>n-gram lookup</th><td>1.49</td><td>2.532</td><td>46.2</td><td>1.249</td></tr>"
+            "<tr><th>no speculation</th><td>1</td><td>-</td><td>37</td><td>1</td></tr>") in page
+    assert "In vLLM n-gram lookup was faster (46.2 vs 45.4 tokens/s)." in page
+    assert "parity agrees (relative gap 0, tolerance 0.15)" in page and "<li>aux ids differ</li>" in page
+    assert "<a href='figures/05_evaluate__tau.png'><img src='figures/05_evaluate__tau.png'" in page
+    assert "<h2>Result</h2>" not in index_html(tmp_path / "empty", [], {})

@@ -102,6 +102,7 @@ def test_report_renders_index(tmp_params, nbdir):
     assert "01_synthesize.html" in html and "<th>samples</th><td>3</td>" in html
     assert "<th>target_vocab_size</th><td>49152</td>" in html and "<th>items</th>" not in html
     assert (index.parent / "02_vocab_coverage.html").exists()
+    assert "<title>Stage 2: vocab (t)</title>" in (index.parent / "02_vocab_coverage.html").read_text()
 
 
 def test_cli_without_command_prints_help(capsys):
