@@ -31,6 +31,8 @@ Diversity: :func:`distinct_n` (distinct-1/2: unique word n-grams over all n-gram
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import random
 import re
 import struct
@@ -38,6 +40,7 @@ import unicodedata
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 __all__ = [
     "SelfPromptError",
@@ -57,6 +60,9 @@ __all__ = [
     "run_self_prompting",
     "distinct_n",
     "TransformersDriver",
+    "VllmDriver",
+    "ServerDriver",
+    "prepare_self_sources",
 ]
 
 # A user message no template rewrites (no leading/trailing whitespace, no markup); it must appear
@@ -674,6 +680,158 @@ class TransformersDriver:
         return res
 
 
+
+# ----------------------------------------------------------------------------- vLLM offline and server drivers
+
+
+def _finish(finish_reason: str | None, last_id: int | None, stop_reason, stop_ids: Sequence[int],
+            eos_ids: Sequence[int]) -> str:
+    """``"stop"`` / ``"length"`` / ``"eos"`` from vLLM's finish_reason and stop_reason (the stop token
+    id or string, None for an EOS stop) or the last generated id."""
+    if finish_reason == "length":
+        return "length"
+    if last_id is not None and last_id in stop_ids:
+        return "stop"
+    if isinstance(stop_reason, int):
+        return "stop" if stop_reason in stop_ids else "eos"
+    if stop_reason is None and finish_reason == "stop":  # EOS: a turn end when an eos id is the end of turn
+        return "stop" if set(eos_ids) & set(stop_ids) else "eos"
+    return "stop" if finish_reason == "stop" else "length"
+
+
+class VllmDriver:
+    """Drives self-prompting with an in-process ``vllm.LLM``: ``generate`` on the prefix token ids
+    (``TokensPrompt``), per-request seeds (vLLM's per-request generator: outputs do not depend on
+    batch composition), ``stop_token_ids`` = the end-of-turn ids; answers through ``LLM.chat`` at T=0.
+    """
+
+    def __init__(self, llm, tokenizer, settings: SelfPromptSettings, answer_max_new_tokens: int = 128,
+                 template_kwargs: dict | None = None) -> None:
+        self.llm, self.tok, self.s = llm, tokenizer, settings
+        self.answer_max_new_tokens = answer_max_new_tokens
+        self.template_kwargs = dict(template_kwargs or {}) or None
+        self.eos_ids = _eos_ids(tokenizer)
+
+    def sample(self, reqs: list[SelfPromptRequest]) -> list[Candidate]:
+        """One sampled user turn per request."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sps = [SamplingParams(temperature=self.s.temperature, top_p=self.s.top_p, max_tokens=self.s.max_new_tokens,
+                              seed=r.seed, stop_token_ids=list(r.stop_ids), skip_special_tokens=True) for r in reqs]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=r.prefix_ids) for r in reqs], sampling_params=sps,
+                                 use_tqdm=False)
+        cands = []
+        for r, o in zip(reqs, outs):
+            c = o.outputs[0]
+            ids = [int(t) for t in c.token_ids]
+            fin = _finish(c.finish_reason, ids[-1] if ids else None, getattr(c, "stop_reason", None), r.stop_ids,
+                          self.eos_ids)
+            cands.append(Candidate(c.text, fin, len(ids), ids))
+        return cands
+
+    def answer(self, convs: list[list[dict]]) -> list[str]:
+        """The target's greedy answers (multi-turn)."""
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=self.answer_max_new_tokens, skip_special_tokens=True)
+        outs = self.llm.chat(convs, sampling_params=sp, use_tqdm=False, chat_template_kwargs=self.template_kwargs)
+        return [o.outputs[0].text.strip() for o in outs]
+
+
+class ServerDriver:
+    """Drives self-prompting through an OpenAI-compatible server: ``POST /completions`` on the raw
+    rendered prefix (no chat endpoint: it would add its own user-turn header), with vLLM's
+    ``stop_token_ids`` / ``skip_special_tokens`` extensions and ``stop=[end_text]`` for servers without
+    them; answers through ``POST /chat/completions`` at T=0.
+
+    Args:
+        base_url: e.g. ``http://127.0.0.1:8000/v1``.
+        model: the served model name.
+        tokenizer: the target's tokenizer (EOS ids; the prefixes are rendered locally).
+        headers: e.g. ``{"Authorization": "Bearer ..."}``.
+        timeout_s, max_retries, backoff_s: per request; transport errors and 5xx are retried.
+
+    Raises:
+        SelfPromptError: a request still fails after the retries (the message has the status and body).
+    """
+
+    def __init__(self, base_url: str, model: str, tokenizer, settings: SelfPromptSettings,
+                 answer_max_new_tokens: int = 128, headers: dict | None = None, timeout_s: float = 300.0,
+                 max_retries: int = 4, backoff_s: float = 1.0, concurrency: int = 8) -> None:
+        self.base_url, self.model, self.s = base_url.rstrip("/"), model, settings
+        self.tok, self.headers = tokenizer, dict(headers or {})
+        self.answer_max_new_tokens = answer_max_new_tokens
+        self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
+        self.concurrency = concurrency
+        self.eos_ids = _eos_ids(tokenizer)
+
+    def _post(self, client, path: str, body: dict) -> dict:
+        import time
+
+        import httpx
+
+        err = ""
+        for attempt in range(self.max_retries + 1):
+            try:
+                r = client.post(f"{self.base_url}{path}", json=body, headers=self.headers)
+                if r.status_code < 500:
+                    if r.status_code >= 400:
+                        raise SelfPromptError(f"POST {path}: HTTP {r.status_code}: {r.text[:300]}")
+                    return r.json()
+                err = f"HTTP {r.status_code}: {r.text[:300]}"
+            except (httpx.TransportError, ValueError) as exc:
+                if isinstance(exc, SelfPromptError):
+                    raise
+                err = f"{type(exc).__name__}: {exc}"
+            time.sleep(self.backoff_s * 2**attempt)
+        raise SelfPromptError(f"POST {path} failed after {self.max_retries + 1} attempts: {err}")
+
+    def _map(self, fn, items: list) -> list:
+        from concurrent.futures import ThreadPoolExecutor
+
+        import httpx
+
+        if getattr(self, "_client", None) is None:  # one connection pool for the whole run
+            self._client = httpx.Client(timeout=self.timeout_s)
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            return list(pool.map(lambda x: fn(self._client, x), items))
+
+    def close(self) -> None:
+        """Close the HTTP connection pool."""
+        if getattr(self, "_client", None) is not None:
+            self._client.close()
+            self._client = None
+
+    def sample(self, reqs: list[SelfPromptRequest]) -> list[Candidate]:
+        """One sampled user turn per request."""
+        def one(client, r: SelfPromptRequest) -> Candidate:
+            body = {"model": self.model, "prompt": r.prefix_text, "max_tokens": self.s.max_new_tokens,
+                    "temperature": self.s.temperature, "top_p": self.s.top_p, "seed": r.seed,
+                    "stop_token_ids": list(r.stop_ids), "skip_special_tokens": True}
+            if r.end_text.strip():
+                body["stop"] = [r.end_text.strip()]
+            resp = self._post(client, "/completions", body)
+            ch = resp["choices"][0]
+            stop_reason = ch.get("stop_reason")
+            if isinstance(stop_reason, str):  # the end text itself stopped it
+                stop_reason = r.stop_ids[0] if stop_reason == r.end_text.strip() else stop_reason
+            fin = _finish(ch.get("finish_reason"), None, stop_reason, r.stop_ids, self.eos_ids)
+            usage = resp.get("usage") or {}
+            return Candidate(ch.get("text") or "", fin, int(usage.get("completion_tokens", 0) or 0))
+
+        return self._map(one, reqs)
+
+    def answer(self, convs: list[list[dict]]) -> list[str]:
+        """The target's greedy answers (multi-turn)."""
+        def one(client, msgs: list[dict]) -> str:
+            body = {"model": self.model, "messages": msgs, "temperature": 0.0,
+                    "max_tokens": self.answer_max_new_tokens}
+            return (self._post(client, "/chat/completions", body)["choices"][0]["message"].get("content") or "").strip()
+
+        return self._map(one, convs)
+
+
 # ----------------------------------------------------------------------------- stage 1: kind: self sources
 
 SELF_PROMPTS_DIR = "self_prompts"  # inside 01_synthesize/
@@ -685,8 +843,6 @@ def settings_from_params(p) -> SelfPromptSettings:
 
 
 def _fingerprint(obj) -> str:
-    import json
-
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -702,6 +858,39 @@ def _complete_batches(rows: list[dict], batch_size: int, limit: int) -> list[dic
             return out
         out += chunk
         b += 1
+
+
+def _open_driver(params, settings: SelfPromptSettings, tkw: dict):
+    """``(driver, tokenizer, close)`` for ``synthesize.backend`` (transformers, vllm or server)."""
+    syn = params.synthesize
+    if syn.backend == "transformers":
+        from eagle3.target import load_target
+
+        model, tok, _ = load_target(params.target)
+        return TransformersDriver(model, tok, settings, syn.max_new_tokens, tkw), tok, lambda: None
+    if syn.backend == "vllm":
+        from eagle3.synthesize import make_backend  # the stage's own vLLM engine settings
+
+        be = make_backend(params)
+        return VllmDriver(be.llm, be.tok, settings, syn.max_new_tokens, tkw), be.tok, be.close
+    import httpx
+
+    from eagle3.target import load_tokenizer, resolve_target
+
+    sp = syn.server
+    key = os.environ.get(sp.api_key_env) if sp.api_key_env else None
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    model = sp.model
+    if model is None:
+        try:
+            model = httpx.get(f"{sp.base_url.rstrip('/')}/models", headers=headers, timeout=sp.timeout_s).json()["data"][0]["id"]
+        except Exception as exc:  # noqa: BLE001 - connection errors, non-JSON, empty list
+            raise SelfPromptError(f"self-prompting: cannot list the models of {sp.base_url} ({type(exc).__name__}: {exc}); "
+                                  f"set synthesize.server.model") from None
+    tok = load_tokenizer(resolve_target(params.target), params.target.trust_remote_code)
+    drv = ServerDriver(sp.base_url, model, tok, settings, syn.max_new_tokens, headers, sp.timeout_s, sp.max_retries,
+                       sp.backoff_s, sp.concurrency)
+    return drv, tok, drv.close
 
 
 def prepare_self_sources(params, run_dir) -> tuple[list, list[dict]]:
@@ -735,9 +924,6 @@ def prepare_self_sources(params, run_dir) -> tuple[list, list[dict]]:
         SynthesisError: a backend other than transformers (vLLM offline and server: not yet), or
             self-prompt files written with other settings.
     """
-    import json
-    from pathlib import Path
-
     from eagle3.config import PromptSource
     from eagle3.errors import SynthesisError
     from eagle3.io import atomic_write_json, atomic_write_text, read_json, read_jsonl
@@ -745,70 +931,66 @@ def prepare_self_sources(params, run_dir) -> tuple[list, list[dict]]:
 
     syn = params.synthesize
     out_sources, all_stats = [], []
-    model = tok = None
-    for i, src in enumerate(syn.sources):
-        if src.kind != "self":
-            out_sources.append(src)
-            continue
-        if syn.backend != "transformers":
-            raise SynthesisError(
-                f"synthesize.sources[{i}] (kind: self) needs synthesize.backend: transformers for now; "
-                f"backend {syn.backend!r} is not wired to self-prompting yet")
-        settings = settings_from_params(src.self_prompt)
-        tkw = {} if syn.enable_thinking is None else {"enable_thinking": bool(syn.enable_thinking)}
-        d = RunDir(run_dir).stage(1, create=True) / SELF_PROMPTS_DIR
-        d.mkdir(parents=True, exist_ok=True)
-        meta_p, cand_p = d / f"source_{i}.meta.json", d / f"source_{i}.candidates.jsonl"
-        final_p, stats_p = d / f"source_{i}.jsonl", d / f"source_{i}.stats.json"
-        meta = {"settings": settings.to_dict(), "target": params.target.model, "dtype": params.target.dtype,
-                "template_kwargs": tkw, "batch_size": syn.batch_size,
-                "answer_max_new_tokens": syn.max_new_tokens}
-        meta["fingerprint"] = _fingerprint(meta)
-        old = read_json(meta_p)
-        if old is not None and old.get("fingerprint") != meta["fingerprint"]:
-            raise SynthesisError(
-                f"{meta_p}: self-prompts in this run dir were written with other settings "
-                f"({old.get('settings')} vs {meta['settings']}); use another run name or delete {d}")
-        label = src.label or "self"
-        if not (final_p.is_file() and stats_p.is_file()):
-            atomic_write_json(meta_p, meta)
-            if tok is None:
-                from eagle3.target import load_target
+    drv = tok = close = None
+    try:
+        for i, src in enumerate(syn.sources):
+            if src.kind != "self":
+                out_sources.append(src)
+                continue
+            settings = settings_from_params(src.self_prompt)
+            tkw = {} if syn.enable_thinking is None else {"enable_thinking": bool(syn.enable_thinking)}
+            d = RunDir(run_dir).stage(1, create=True) / SELF_PROMPTS_DIR
+            d.mkdir(parents=True, exist_ok=True)
+            meta_p, cand_p = d / f"source_{i}.meta.json", d / f"source_{i}.candidates.jsonl"
+            final_p, stats_p = d / f"source_{i}.jsonl", d / f"source_{i}.stats.json"
+            meta = {"settings": settings.to_dict(), "backend": syn.backend, "target": params.target.model,
+                    "dtype": params.target.dtype,
+                    "template_kwargs": tkw, "batch_size": syn.batch_size,
+                    "answer_max_new_tokens": syn.max_new_tokens}
+            meta["fingerprint"] = _fingerprint(meta)
+            old = read_json(meta_p)
+            if old is not None and old.get("fingerprint") != meta["fingerprint"]:
+                raise SynthesisError(
+                    f"{meta_p}: self-prompts in this run dir were written with other settings "
+                    f"({old.get('settings')} vs {meta['settings']}); use another run name or delete {d}")
+            label = src.label or "self"
+            if not (final_p.is_file() and stats_p.is_file()):
+                atomic_write_json(meta_p, meta)
+                if drv is None:  # one backend for all self sources (the settings differ per source, not the model)
+                    drv, tok, close = _open_driver(params, settings, tkw)
+                drv.s = settings
+                rows = _complete_batches(read_jsonl(cand_p, missing_ok=True), syn.batch_size, settings.attempts())
+                atomic_write_text(cand_p, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+                done = [Candidate(r["text"], r["finish_reason"], r["num_tokens"]) for r in rows]
+                with open(cand_p, "a", encoding="utf-8") as fh:
+                    def persist(reqs, cands):
+                        b = reqs[0].index // syn.batch_size
+                        fh.write("".join(json.dumps({"batch": b, "index": r.index, "text": c.text,
+                                                     "finish_reason": c.finish_reason, "num_tokens": c.num_tokens},
+                                                    ensure_ascii=False) + "\n" for r, c in zip(reqs, cands)))
+                        fh.flush()
+                        os.fsync(fh.fileno())
 
-                model, tok, _ = load_target(params.target)
-            rows = _complete_batches(read_jsonl(cand_p, missing_ok=True), syn.batch_size, settings.attempts())
-            atomic_write_text(cand_p, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-            done = [Candidate(r["text"], r["finish_reason"], r["num_tokens"]) for r in rows]
-            drv = TransformersDriver(model, tok, settings, answer_max_new_tokens=syn.max_new_tokens,
-                                     template_kwargs=tkw)
-            with open(cand_p, "a", encoding="utf-8") as fh:
-                def persist(reqs, cands):
-                    b = reqs[0].index // syn.batch_size
-                    fh.write("".join(json.dumps({"batch": b, "index": r.index, "text": c.text,
-                                                 "finish_reason": c.finish_reason, "num_tokens": c.num_tokens},
-                                                ensure_ascii=False) + "\n" for r, c in zip(reqs, cands)))
-                    fh.flush()
-                    import os
-
-                    os.fsync(fh.fileno())
-
-                res = run_self_prompting(tok, settings, drv.sample, batch_size=syn.batch_size, answer=drv.answer,
-                                         template_kwargs=tkw, done=done, on_batch=persist)
-            recs = []
-            for p in res.prompts:
-                msgs = ([{"role": "system", "content": p.system}] if p.system else []) + [
-                    {"role": "user", "content": p.user}]
-                if p.followup:
-                    msgs += [{"role": "assistant", "content": ""}, {"role": "user", "content": p.followup}]
-                recs.append({"messages": msgs, "self_prompt": {"index": p.index, "topic": p.topic}})
-            if not recs:
-                raise SynthesisError(f"synthesize.sources[{i}] (kind: self): no prompt survived the filters "
-                                     f"({res.counts}); raise max_new_tokens or max_attempts")
-            st = {"source_index": i, "label": label, **res.stats(settings), "settings": settings.to_dict(),
-                  "resumed_candidates": len(done)}
-            atomic_write_json(stats_p, st)
-            atomic_write_text(final_p, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
-        all_stats.append(read_json(stats_p))
-        out_sources.append(PromptSource(kind="file", path=str(Path(final_p).resolve()), format="openai",
-                                        label=label, limit=src.limit))
+                    res = run_self_prompting(tok, settings, drv.sample, batch_size=syn.batch_size, answer=drv.answer,
+                                             template_kwargs=tkw, done=done, on_batch=persist)
+                recs = []
+                for p in res.prompts:
+                    msgs = ([{"role": "system", "content": p.system}] if p.system else []) + [
+                        {"role": "user", "content": p.user}]
+                    if p.followup:
+                        msgs += [{"role": "assistant", "content": ""}, {"role": "user", "content": p.followup}]
+                    recs.append({"messages": msgs, "self_prompt": {"index": p.index, "topic": p.topic}})
+                if not recs:
+                    raise SynthesisError(f"synthesize.sources[{i}] (kind: self): no prompt survived the filters "
+                                         f"({res.counts}); raise max_new_tokens or max_attempts")
+                st = {"source_index": i, "label": label, **res.stats(settings), "settings": settings.to_dict(),
+                      "resumed_candidates": len(done)}
+                atomic_write_json(stats_p, st)
+                atomic_write_text(final_p, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
+            all_stats.append(read_json(stats_p))
+            out_sources.append(PromptSource(kind="file", path=str(Path(final_p).resolve()), format="openai",
+                                            label=label, limit=src.limit))
+    finally:
+        if close is not None:
+            close()
     return out_sources, all_stats

@@ -197,3 +197,77 @@ def test_multi_turn_target_writes_the_followup(multi_turn_run):
         assert turns[0][1] == {"role": "user", "content": p.user}
         if p.followup:
             assert turns[1] == [{"role": "user", "content": p.followup}] and p.answer
+
+
+# ----------------------------------------------------------------------------- server driver (completions endpoint)
+
+
+class _FakeCompletions:
+    """A local OpenAI-style server: /v1/completions writes a user turn from the request's seed
+    (every 4th one runs to the length limit), /v1/chat/completions answers 'Sure.'; bodies are kept."""
+
+    def __enter__(self):
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        owner = self
+        self.bodies: list[dict] = []
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                owner.bodies.append(body)
+                if self.path.endswith("/completions") and "messages" not in body:
+                    k = body["seed"] % 1000
+                    if k % 4 == 0:
+                        ch = {"text": "and then it went on", "finish_reason": "length", "stop_reason": None}
+                    else:
+                        ch = {"text": f"Can you tell me about the number {k} and its history?", "finish_reason": "stop",
+                              "stop_reason": body["stop_token_ids"][0]}
+                    out = {"choices": [ch], "usage": {"completion_tokens": 9}}
+                else:
+                    out = {"choices": [{"message": {"role": "assistant", "content": "Sure."}}]}
+                data = json.dumps(out).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.thread = threading.Thread(target=self.srv.serve_forever, daemon=True)
+        self.thread.start()
+        self.base_url = f"http://127.0.0.1:{self.srv.server_address[1]}/v1"
+        return self
+
+    def __exit__(self, *exc):
+        self.srv.shutdown()
+        self.srv.server_close()
+
+
+def test_server_driver_posts_the_raw_prefix_to_completions(embedded_target):
+    from eagle3.self_prompt import ServerDriver
+    from eagle3.target import load_tokenizer
+
+    tok = load_tokenizer(embedded_target)
+    s = SelfPromptSettings(count=3, temperature=1.0, max_new_tokens=20, seed=2, multi_turn=True)
+    with _FakeCompletions() as srv:
+        drv = ServerDriver(srv.base_url, "m", tok, s, answer_max_new_tokens=8, backoff_s=0.0, concurrency=2)
+        res = run_self_prompting(tok, s, drv.sample, batch_size=2, answer=drv.answer)
+    comp = [b for b in srv.bodies if "prompt" in b]
+    fmt = user_turn_format(tok)
+    assert comp[0]["prompt"] == fmt.prefix_text and comp[0]["stop_token_ids"] == [2]
+    assert comp[0]["stop"] == ["<|im_end|>"] and comp[0]["max_tokens"] == 20 and comp[0]["top_p"] == 1.0
+    length = sum(b["seed"] % 1000 % 4 == 0 for b in comp[: res.attempts])
+    assert res.counts["not_terminated"] == length and res.counts["kept"] == len(res.prompts) == 3
+    assert sum(res.counts.values()) == res.attempts
+    assert sorted(b["messages"][-1]["content"] for b in srv.bodies if "messages" in b) == sorted(p.user for p in res.prompts)
+    # follow-up requests continue the conversation: prefix = system, user, assistant answer, user header
+    follow = comp[-3:]
+    assert sorted(b["seed"] for b in follow) != sorted(b["seed"] for b in comp[:3])
+    assert all(b["prompt"].endswith("<|im_start|>assistant\nSure.<|im_end|>\n<|im_start|>user\n") for b in follow)
+    assert res.tokens == 9 * len(comp)
