@@ -19,6 +19,7 @@ import time
 def main() -> None:
     import torch
 
+    from eagle3.chat import stop_token_ids, template_kwargs
     from eagle3.config import load_params
     from eagle3.evaluate import (
         find_drafter,
@@ -26,7 +27,6 @@ def main() -> None:
         load_drafter,
         run_vllm_job,
         speculative_generate,
-        stop_ids,
         training_reference,
     )
     from eagle3.evaluate.vllm_jobs import build_job
@@ -47,7 +47,8 @@ def main() -> None:
     drafter = find_drafter(params, run_dir)
     ref = training_reference(params, run_dir, drafter)
     dm = load_drafter(drafter, model, ref, device=str(model.device))
-    stops = stop_ids(tok, model)
+    stops = stop_token_ids(tok, resolve_target(params.target).path, model.generation_config, model.config,
+                           kwargs=template_kwargs(params))
     rows = []
     t0, n = time.time(), 0
     for p in prompts:

@@ -37,9 +37,9 @@ DRAFT_VOCAB = 2048
 
 def render(tok, question: str) -> list[int]:
     """Prompt ids of one user question (chat template + generation prompt, as vLLM renders it)."""
-    from eagle3.evaluate import render_prompt
+    from eagle3.chat import ChatRenderer
 
-    return render_prompt(tok, [{"role": "user", "content": question}])
+    return ChatRenderer(tok).prompt_ids([{"role": "user", "content": question}])
 
 
 def greedy(model, ids: list[int], n: int) -> list[int]:

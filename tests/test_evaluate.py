@@ -311,6 +311,7 @@ def test_parity_error_message_carries_the_diagnosis():
 
 def _write_run(tmp_params, questions_heldout, questions_train, extra_yaml=""):
     from eagle3.config import load_params
+    from eagle3.contracts.samples import write_samples
     from eagle3.rundir import prepare_run_dir, resolve_run_dir
 
     params = load_params(tmp_params("target:\n  model: embedded:smollm2-135m\n  dtype: float32\n  device: cpu\n"
@@ -323,9 +324,7 @@ def _write_run(tmp_params, questions_heldout, questions_train, extra_yaml=""):
                           "prompt_hash": f"h-{q}", "messages": [{"role": "user", "content": q},
                                                                 {"role": "assistant", "content": "x"}],
                           "finish_reasons": ["stop"], "prompt_tokens": 1, "completion_tokens": 1, "settings": {}})
-    samples = RunDir(run_dir).samples
-    samples.parent.mkdir(parents=True)
-    samples.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    write_samples(run_dir, lines)  # stage 1's writer checks every line against the contract
     return params, run_dir
 
 
@@ -346,21 +345,25 @@ def test_heldout_prompts_never_include_training_prompts(tmp_params, target_model
 
 
 def _stage_run_dir(tmp_params, drafter: Path, corrupt_mapping: bool = False):
-    """A run directory with the stage 1-4 outputs Stage 5 reads: samples, vocab mapping, extract meta, drafter."""
+    """A run directory with the stage 1-4 outputs Stage 5 reads (samples, vocab mapping, extract meta, drafter),
+    each written by its contract's writer."""
     from safetensors.torch import load_file, save_file
+
+    from eagle3.contracts.hidden_states import write_meta
+    from eagle3.contracts.vocab_mapping import VocabMapping, write_mapping
+    from eagle3.io import write_stats
 
     params, run_dir = _write_run(
         tmp_params, EVAL_QUESTIONS[:2], TRAIN_QUESTIONS,
         "evaluate:\n  num_speculative_tokens: 3\n  max_new_tokens: 24\n  parity_tolerance: 0.15\n"
         "  vllm_methods: [eagle3]\n")
     rd = RunDir(run_dir)
-    rd.stage(3, create=True)
-    rd.extract_meta.write_text(json.dumps({"aux_layer_ids": AUX_IDS, "num_hidden_layers": 30}))
+    write_meta(rd.stage(3, create=True), {"aux_layer_ids": AUX_IDS, "num_hidden_layers": 30})
     dst = rd.drafter_dir
     shutil.copytree(drafter, dst)
     sd = load_file(str(dst / "model.safetensors"))
     rd.stage(2, create=True)
-    save_file({"d2t": sd["d2t"], "t2d": sd["t2d"]}, str(rd.vocab_mapping))
+    write_mapping(run_dir, VocabMapping(sd["d2t"], sd["t2d"], sd["d2t"].numel(), sd["t2d"].numel(), cache_key="test"))
     if corrupt_mapping:
         # a valid but wrong mapping: drop the smallest kept id, add an unused one above the largest,
         # so that draft id i now names the target id of draft id i+1
@@ -371,7 +374,7 @@ def _stage_run_dir(tmp_params, drafter: Path, corrupt_mapping: bool = False):
         sd["t2d"] = torch.zeros_like(sd["t2d"])
         sd["t2d"][new] = True
         save_file(sd, str(dst / "model.safetensors"))
-    rd.stats(4).write_text(json.dumps({"drafter_dir": str(dst), "complete": True}))
+    write_stats(rd.stage(4), {"drafter_dir": str(dst)})
     return params, run_dir
 
 

@@ -19,13 +19,12 @@ from eagle3.evaluate.decoding import (
     evaluate_offline,
     speculative_accept,
     speculative_generate,
-    stop_ids,
 )
 from eagle3.evaluate.diagnosis import diagnose, probe_layer_ids
 from eagle3.evaluate.drafter import Eagle3Drafter, load_drafter
 from eagle3.evaluate.metrics import acceptance_metrics, context_bucket, summarize_rounds
 from eagle3.evaluate.parity import parity_check
-from eagle3.evaluate.prompts import chat_template_kwargs, heldout_prompts, render_prompt
+from eagle3.evaluate.prompts import heldout_prompts
 from eagle3.evaluate.report import comparison_table, figures, parity_table, read_results
 from eagle3.evaluate.stage import EvaluateStats, find_drafter, run, training_reference
 from eagle3.evaluate.vllm_jobs import run_vllm_job, vllm_records, vllm_serve_command
@@ -41,10 +40,7 @@ __all__ = [
     "load_drafter",
     "Eagle3Drafter",
     "speculative_generate",
-    "stop_ids",
     "evaluate_offline",
-    "chat_template_kwargs",
-    "render_prompt",
     "heldout_prompts",
     "run_vllm_job",
     "vllm_records",

@@ -20,6 +20,7 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from eagle3.chat import stop_token_ids
 from eagle3.errors import EvaluateError
 from eagle3.evaluate.drafter import Eagle3Drafter, crop_cache
 from eagle3.evaluate.metrics import summarize_rounds
@@ -28,7 +29,6 @@ from eagle3.io import Progress, read_jsonl
 
 __all__ = [
     "speculative_accept",
-    "stop_ids",
     "speculative_generate",
     "evaluate_offline",
     "backend_summary",
@@ -72,17 +72,6 @@ def speculative_accept(p_target, q_draft, drafts, generator=None) -> tuple[int, 
         return i, tok
     tok = int(torch.multinomial(p_target[n] / p_target[n].sum(), 1, generator=generator))
     return n, tok
-
-
-def stop_ids(tokenizer, model) -> set[int]:
-    """End-of-sequence ids: the union of the generation config's, the model config's and the tokenizer's."""
-    ids: set[int] = set()
-    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
-        e = getattr(src, "eos_token_id", None)
-        if e is None:
-            continue
-        ids.update(e if isinstance(e, (list, tuple)) else [e])
-    return {int(i) for i in ids}
 
 
 def _sample(logits_row, temperature: float, generator) -> int:
@@ -222,12 +211,14 @@ def _resume_records(out_file: Path, key: str) -> dict[str, dict]:
 
 def evaluate_offline(target, tokenizer, drafter_model, prompts: list[dict], k: int, max_new_tokens: int,
                      aux_layer_ids: Sequence[int], temperature: float = 0.0, seed: int = 0,
-                     out_file: str | Path | None = None, key: str = "", progress: Progress | None = None) -> list[dict]:
+                     out_file: str | Path | None = None, key: str = "", progress: Progress | None = None,
+                     stop_ids: Iterable[int] | None = None) -> list[dict]:
     """Run :func:`speculative_generate` over prompts; one record per prompt.
 
     With ``out_file`` (JSONL) the records are appended as they finish and prompts already there
     (same ``key``) are skipped on a re-run; a torn last line is dropped. Prompt ``i`` samples with
-    ``torch.Generator().manual_seed(seed + i)``.
+    ``torch.Generator().manual_seed(seed + i)``. ``stop_ids`` default: :func:`eagle3.chat.stop_token_ids`
+    of the tokenizer and the target's generation/model configs.
 
     Returns:
         list[dict]: ``{"key", "id", "source", "prompt_len", "tokens", "rounds", "verification_steps",
@@ -237,7 +228,8 @@ def evaluate_offline(target, tokenizer, drafter_model, prompts: list[dict], k: i
 
     out_file = Path(out_file) if out_file is not None else None
     done = _resume_records(out_file, key) if out_file is not None else {}
-    stops = stop_ids(tokenizer, target)
+    stops = stop_ids if stop_ids is not None else stop_token_ids(
+        tokenizer, None, getattr(target, "generation_config", None), target.config)
     records = []
     for i, p in enumerate(prompts):
         if p["id"] in done:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from eagle3.contracts import tokenized
 from eagle3.contracts.drafter import DrafterSettings, check_drafter, read_config
+from eagle3.contracts.vocab_mapping import VocabMapping, load_tensors
 from eagle3.errors import EvaluateError
 from eagle3.evaluate.drafter import Eagle3Drafter
 from eagle3.hooks import CachedCapture
@@ -85,7 +87,8 @@ def _layer_probe(target, drafter_model, ids, reference, prompts, offline_records
 
 
 def _training_mapping(drafter_dir: str | Path, run_dir: str | Path) -> list[str]:
-    """The checkpoint's ``d2t`` equals the mapping the training data used (stage 2's)."""
+    """Stage 2's mapping passes :meth:`VocabMapping.problems` (the one check of a mapping) and the
+    checkpoint's ``d2t`` equals it (the mapping the training data used)."""
     import torch
     from safetensors import safe_open
 
@@ -96,11 +99,12 @@ def _training_mapping(drafter_dir: str | Path, run_dir: str | Path) -> list[str]
         if "d2t" not in f.keys():
             return []
         d2t = f.get_tensor("d2t")
-    with safe_open(str(mp), "pt") as f:
-        ref = f.get_tensor("d2t")
-    if ref.shape != d2t.shape or not torch.equal(ref.long(), d2t.long()):
-        return [f"vocab mapping: d2t differs from {mp} (the mapping the training data used)"]
-    return []
+    ref_d2t, ref_t2d, _ = load_tensors(mp)
+    ref = VocabMapping(ref_d2t, ref_t2d, int(ref_d2t.numel()), int(ref_t2d.numel()))
+    probs = [f"vocab mapping: {mp}: {p}" for p in ref.problems()]
+    if ref_d2t.shape != d2t.shape or not torch.equal(ref_d2t.long(), d2t.long()):
+        probs.append(f"vocab mapping: d2t differs from {mp} (the mapping the training data used)")
+    return probs
 
 
 def _dtype(drafter_dir: str | Path, target_dir: str | Path, vllm: dict) -> list[str]:
@@ -152,12 +156,10 @@ def _vllm_outputs(vllm: dict, prompts: list[dict], offline_records: list[dict] |
 
 def _training_render(prompts: list[dict], run_dir: str | Path) -> list[str]:
     """The offline render is a prefix of the same conversation as tokenized for training (stage 2)."""
-    hp = RunDir(run_dir).tokenized("heldout")
+    hp = tokenized.split_path(run_dir, "heldout")
     if not hp.exists():
         return []
-    import pyarrow.parquet as pq
-
-    tab = pq.read_table(hp, columns=["id", "input_ids"]).to_pydict()
+    tab = tokenized.read_table(run_dir, "heldout", ["id", "input_ids"]).to_pydict()
     train_render = dict(zip(tab["id"], tab["input_ids"]))
     bad = [p["id"] for p in prompts if p["id"] in train_render
            and list(train_render[p["id"]][: len(p["prompt_ids"])]) != list(p["prompt_ids"])]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3.contracts.drafter import DrafterSettings, read_config
+from eagle3.contracts.vocab_mapping import load_tensors
 from eagle3.errors import EvaluateError
 
 __all__ = [
@@ -90,7 +91,6 @@ def load_drafter(drafter_dir: str | Path, target_model, settings: DrafterSetting
             draft vocab, hidden sizes that differ from the target's.
     """
     import torch
-    from safetensors.torch import load_file
     from speculators.models.eagle3.core import Eagle3DraftModel
 
     d = Path(drafter_dir)
@@ -101,11 +101,11 @@ def load_drafter(drafter_dir: str | Path, target_model, settings: DrafterSetting
     model = Eagle3DraftModel(_speculators_config(d, target_model, settings))
     sd = _checked_state_dict(model, wfile)
     if settings is not None and settings.vocab_mapping and model.use_draft_vocab:
-        vm = load_file(str(settings.vocab_mapping))
-        if vm["d2t"].shape != sd["d2t"].shape:
-            raise EvaluateError(f"{settings.vocab_mapping}: d2t has {vm['d2t'].numel()} entries, the drafter "
+        d2t, t2d, _ = load_tensors(settings.vocab_mapping)  # stage 2's file, read by its contract
+        if d2t.shape != sd["d2t"].shape:
+            raise EvaluateError(f"{settings.vocab_mapping}: d2t has {d2t.numel()} entries, the drafter "
                                 f"{sd['d2t'].numel()}")
-        sd["d2t"], sd["t2d"] = vm["d2t"].long(), vm["t2d"].bool()
+        sd["d2t"], sd["t2d"] = d2t.long(), t2d.bool()
     model.load_state_dict(sd, strict=False)
     with torch.no_grad():  # the weights vLLM shares with the target when the checkpoint omits them
         if "embed_tokens.weight" not in sd:

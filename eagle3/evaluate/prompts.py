@@ -1,7 +1,8 @@
 """The evaluation prompts: held-out samples of stage 1 (or ``evaluate.prompts``), never trained on.
 
 A prompt is the turns before the first assistant turn (system/user), rendered exactly as vLLM's
-chat endpoint renders it, so that offline and vLLM decode the same token ids.
+chat endpoint renders it (:class:`eagle3.chat.ChatRenderer`), so that offline and vLLM decode the
+same token ids.
 """
 
 from __future__ import annotations
@@ -10,10 +11,13 @@ import hashlib
 import json
 from pathlib import Path
 
+from eagle3.chat import ChatRenderer, template_kwargs
+from eagle3.contracts import tokenized
+from eagle3.contracts.samples import read_samples
 from eagle3.errors import EvaluateError
 from eagle3.rundir import RunDir
 
-__all__ = ["chat_template_kwargs", "render_prompt", "heldout_prompts"]
+__all__ = ["heldout_prompts"]
 
 
 def _prompt_prefix(messages: list[dict]) -> list[dict]:
@@ -31,51 +35,11 @@ def _prefix_hash(prefix: list[dict]) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
 
-def chat_template_kwargs(params) -> dict | None:
-    """Chat-template kwargs the target is served with (``enable_thinking`` from ``synthesize``)."""
-    et = params.synthesize.enable_thinking
-    return None if et is None else {"enable_thinking": bool(et)}
-
-
-def render_prompt(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of a prompt exactly as vLLM's chat endpoint renders it.
-
-    The chat template is applied as text with the generation prompt
-    (``apply_chat_template(..., add_generation_prompt=True, tokenize=False)``), then tokenized
-    with ``add_special_tokens=False`` (the template already holds any BOS), as vLLM does.
-
-    Returns:
-        list[int]: the prompt's token ids.
-    """
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                         **(template_kwargs or {}))
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _read_samples(run_dir: Path) -> list[dict]:
-    path = RunDir(run_dir).samples
-    if not path.is_file():
-        raise EvaluateError(f"{path}: not found; run stage 1 (synthesize) first")
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise EvaluateError(f"{path}:{n}: invalid JSON ({exc.msg})") from None
-    return out
-
-
 def _train_ids(run_dir: Path) -> set[str]:
-    """Row ids of stage 2's training split (empty when that file is absent)."""
-    p = RunDir(run_dir).tokenized("train")
-    if not p.is_file():
+    """Row ids of stage 2's training split (empty when that split is absent)."""
+    if not tokenized.split_path(run_dir, "train").is_file():
         return set()
-    import pyarrow.parquet as pq
-
-    return set(pq.read_table(p, columns=["id"]).column("id").to_pylist())
+    return set(tokenized.read_ids(run_dir, "train"))
 
 
 def _other_prompt_set(source) -> list[dict]:
@@ -112,16 +76,17 @@ def heldout_prompts(params, run_dir: str | Path, tokenizer) -> tuple[list[dict],
         ``skipped_too_long``, ``count``, ``by_source``).
 
     Raises:
-        EvaluateError: no samples file, or no held-out prompt left.
+        SamplesError: no samples file (run stage 1) or a corrupt one (file and line named).
+        EvaluateError: no held-out prompt left.
     """
     ev = params.evaluate
     run_dir = Path(run_dir)
     has_samples = RunDir(run_dir).samples.exists()
-    samples = _read_samples(run_dir) if has_samples or ev.prompts is None else []
+    samples = read_samples(run_dir) if has_samples or ev.prompts is None else []
     train_hashes = _training_hashes(samples)
     train_ids = _train_ids(run_dir)
     cands = _other_prompt_set(ev.prompts) if ev.prompts is not None else [s for s in samples if s.get("split") == "heldout"]
-    tk = chat_template_kwargs(params)
+    renderer = ChatRenderer(tokenizer, template_kwargs(params))  # as vLLM's chat endpoint renders it
     limit = params.target.max_model_len - ev.max_new_tokens - ev.num_speculative_tokens - 1
     out, excluded, too_long = [], 0, 0
     for s in cands:
@@ -132,7 +97,7 @@ def heldout_prompts(params, run_dir: str | Path, tokenizer) -> tuple[list[dict],
         if h in train_hashes or (s.get("prompt_hash") and str(s["prompt_hash"]) in train_hashes) or s.get("id") in train_ids:
             excluded += 1
             continue
-        ids = render_prompt(tokenizer, prefix, tk)
+        ids = renderer.prompt_ids(prefix)
         if len(ids) > limit:
             too_long += 1
             continue

@@ -20,13 +20,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from eagle3.chat import stop_token_ids, template_kwargs
 from eagle3.contracts.drafter import DrafterSettings, check_drafter, read_config, settings_from_config
 from eagle3.errors import EvaluateError, ParityError
 from eagle3.evaluate.decoding import backend_summary, evaluate_offline
 from eagle3.evaluate.diagnosis import diagnose
 from eagle3.evaluate.drafter import load_drafter
 from eagle3.evaluate.parity import parity_result
-from eagle3.evaluate.prompts import chat_template_kwargs, heldout_prompts
+from eagle3.evaluate.prompts import heldout_prompts
 from eagle3.evaluate.report import figures
 from eagle3.evaluate.vllm_jobs import (
     build_job,
@@ -35,7 +36,7 @@ from eagle3.evaluate.vllm_jobs import (
     vllm_summary,
 )
 from eagle3.io import Progress, atomic_write_json, file_sha256, read_json
-from eagle3.rundir import EVALUATE, TRAIN, RunDir
+from eagle3.rundir import EVALUATE, EXTRACT, TRAIN, RunDir
 from eagle3.stage import StageRun, Stats
 
 __all__ = ["EvaluateStats", "find_drafter", "training_reference", "run"]
@@ -111,8 +112,10 @@ def training_reference(params, run_dir: str | Path, drafter_dir: str | Path) -> 
     train/serve mismatch that the parity check catches.
     """
     cfg = settings_from_config(drafter_dir, vllm_view=False, error=EvaluateError)
+    from eagle3.contracts.hidden_states import read_meta  # torch at import: only where needed
+
     rd = RunDir(run_dir)
-    meta = read_json(rd.extract_meta, None)
+    meta = read_meta(rd.stage(EXTRACT))
     own = Path(drafter_dir).resolve().is_relative_to(rd.stage(TRAIN).resolve()) and not params.evaluate.drafter_dir
     srcs = []
     ids = cfg.aux_layer_ids
@@ -180,9 +183,11 @@ def _offline(params, inp: _Inputs, sd: Path, prog: Progress):
     dm = load_drafter(inp.drafter_dir, model, inp.ref, device=str(model.device))
     key = _key([inp.drafter_key, inp.prompts_key, asdict(inp.ref), k, temp, ev.max_new_tokens, params.run.seed,
                 inp.t_dtype])
+    stops = stop_token_ids(inp.tok, inp.resolved.path, getattr(model, "generation_config", None), model.config,
+                           kwargs=template_kwargs(params))
     recs = evaluate_offline(model, inp.tok, dm, inp.prompts, k, ev.max_new_tokens, inp.ref.aux_layer_ids,
                             temperature=temp, seed=params.run.seed,
-                            out_file=sd / "offline_records.jsonl", key=key, progress=prog)
+                            out_file=sd / "offline_records.jsonl", key=key, progress=prog, stop_ids=stops)
     summary = backend_summary(recs, k, temp, "transformers", "eagle3") | {
         "dtype": inp.t_dtype, "device": str(model.device), "aux_layer_ids": inp.ref.aux_layer_ids,
         "settings_source": inp.ref.source}
@@ -196,7 +201,8 @@ def _vllm(params, inp: _Inputs, sd: Path, prog: Progress) -> tuple[dict, dict]:
     logs.mkdir(exist_ok=True)
     results, summaries = {}, {}
     for method in ev.vllm_methods:
-        job = build_job(params, method, inp.resolved.path, inp.drafter_dir, inp.prompts, chat_template_kwargs(params))
+        job = build_job(params, method, inp.resolved.path, inp.drafter_dir, inp.prompts,
+                        template_kwargs(params) or None)  # None: the template's defaults
         jkey = _key([job, inp.drafter_key if method == "eagle3" else None])
         out = sd / f"vllm_{method}.json"
         res = read_json(out, None)
