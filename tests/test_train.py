@@ -615,3 +615,137 @@ def test_vllm_serves_the_embedded_target_with_the_exported_drafter(target_model,
     # first draft token 82% of rounds; an untrained drafter gets ~0)
     assert c["vllm:spec_decode_num_accepted_tokens"] > 0.2 * c["vllm:spec_decode_num_draft_tokens"], c
     assert c["vllm:spec_decode_num_accepted_tokens_per_pos"][0] > 0.4 * c["vllm:spec_decode_num_drafts"], c
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU-path logic on CPU: what torch.compile covers, and signals during a long (compiling) step
+
+_SLOW_STEP = '''
+import sys, time
+import torch
+import eagle3.train.model as m
+
+slow_call = int(sys.argv.pop(1))  # the training forward call that "compiles" for minutes
+orig = m.configure_compile
+
+
+def slow_compile(model, mode, attn):
+    out = orig(model, mode, attn)
+    fwd, n = model.forward, [0]
+
+    def forward(*a, **k):
+        if torch.is_grad_enabled():
+            n[0] += 1
+            if n[0] == slow_call:
+                print("SLOW STEP", flush=True)
+                time.sleep(300)  # like torch.compile's first call: the step does not end
+        return fwd(*a, **k)
+
+    model.forward = forward
+    return out
+
+
+m.configure_compile = slow_compile
+from eagle3.train.loop import main
+
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def test_configure_compile_unwraps_speculators_forward_and_compiles_only_flex():
+    import speculators.models.attention as spec_attn
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from eagle3.train.model import TrainError, configure_compile
+
+    def eager_forward(self, x):
+        return ("eager", x)
+
+    def compiled_forward(self, x):  # stands for speculators' torch.compile wrapper (CUDA only)
+        return ("compiled", x)
+
+    compiled_forward._torchdynamo_orig_callable = eager_forward
+
+    class Drafter(torch.nn.Module):
+        forward = compiled_forward
+
+    try:
+        d = Drafter()
+        assert configure_compile(d, "speculators", "simple_flex_attention") == "speculators"
+        assert d(1) == ("compiled", 1) and spec_attn.flex_attention is flex_attention
+        assert configure_compile(d, "attention", "simple_flex_attention") == "attention"
+        assert d(2) == ("eager", 2)
+        assert spec_attn.flex_attention is not flex_attention  # the compiled wrapper
+        assert getattr(spec_attn.flex_attention, "_torchdynamo_orig_callable", None) is flex_attention
+        d2 = Drafter()
+        configure_compile(d2, "attention", "sdpa")  # nothing to compile with sdpa
+        assert d2(3) == ("eager", 3) and spec_attn.flex_attention is flex_attention
+        configure_compile(d2, "none", "simple_flex_attention")
+        assert spec_attn.flex_attention is flex_attention
+        with pytest.raises(TrainError, match="'fast'"):
+            configure_compile(d2, "fast", "sdpa")
+    finally:
+        spec_attn.flex_attention = flex_attention
+
+
+def _start_slow(ref_run, tmp_path, slow_call: int):
+    rd, _, params = ref_run
+    p = params.model_copy(deep=True)
+    p.train.epochs = 40
+    rd2 = _fresh_copy(rd, tmp_path / "run")
+    pf = tmp_path / "p.yaml"
+    pf.write_text(dump_params(p))
+    script = tmp_path / "slow_step.py"
+    script.write_text(_SLOW_STEP)
+    log = open(tmp_path / "log.txt", "w")
+    proc = subprocess.Popen([sys.executable, str(script), str(slow_call), str(pf), "--run-dir", str(rd2)],
+                            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None and "SLOW STEP" not in (tmp_path / "log.txt").read_text():
+        time.sleep(0.05)
+    assert proc.poll() is None, (tmp_path / "log.txt").read_text()[-3000:]
+    return p, rd2, proc, log
+
+
+def _terminate(proc, log, tmp_path) -> float:
+    t0 = time.time()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    log.close()
+    assert proc.returncode == 128 + signal.SIGTERM, (tmp_path / "log.txt").read_text()[-3000:]
+    return time.time() - t0
+
+
+def test_sigterm_during_a_compiling_first_step_exits_at_once(ref_run, tmp_path):
+    from eagle3.train import list_checkpoints
+
+    _, rd2, proc, log = _start_slow(ref_run, tmp_path, slow_call=1)
+    deadline = time.time() + 15  # progress.json: written at most every 2 s, by the heartbeat every 5 s
+    while "phase" not in (read_json(rd2 / "04_train" / "progress.json") or {}).get("extra", {}) and time.time() < deadline:
+        time.sleep(0.1)
+    prog = read_json(rd2 / "04_train" / "progress.json")
+    assert prog["status"] == "running" and prog["done"] == 0
+    assert prog["extra"]["phase"] == "first step"  # "first step (torch.compile: attention)" on CUDA
+    waited = _terminate(proc, log, tmp_path)
+    assert waited < 20  # the step sleeps 300 s: the handler ended it, not the step
+    prog = read_json(rd2 / "04_train" / "progress.json")
+    assert prog["status"] == "interrupted" and prog["done"] == 0
+    assert list_checkpoints(rd2 / "04_train" / "checkpoints") == []  # nothing trained, nothing to keep
+    assert not (rd2 / "04_train" / "metrics.jsonl").exists() or not _records(rd2, "train")
+
+
+def test_sigterm_inside_a_long_step_saves_the_last_complete_step_then_resumes(ref_run, tmp_path):
+    from eagle3.train import list_checkpoints, run
+
+    p, rd2, proc, log = _start_slow(ref_run, tmp_path, slow_call=6)  # steps 1-5 done, checkpoint 4 periodic
+    assert _terminate(proc, log, tmp_path) < 20
+    assert [r["step"] for r in _records(rd2, "train")] == [1, 2, 3, 4, 5]
+    assert list_checkpoints(rd2 / "04_train" / "checkpoints") == [4, 5]
+    st = read_json(rd2 / "04_train" / "checkpoints" / "step_000005" / "state.json")
+    assert st["step"] == 5 and st["tokens_seen"] == sum(r["tokens"] for r in _records(rd2, "train"))
+    prog = read_json(rd2 / "04_train" / "progress.json")
+    assert prog["status"] == "interrupted" and prog["done"] == 5 and prog["extra"]["phase"] == "training"
+    out = run(p, rd2, stop_after=2)
+    assert out["step"] == 7
+    assert [r["step"] for r in _records(rd2, "train")] == list(range(1, 8))

@@ -282,15 +282,37 @@ def _truncate_metrics(path: Path, step: int) -> None:
 # signals
 
 
+class _StepAborted(BaseException):
+    """Raised by the signal handler inside the abortable part of a step (see :class:`_Signals`).
+
+    A BaseException, so that no ``except Exception`` on the way (dynamo, inductor, the DataLoader)
+    swallows or wraps it."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
 class _Signals:
-    """Install SIGINT/SIGTERM handlers that only record the signal (main thread only)."""
+    """Install SIGINT/SIGTERM handlers (main thread only).
+
+    Normally the handler only records the signal and the loop stops at the end of the step, after
+    a checkpoint. While ``abortable`` is set (a step's forward/backward, which may hold the first
+    step's ``torch.compile`` for minutes, and validation) the handler raises :class:`_StepAborted`
+    at once: nothing there has touched the weights, the optimizer or the scheduler since the last
+    completed step, so the loop can save that step and exit within seconds.
+    """
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.abortable = False
         self._old: dict[int, Any] = {}
 
     def _handler(self, signum, frame) -> None:  # noqa: ARG002
         self.received = signum
+        if self.abortable:
+            self.abortable = False
+            raise _StepAborted(signum)
 
     def __enter__(self) -> "_Signals":
         if threading.current_thread() is threading.main_thread():
@@ -461,12 +483,15 @@ class _Trainer:
     def _model(self):
         import torch
 
-        from eagle3.train.model import build_drafter, default_attn_implementation
+        from eagle3.train.model import build_drafter, configure_compile, default_attn_implementation
 
         tp = self.tp
         attn = tp.attn_implementation if tp.attn_implementation != "auto" else default_attn_implementation(self.ctx.device.type)
         torch.manual_seed(tp.seed)
         model = build_drafter(self.params, self.inputs, attn).to(self.ctx.device)
+        # what torch.compile covers (model.configure_compile): by default only flex attention;
+        # EAGLE3_TRAIN_COMPILE=speculators restores speculators' whole compiled forward
+        self.compile_mode = configure_compile(model, os.environ.get("EAGLE3_TRAIN_COMPILE", "attention"), attn)
         decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
         opt = torch.optim.AdamW(
@@ -610,6 +635,19 @@ class _Trainer:
         batches = _Prefetch(self._micro(my_lists), ctx.device)
         trainable = [p for p in base.parameters() if p.requires_grad]
         status, ckpt_path, step, done_here = "running", None, start, 0
+
+        def ckpt_state(epoch: int, ev: dict | None) -> None:
+            state.update({"step": step, "epoch": epoch, "global_batch": G, "world_size": ctx.world,
+                          "grad_accum": A, "plan_digest": digest, "total_steps": total,
+                          "params_fingerprint": params_fingerprint(self.params),
+                          "val": {k: v for k, v in (ev or {}).items() if k.startswith("val_")}})
+
+        if prog is not None and start < total:
+            # the first step compiles (torch.compile; minutes on a cold cache): say so, the
+            # heartbeat keeps progress.json fresh meanwhile
+            prog.extra["phase"] = f"first step (torch.compile: {self.compile_mode})" if ctx.device.type == "cuda" else "first step"
+            prog.bar.set_postfix_str(prog.extra["phase"], refresh=True)
+            prog.update(0)
         try:
             with _Signals() as sig:
                 while step < total:
@@ -617,6 +655,7 @@ class _Trainer:
                     epoch = self.schedule[step][0]
                     # metrics stay on the device until the one host sync per step (below)
                     vec = torch.zeros(len(keys) + 4 + G, dtype=torch.float64, device=ctx.device)
+                    sig.abortable = True  # until the optimizer step: a signal aborts the step (_Signals)
                     for a in range(A):
                         batch = next(batches)
                         sync = model.no_sync() if (ctx.world > 1 and a < A - 1) else contextlib.nullcontext()
@@ -627,6 +666,7 @@ class _Trainer:
                         vec[:len(keys)] += torch.stack([m[k].detach().double() for k in keys])
                         vec[len(keys)] += (batch["document_ids"] != -1).sum()
                         vec[len(keys) + 4 + ctx.rank * A + a] = (~torch.isfinite(loss.detach())).double()
+                    sig.abortable = False
                     gnorm = torch.nn.utils.clip_grad_norm_(trainable, tp.grad_clip)
                     vec[len(keys) + 1] = (~torch.isfinite(gnorm)).double()
                     vec[len(keys) + 2] = 1.0 if sig.received is not None else 0.0
@@ -651,23 +691,26 @@ class _Trainer:
                            "tokens_seen": state["tokens_seen"], "time_s": round(dt, 4), "t": round(time.time(), 3)}
                     self._log(rec)
                     if prog is not None:
+                        if done_here == 1:
+                            prog.extra["phase"] = "training"
+                            prog.extra["first_step_s"] = round(dt, 2)
+                            prog.bar.set_postfix_str("", refresh=False)
                         prog.update(1, tokens=ntok, loss=round(rec["loss"], 4), tau_hat=round(rec["tau_hat"], 3))
                     stop_sig = vec[len(keys) + 2] > 0
                     stop_call = stop_after is not None and done_here >= stop_after and step < total
                     periodic = step % tp.checkpoint_every == 0 or step == total
                     ev = None
                     if step % tp.eval_every == 0 or periodic:
+                        sig.abortable = sig.received is None  # validation may compile too; `step` is complete
                         ev = self._evaluate(model, step)
+                        sig.abortable = False
                         if ev:
                             state["val_history"].append({"step": step, "val_tau_hat": ev["val_tau_hat"], "val_loss": ev["val_loss"]})
                     new_best = bool(ev) and (state["best_val_tau_hat"] is None or ev["val_tau_hat"] > state["best_val_tau_hat"])
                     if new_best:
                         state["best_step"], state["best_val_tau_hat"] = step, ev["val_tau_hat"]
                     if periodic or new_best or stop_sig or stop_call:
-                        state.update({"step": step, "epoch": epoch, "global_batch": G, "world_size": ctx.world,
-                                      "grad_accum": A, "plan_digest": digest, "total_steps": total,
-                                      "params_fingerprint": params_fingerprint(self.params),
-                                      "val": {k: v for k, v in (ev or {}).items() if k.startswith("val_")}})
+                        ckpt_state(epoch, ev)
                         if ctx.main:
                             ckpt_path = _save_checkpoint(self.ckpt_root, step, base, opt, sched, state, self.params)
                             protect = {state["best_step"]} if state["best_step"] is not None else set()
@@ -680,6 +723,23 @@ class _Trainer:
                     if stop_call:
                         status = "stopped"
                         break
+        except _StepAborted as exc:
+            # a signal inside a step's forward/backward (or validation): the weights, optimizer and
+            # scheduler are those of `step`; save them unless a checkpoint of `step` exists
+            opt.zero_grad(set_to_none=True)
+            have = list_checkpoints(self.ckpt_root)
+            if step > start and ctx.main and step not in have:
+                ckpt_state(self.schedule[step - 1][0], None)
+                ckpt_path = _save_checkpoint(self.ckpt_root, step, base, opt, sched, state, self.params)
+            elif have:
+                ckpt_path = _ckpt(self.ckpt_root, have[-1])
+            if prog is not None:
+                prog.close("interrupted")
+                prog = None
+            self._finish_tracker()
+            if exc.signum == signal.SIGTERM:
+                raise SystemExit(128 + signal.SIGTERM) from None
+            raise TrainingInterrupted(exc.signum, ckpt_path) from None
         except TrainingInterrupted as exc:
             if prog is not None:
                 prog.close("interrupted")

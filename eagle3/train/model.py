@@ -28,6 +28,8 @@ __all__ = [
     "load_vocab_mapping",
     "build_drafter",
     "loss_config",
+    "COMPILE_MODES",
+    "configure_compile",
     "trainable_state",
     "default_attn_implementation",
 ]
@@ -237,6 +239,64 @@ def build_drafter(params: Params, inputs: DrafterInputs, attn_implementation: st
         _loguru.enable("speculators")
     model.config.target_hidden_size = inputs.hidden_size
     return model
+
+
+COMPILE_MODES = ("attention", "speculators", "none")
+
+
+def _compiled_flex_attention():
+    """``flex_attention`` under ``torch.compile`` (static shapes), made once per process."""
+    import torch
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _FLEX_COMPILED
+    if _FLEX_COMPILED is None:
+        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
+    return _FLEX_COMPILED
+
+
+_FLEX_COMPILED = None
+
+
+def configure_compile(model, mode: str, attn_implementation: str) -> str:
+    """Choose what ``torch.compile`` covers in a drafter; returns the mode applied.
+
+    speculators wraps ``Eagle3DraftModel.forward`` in ``torch.compile`` whenever CUDA is visible
+    (``speculators.models.utils.conditional_torch_compile``). That forward graph-breaks in every
+    decoder layer (speculators' own ``torch._dynamo.graph_break()`` for torch >= 2.10), around the
+    fused loss (``torch.compiler.disable``, see :func:`loss_config`) and in the metrics, and each
+    TTT step's shapes differ (``[T - k]`` slices, KV ``k * T``), so dynamo compiles ~45 frames
+    (automatic-dynamic recompiles included) before the first step can run: 101 s of CPU
+    compilation with the GPU idle, measured on an H200 for the 135M target (benchmarks/RESULTS.md).
+
+    Modes:
+        'attention': run the forward eagerly and compile only ``flex_attention`` (it must be
+            compiled: eager flex materialises the [T, KV] scores), by rebinding the name that
+            speculators' ``flex_attention_forward`` calls. With sdpa/eager attention nothing is
+            compiled.
+        'speculators': keep speculators' compiled forward (the behaviour before 2026-12-01).
+        'none': nothing compiled (debugging; eager flex attention is slow and memory-hungry).
+
+    Raises:
+        TrainError: an unknown mode.
+    """
+    if mode not in COMPILE_MODES:
+        raise TrainError(f"train compile mode {mode!r}: expected one of {list(COMPILE_MODES)}")
+    import types
+
+    import speculators.models.attention as spec_attn
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # the rebinding below is process-wide: every mode sets it, so one run cannot leak into the next
+    spec_attn.flex_attention = flex_attention
+    if mode == "speculators":
+        return mode
+    eager = getattr(type(model).forward, "_torchdynamo_orig_callable", None)
+    if eager is not None:  # forward is speculators' torch.compile wrapper (CUDA visible)
+        model.forward = types.MethodType(eager, model)
+    if mode == "attention" and attn_implementation == "simple_flex_attention":
+        spec_attn.flex_attention = _compiled_flex_attention()
+    return mode
 
 
 def loss_config(loss: str, implementation: str):
