@@ -67,6 +67,13 @@ def test_prepare_self_sources_writes_reuses_and_refuses_other_settings(tmp_path,
     assert sorted(p.turns[0][1]["content"] for p in mine) == sorted(r["messages"][1]["content"] for r in recs)
     assert all(p.id.startswith("self-") for p in mine)
 
+    # what notebook 01 shows: the prompts and one figure (lengths, filter counts, distinct-1/2)
+    from eagle3.self_prompt import read_self_prompts, self_prompt_figures
+
+    assert [p["user"] for p in read_self_prompts(run_dir)] == [r["messages"][1]["content"] for r in recs]
+    fig = self_prompt_figures(run_dir)["self_prompts"]
+    assert len(fig.axes) == 3 and fig.axes[1].get_title() == "candidates by filter"
+
     # a second call reuses the finished files (nothing sampled: the candidates file is untouched)
     before = (d / "source_1.candidates.jsonl").stat().st_mtime_ns
     again, stats2 = prepare_self_sources(params, run_dir)
@@ -119,3 +126,4 @@ def test_resume_after_sigkill_gives_the_same_prompts(tmp_path, embedded_target):
     clean_final = clean.run_dir() / "01_synthesize" / SELF_PROMPTS_DIR / "source_1.jsonl"
     assert final.read_text() == clean_final.read_text()
     assert st_resumed[0]["filtered"] == st_clean[0]["filtered"]
+
