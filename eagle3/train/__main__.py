@@ -2,7 +2,7 @@
 
 import sys
 
-from eagle3.train.loop import main
+from eagle3.train.stage import main
 
 if __name__ == "__main__":
     sys.exit(main())
