@@ -13,7 +13,7 @@ from eagle3.errors import ExtractError
 from eagle3.extract import report
 from eagle3.extract.prepare import Setup, extract_dir, load_rows
 from eagle3.io import write_stats
-from eagle3.stage import Stats
+from eagle3.stage import StageRun, Stats
 
 __all__ = ["ExtractStats", "finalize", "verify"]
 
@@ -94,7 +94,7 @@ def _stats(params: Params, setup: Setup, pf: dict, loops: list[dict], redone: li
     )
 
 
-def _figures(run_dir: Path, tracker) -> None:
+def _figures(run_dir: Path, st) -> None:
     for name, fn in (("throughput", report.fig_throughput), ("bytes_per_token", report.fig_bytes_per_token),
                      ("layer_norms", report.fig_layer_norms)):
         try:
@@ -102,15 +102,17 @@ def _figures(run_dir: Path, tracker) -> None:
         except Exception as exc:  # noqa: BLE001 - a plot must not fail the stage
             print(f"eagle3 extract: figure {name} skipped: {exc}", flush=True)
             continue
-        tracker.figure(name, fig)
+        st.figure(name, fig)
 
 
 def finalize(params: Params, run_dir: Path, sd: Path, setup: Setup, pf: dict, loops: list[dict],
-             redone: list[dict], world: int, tracker) -> dict:
+             redone: list[dict], world: int, st: StageRun | None) -> dict:
     """Write the manifest (every row must have its file), verify when ``extract.verify``, write
     ``stats.json`` and the figures; returns the stats as written.
 
     Args:
+        st: the stage's :class:`eagle3.stage.StageRun` (figures, W&B summary, ``stats.json``); None
+            writes only ``stats.json`` (adopting vLLM files by hand).
         loops: one dict per rank (``samples``, ``tokens``, ``computed_tokens``, ``seconds``,
             ``bytes_written``, ``writer_busy_s``, ``calibration``).
 
@@ -132,8 +134,7 @@ def finalize(params: Params, run_dir: Path, sd: Path, setup: Setup, pf: dict, lo
     stats = (_stats(params, setup, pf, loops, redone, world, total_bytes, verified)).to_dict()
     for d in sd.glob(".rank*"):
         shutil.rmtree(d, ignore_errors=True)
-    if tracker is not None:
-        _figures(run_dir, tracker)
-        tracker.summary(stats)
-        tracker.finish()
-    return write_stats(sd, stats)
+    if st is None:
+        return write_stats(sd, stats)
+    _figures(run_dir, st)
+    return st.finish(stats)

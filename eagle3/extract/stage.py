@@ -28,6 +28,8 @@ from eagle3.extract.prepare import Prepared, extract_dir, prepare
 from eagle3.extract.progress import make_progress
 from eagle3.hooks import PrefillCapture
 from eagle3.io import atomic_write_json, atomic_write_text, read_json
+from eagle3.rundir import EXTRACT
+from eagle3.stage import StageRun
 
 __all__ = ["run"]
 
@@ -163,37 +165,33 @@ def _run_transformers(params: Params, run_dir: Path, sd: Path, write_fn) -> dict
     prep = prepare(params, run_dir, sd, dist)
     rows = prep.setup.rows
     todo = [b for b in prep.my_batches if any(r not in prep.valid for r in b)]
-    tracker = None
-    if dist.main:
-        from eagle3.tracking import Tracker
-
-        tracker = Tracker(params, run_dir, sd.name)
     loop: dict = {"samples": 0, "tokens": 0, "computed_tokens": 0, "seconds": 0.0}
     writer = None
     calib = _Calibration(sd, prep.pf, ep.calibration_batches,
                          sum(len(b) * int(rows.lengths[b[0]]) for b in todo), dist.main)
-    progress = make_progress(sd, dist, prep, lambda: writer.bytes_written if writer is not None else 0)
-    try:
-        if todo:
-            writer = SampleWriter(sd, prep.journal, prep.setup.stored, threads=ep.writer_threads,
-                                  max_pending_bytes=ep.max_pending_mb << 20, write_fn=write_fn)
-            loop = _extract_share(params, sd, prep, dist, todo, writer, progress, tracker, calib)
-    except BaseException:
-        if writer is not None:
-            try:
-                writer.close(wait=True)
-            except BaseException:  # noqa: BLE001 - the first error is the one raised
-                pass
-        progress.close("failed")
-        if tracker is not None:
-            tracker.finish()
-        raise
-    progress.close("done")
-    mine = {"samples": loop["samples"], "tokens": loop["tokens"], "computed_tokens": loop["computed_tokens"],
-            "seconds": loop["seconds"], "bytes_written": writer.bytes_written if writer is not None else 0,
-            "writer_busy_s": writer.busy_s if writer is not None else 0.0, "calibration": calib.result or None}
-    loops = dist.gather(mine)
-    dist.barrier()
-    if not dist.main:
-        return {"rank": dist.rank, **mine}
-    return finalize(params, run_dir, sd, prep.setup, prep.pf, loops, prep.redone, dist.world, tracker)
+
+    def progress(_: Path):
+        return make_progress(sd, dist, prep, lambda: writer.bytes_written if writer is not None else 0)
+
+    with StageRun(params, run_dir, EXTRACT, progress=progress, main=dist.main) as st:
+        tracker = st.tracker if dist.main else None  # the W&B run opens now, as the stage starts
+        try:
+            if todo:
+                writer = SampleWriter(sd, prep.journal, prep.setup.stored, threads=ep.writer_threads,
+                                      max_pending_bytes=ep.max_pending_mb << 20, write_fn=write_fn)
+                loop = _extract_share(params, sd, prep, dist, todo, writer, st.progress, tracker, calib)
+        except BaseException:
+            if writer is not None:
+                try:
+                    writer.close(wait=True)
+                except BaseException:  # noqa: BLE001 - the first error is the one raised
+                    pass
+            raise
+        mine = {"samples": loop["samples"], "tokens": loop["tokens"], "computed_tokens": loop["computed_tokens"],
+                "seconds": loop["seconds"], "bytes_written": writer.bytes_written if writer is not None else 0,
+                "writer_busy_s": writer.busy_s if writer is not None else 0.0, "calibration": calib.result or None}
+        loops = dist.gather(mine)
+        dist.barrier()
+        if not dist.main:
+            return {"rank": dist.rank, **mine}
+        return finalize(params, run_dir, sd, prep.setup, prep.pf, loops, prep.redone, dist.world, st)

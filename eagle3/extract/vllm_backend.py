@@ -50,6 +50,8 @@ from eagle3.errors import ExtractError
 import eagle3.extract.finalize as _fin
 from eagle3.extract.prepare import Setup, build_setup, extract_dir, prepare
 from eagle3.extract.progress import make_progress
+from eagle3.rundir import EXTRACT
+from eagle3.stage import StageRun
 
 __all__ = [
     "speculative_config",
@@ -275,7 +277,6 @@ def run_vllm(params: Params, run_dir: str | Path) -> dict:
             (re-running retries only those); plus everything :func:`eagle3.extract.run` raises.
     """
     from eagle3.target import resolve_target
-    from eagle3.tracking import Tracker
     from eagle3.vllm_utils import VllmServer
 
     run_dir = Path(run_dir)
@@ -305,69 +306,67 @@ def run_vllm(params: Params, run_dir: str | Path) -> dict:
     for f in raw.glob("hs_*.safetensors"):
         f.unlink()
     todo = [r for r in range(len(setup.rows)) if r not in done]
-    tracker = Tracker(params, run_dir, sd.name)
-    progress = make_progress(sd, dist, prep, lambda: writer.bytes_written)
-    t0 = time.perf_counter()
-    try:
-        if todo:
-            row_map = todo
-            write_vllm_input(setup.rows, todo, sd / INPUT_DIR)
-            stop = threading.Event()
-            counted = {"n": 0}
-
-            def tick() -> None:
-                n = len(done) - len(prep.valid) - counted["n"]
-                if n > 0:
-                    progress.update(n)
-                    counted["n"] += n
-
-            def poll() -> None:
-                while not stop.wait(2.0):
-                    problems.extend(_adopt(sd, setup, raw, row_map, writer, done, final=False, keep_raw=ep.vllm_keep_raw))
-                    tick()
-
-            def client(endpoint: str) -> int:
-                th = threading.Thread(target=poll, daemon=True)
-                th.start()
-                try:
-                    return subprocess.run(generate_command(endpoint, sd / INPUT_DIR, raw), check=False).returncode
-                finally:
-                    stop.set()
-                    th.join()
-
-            if ep.vllm_endpoint:
-                rc = client(ep.vllm_endpoint)
-            else:
-                model = str(resolve_target(params.target).path)
-                args = serve_args(params, setup.aux, setup.num_layers, staging, int(setup.rows.lengths.max()))
-                with VllmServer(model, args=args, log_file=sd / "vllm_serve.log") as server:
-                    rc = client(server.base_url)
-            problems += _adopt(sd, setup, raw, row_map, writer, done, final=True, keep_raw=ep.vllm_keep_raw)
-            writer.close()
-            tick()
-            for p in problems:
-                print(f"eagle3 extract (vllm): rejected {p['file']}: {p['problem']}", flush=True)
-            missing = [r for r in range(len(setup.rows)) if r not in done]
-            if missing:
-                raise ExtractError(
-                    f"{len(missing)} row(s) have no hidden states after the vLLM client finished (exit code {rc}); "
-                    f"first: row {missing[0]} (id {setup.rows.ids[missing[0]]}). {len(problems)} file(s) were "
-                    f"rejected (printed above). Re-run to retry only the missing rows."
-                )
-        else:
-            writer.close()
-    except BaseException:
+    st = StageRun(params, run_dir, EXTRACT, progress=lambda _: make_progress(sd, dist, prep, lambda: writer.bytes_written))
+    with st:
+        _ = st.tracker  # the W&B run opens now, as the stage starts
+        t0 = time.perf_counter()
         try:
-            writer.close()
-        except BaseException:  # noqa: BLE001
-            pass
-        progress.close("failed")
-        tracker.finish()
-        raise
-    progress.close("done")
-    shutil.rmtree(staging, ignore_errors=True)
-    secs = time.perf_counter() - t0
-    loops = [{"samples": writer.files_written, "tokens": sum(e["num_tokens"] for e in writer.entries),
-              "computed_tokens": sum(e["num_tokens"] for e in writer.entries), "seconds": secs,
-              "bytes_written": writer.bytes_written, "writer_busy_s": writer.busy_s, "calibration": None}]
-    return _fin.finalize(params, run_dir, sd, setup, prep.pf, loops, prep.redone, 1, tracker)
+            if todo:
+                row_map = todo
+                write_vllm_input(setup.rows, todo, sd / INPUT_DIR)
+                stop = threading.Event()
+                counted = {"n": 0}
+
+                def tick() -> None:
+                    n = len(done) - len(prep.valid) - counted["n"]
+                    if n > 0:
+                        st.progress.update(n)
+                        counted["n"] += n
+
+                def poll() -> None:
+                    while not stop.wait(2.0):
+                        problems.extend(_adopt(sd, setup, raw, row_map, writer, done, final=False, keep_raw=ep.vllm_keep_raw))
+                        tick()
+
+                def client(endpoint: str) -> int:
+                    th = threading.Thread(target=poll, daemon=True)
+                    th.start()
+                    try:
+                        return subprocess.run(generate_command(endpoint, sd / INPUT_DIR, raw), check=False).returncode
+                    finally:
+                        stop.set()
+                        th.join()
+
+                if ep.vllm_endpoint:
+                    rc = client(ep.vllm_endpoint)
+                else:
+                    model = str(resolve_target(params.target).path)
+                    args = serve_args(params, setup.aux, setup.num_layers, staging, int(setup.rows.lengths.max()))
+                    with VllmServer(model, args=args, log_file=sd / "vllm_serve.log") as server:
+                        rc = client(server.base_url)
+                problems += _adopt(sd, setup, raw, row_map, writer, done, final=True, keep_raw=ep.vllm_keep_raw)
+                writer.close()
+                tick()
+                for p in problems:
+                    print(f"eagle3 extract (vllm): rejected {p['file']}: {p['problem']}", flush=True)
+                missing = [r for r in range(len(setup.rows)) if r not in done]
+                if missing:
+                    raise ExtractError(
+                        f"{len(missing)} row(s) have no hidden states after the vLLM client finished (exit code {rc}); "
+                        f"first: row {missing[0]} (id {setup.rows.ids[missing[0]]}). {len(problems)} file(s) were "
+                        f"rejected (printed above). Re-run to retry only the missing rows."
+                    )
+            else:
+                writer.close()
+        except BaseException:
+            try:
+                writer.close()
+            except BaseException:  # noqa: BLE001 - the first error is the one raised
+                pass
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+        secs = time.perf_counter() - t0
+        loops = [{"samples": writer.files_written, "tokens": sum(e["num_tokens"] for e in writer.entries),
+                  "computed_tokens": sum(e["num_tokens"] for e in writer.entries), "seconds": secs,
+                  "bytes_written": writer.bytes_written, "writer_busy_s": writer.busy_s, "calibration": None}]
+        return _fin.finalize(params, run_dir, sd, setup, prep.pf, loops, prep.redone, 1, st)
