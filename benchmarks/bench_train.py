@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -180,7 +179,7 @@ def train_flops_per_token(shape: dict, draft_vocab: int, n_aux: int, ttt: int, d
     Frozen verifier head (teacher logits, once): x2. Attention per TTT step: QK^T and PV over the
     causal context, on average doc_len/2 keys, x6.
     """
-    H, I = shape["hidden_size"], shape["intermediate_size"]
+    H, I = shape["hidden_size"], shape["intermediate_size"]  # noqa: E741 - the usual names of the two widths
     hd = shape.get("head_dim") or H // shape["num_attention_heads"]
     q, kv = shape["num_attention_heads"] * hd, shape["num_key_value_heads"] * hd
     layer = 2 * H * (q + 2 * kv) + q * H + 3 * H * I

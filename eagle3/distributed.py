@@ -12,9 +12,10 @@ import datetime
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["DistContext", "in_torchrun", "launch_torchrun"]
 
@@ -42,7 +43,7 @@ class DistContext:
 
     @classmethod
     def from_env(cls, device: str | None = None, backend: str | None = None,
-                 timeout: datetime.timedelta | None = None) -> "DistContext":
+                 timeout: datetime.timedelta | None = None) -> DistContext:
         """Join the job torchrun started (or a world of one).
 
         Args:

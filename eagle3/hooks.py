@@ -24,8 +24,9 @@ This module needs only torch (the GPU benchmark imports it alone).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import partial
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

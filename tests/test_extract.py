@@ -36,10 +36,13 @@ from eagle3.errors import ExtractError  # noqa: E402
 from eagle3.extract import load_rows, online_samples, preflight, run, verify  # noqa: E402
 from eagle3.extract.core import extract_batches, plan_batches  # noqa: E402
 from eagle3.hooks import PrefillCapture, resolve_layer_ids  # noqa: E402
-from eagle3.io import prepare_run_dir, read_json  # noqa: E402
+from eagle3.io import read_json  # noqa: E402
+from eagle3.rundir import STAGES, prepare_run_dir  # noqa: E402
+
+VOCAB_DIR, EXTRACT_DIR = STAGES[2], STAGES[3]  # the stage folder names
 
 N_ROWS = 10
-EXTRACT = {"token_budget": 384, "shard_size": 4, "dtype": "bfloat16"}
+EXTRACT_PARAMS = {"token_budget": 384, "shard_size": 4, "dtype": "bfloat16"}
 
 
 def make_params(out: Path, name: str, **extract):
@@ -48,7 +51,7 @@ def make_params(out: Path, name: str, **extract):
         "tracking": {"mode": "disabled"},
         "target": {"dtype": "float32", "device": "cpu"},
         "vocab": {"max_seq_len": 512},
-        "extract": {**EXTRACT, **extract},
+        "extract": {**EXTRACT_PARAMS, **extract},
     })
 
 
@@ -61,11 +64,11 @@ def new_run(out: Path, name: str, tok, n: int = N_ROWS, extra_rows=(), **extract
 
 def assert_same_outputs(a: Path, b: Path) -> None:
     """Identical manifest.jsonl and identical bytes in every sample file."""
-    ma = (a / "03_extract" / "manifest.jsonl").read_bytes()
-    assert ma == (b / "03_extract" / "manifest.jsonl").read_bytes()
+    ma = (a / EXTRACT_DIR / "manifest.jsonl").read_bytes()
+    assert ma == (b / EXTRACT_DIR / "manifest.jsonl").read_bytes()
     for line in ma.decode().splitlines():
         rel = json.loads(line)["file"]
-        assert (a / "03_extract" / rel).read_bytes() == (b / "03_extract" / rel).read_bytes(), rel
+        assert (a / EXTRACT_DIR / rel).read_bytes() == (b / EXTRACT_DIR / rel).read_bytes(), rel
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -200,7 +203,7 @@ def test_layer_count_disagreeing_with_the_model():
 
 def test_run_writes_the_contract_files(ref):
     params, rd, stats = ref
-    sd = rd / "03_extract"
+    sd = rd / EXTRACT_DIR
     rows = load_rows(rd)
     meta = read_json(sd / "meta.json")
     assert meta["aux_layer_ids"] == [2, 15, 27] and meta["stored_layers"] == [2, 15, 27, 30]
@@ -220,7 +223,7 @@ def test_run_writes_the_contract_files(ref):
     # preflight: projected hidden bytes = sum(tokens) x (3 + 1) x 576 x 2, hand-checked against the parquet
     import pyarrow.parquet as pq
 
-    tokens = sum(len(x) for x in pq.read_table(rd / "02_vocab" / "train.parquet")["input_ids"].to_pylist())
+    tokens = sum(len(x) for x in pq.read_table(rd / VOCAB_DIR / "train.parquet")["input_ids"].to_pylist())
     pf = read_json(sd / "preflight.json")
     assert pf["tokens"] == tokens and pf["projected_hidden_bytes"] == tokens * 4 * 576 * 2
     assert pf["fits"] and pf["free_bytes"] > 0 and pf["projected_seconds"] > 0
@@ -270,7 +273,7 @@ def test_verify_finds_a_flipped_byte(ref, tmp_path):
     dst = tmp_path / "copy"
     shutil.copytree(rd, dst)
     assert verify(dst)["problems"] == []
-    f = dst / "03_extract" / "rows_000000-000004" / "000002.safetensors"
+    f = dst / EXTRACT_DIR / "rows_000000-000004" / "000002.safetensors"
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x40  # inside the hidden-state data: the header stays valid
     f.write_bytes(bytes(data))
@@ -287,7 +290,7 @@ def test_verify_finds_a_flipped_byte(ref, tmp_path):
 
 def _unfinish(rd: Path) -> None:
     """Make a finished folder look like an interrupted one: no stats, no manifest."""
-    sd = rd / "03_extract"
+    sd = rd / EXTRACT_DIR
     (sd / "stats.json").unlink()
     lines = (sd / "manifest.jsonl").read_text()
     (sd / "manifest.jsonl").unlink()
@@ -301,7 +304,7 @@ def test_resume_redoes_truncated_corrupt_and_wrong_shape_files(ref, tmp_path):
     dst = tmp_path / "ref"
     shutil.copytree(rd, dst)
     _unfinish(dst)
-    sd = dst / "03_extract"
+    sd = dst / EXTRACT_DIR
     f = {r: sd / f"rows_{r // 4 * 4:06d}-{r // 4 * 4 + 4:06d}/{r:06d}.safetensors" for r in range(N_ROWS)}
     data = f[1].read_bytes()
     f[1].write_bytes(data[: len(data) - 1000])  # truncated
@@ -323,7 +326,7 @@ def test_sigkill_at_a_random_point_then_resume_is_identical(ref, tmp_path, tok):
     seed = int.from_bytes(os.urandom(2), "little")
     rng = random.Random(seed)
     k, extra_sleep = rng.randint(1, N_ROWS // 2), rng.uniform(0.0, 0.4)
-    journal = rd2 / "03_extract" / "manifest.part-000.jsonl"
+    journal = rd2 / EXTRACT_DIR / "manifest.part-000.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "eagle3.extract", str(rd2 / "params.yaml"), "--run-dir", str(rd2)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -339,8 +342,8 @@ def test_sigkill_at_a_random_point_then_resume_is_identical(ref, tmp_path, tok):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert not (rd2 / "03_extract" / "stats.json").exists()
-    n_before = len(list((rd2 / "03_extract").glob("rows_*/*.safetensors")))
+    assert not (rd2 / EXTRACT_DIR / "stats.json").exists()
+    n_before = len(list((rd2 / EXTRACT_DIR).glob("rows_*/*.safetensors")))
     assert 0 < n_before < N_ROWS, (seed, n_before)
     stats = run(p2, rd2)
     assert stats["samples_skipped"] >= 1, seed
@@ -359,7 +362,7 @@ def test_bad_aux_ids_fail_before_loading_the_model(tmp_path, tok):
     params, rd = new_run(tmp_path, "dup", tok, n=2, aux_layer_ids=[4, 4, 20])
     with pytest.raises(ExtractError, match=r"duplicated id\(s\) \[4\]"):
         run(params, rd)
-    assert not list((rd / "03_extract").glob("rows_*"))
+    assert not list((rd / EXTRACT_DIR).glob("rows_*"))
 
 
 def test_row_longer_than_max_seq_len(tmp_path, tok):
@@ -373,12 +376,12 @@ def test_meta_of_another_model_is_refused(ref, tmp_path):
     dst = tmp_path / "ref"
     shutil.copytree(rd, dst)
     _unfinish(dst)
-    meta = read_json(dst / "03_extract" / "meta.json")
+    meta = read_json(dst / EXTRACT_DIR / "meta.json")
     meta.update(hidden_size=4096, num_hidden_layers=32)
-    (dst / "03_extract" / "meta.json").write_text(json.dumps(meta))
+    (dst / EXTRACT_DIR / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(ExtractError, match=r"num_hidden_layers: 32 .* 30 now(.|\n)*hidden_size: 4096 .* 576 now(.|\n)*disagrees"):
         run(params, dst)
-    assert len(list((dst / "03_extract").glob("rows_*/*.safetensors"))) == N_ROWS  # nothing lost
+    assert len(list((dst / EXTRACT_DIR).glob("rows_*/*.safetensors"))) == N_ROWS  # nothing lost
 
 
 def test_foreign_file_in_the_output_dir(ref, tmp_path):
@@ -386,12 +389,12 @@ def test_foreign_file_in_the_output_dir(ref, tmp_path):
     dst = tmp_path / "ref"
     shutil.copytree(rd, dst)
     _unfinish(dst)
-    junk = dst / "03_extract" / "rows_000004-000008" / "notes.txt"
+    junk = dst / EXTRACT_DIR / "rows_000004-000008" / "notes.txt"
     junk.write_text("mine")
     with pytest.raises(ExtractError, match=r"not written by Stage 3(.|\n)*notes.txt"):
         run(params, dst)
     assert junk.read_text() == "mine"
-    assert len(list((dst / "03_extract").glob("rows_*/*.safetensors"))) == N_ROWS
+    assert len(list((dst / EXTRACT_DIR).glob("rows_*/*.safetensors"))) == N_ROWS
 
 
 def test_preflight_refuses_when_the_projection_does_not_fit(tmp_path, tok):
@@ -404,8 +407,8 @@ def test_preflight_refuses_when_the_projection_does_not_fit(tmp_path, tok):
     for part in ("not enough free disk", "4 layers x 576 hidden x 2 bytes = 4608 bytes", "free:", "vocab.max_seq_len",
                  "train.online: true", "fewer samples"):
         assert part in msg, part
-    assert read_json(rd / "03_extract" / "preflight.json")["fits"] is False
-    assert not list((rd / "03_extract").glob("rows_*"))
+    assert read_json(rd / EXTRACT_DIR / "preflight.json")["fits"] is False
+    assert not list((rd / EXTRACT_DIR).glob("rows_*"))
 
 
 def test_full_disk_is_a_clean_error_and_resumable(ref, tmp_path, tok):
@@ -426,7 +429,7 @@ def test_full_disk_is_a_clean_error_and_resumable(ref, tmp_path, tok):
 
     with pytest.raises(ExtractError, match=r"disk full while writing .*\.safetensors(.|\n)*re-run to resume"):
         run(params, rd, write_fn=disk_fills_up)
-    sd = rd / "03_extract"
+    sd = rd / EXTRACT_DIR
     assert read_json(sd / "progress.json")["status"] == "failed"
     assert not list(sd.rglob("*.tmp")), "partial files must be removed"
     files = sorted(sd.glob("rows_*/*.safetensors"))
@@ -448,9 +451,9 @@ def test_nan_sample_stops_the_run_naming_it(target_model, tmp_path, tok):
     assert sum(int((rows.tokens(r) == 48000).sum()) for r in range(len(rows))) == 1
     emb = model.model.embed_tokens.weight
     saved = emb[48000].clone()
-    (rd / "03_extract").mkdir()
+    (rd / EXTRACT_DIR).mkdir()
     cap = PrefillCapture(model, None, torch.bfloat16)
-    writer = SampleWriter(rd / "03_extract", rd / "03_extract" / "j.jsonl", cap.stored_layers)
+    writer = SampleWriter(rd / EXTRACT_DIR, rd / EXTRACT_DIR / "j.jsonl", cap.stored_layers)
     try:
         with torch.no_grad():
             emb[48000] = float("nan")
@@ -460,7 +463,7 @@ def test_nan_sample_stops_the_run_naming_it(target_model, tmp_path, tok):
         with torch.no_grad():
             emb[48000] = saved
         cap.close()
-    written = {p.name for p in (rd / "03_extract").glob("rows_*/*.safetensors")}
+    written = {p.name for p in (rd / EXTRACT_DIR).glob("rows_*/*.safetensors")}
     assert "000004.safetensors" not in written
 
 
@@ -476,7 +479,7 @@ def test_torchrun_two_cpu_processes_write_the_same_files(ref, tmp_path, tok):
     stats = run(params, rd)  # launches torchrun --nproc-per-node 2 -m eagle3.extract
     assert stats["world_size"] == 2 and stats["samples_extracted"] == N_ROWS
     assert_same_outputs(rd_ref, rd)
-    assert not list((rd / "03_extract").glob(".rank*"))
+    assert not list((rd / EXTRACT_DIR).glob(".rank*"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -499,7 +502,7 @@ def test_vllm_launch_configs_match_speculators(ref):
     assert spec == {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                     "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 27, 30]}}}
     kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
-    staging = str(rd / "03_extract" / "vllm_staging")
+    staging = str(rd / EXTRACT_DIR / "vllm_staging")
     assert kv == FileBackend.build_kv_transfer_config(argparse.Namespace(hidden_states_path=staging))
 
 
@@ -526,7 +529,7 @@ def test_adopting_vllm_files_gives_the_transformers_layout(ref, tmp_path, tok):
     params_ref, rd_ref, _ = ref
     params, rd = new_run(tmp_path, "adopt", tok, backend="vllm")
     ds = HiddenStatesDataset.from_run(rd_ref)
-    raw = rd / "03_extract" / "vllm_raw"
+    raw = rd / EXTRACT_DIR / "vllm_raw"
     raw.mkdir(parents=True)
     row_map = list(reversed(range(N_ROWS)))  # hs_i is row N-1-i, as a client input of todo rows would be
     for i, r in enumerate(row_map):  # what ExampleHiddenStatesConnector writes: hidden_states + token_ids

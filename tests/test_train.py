@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -20,8 +19,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from _train_fixtures import (
     make_target_run,
     make_tiny_run,
@@ -31,8 +28,13 @@ from _train_fixtures import (
     write_stage2,
     write_stage3,
 )
+from safetensors.torch import load_file, save_file
+
 from eagle3.config import dump_params
 from eagle3.io import read_json
+from eagle3.rundir import STAGES
+
+VOCAB_DIR, EXTRACT_DIR, TRAIN_DIR = STAGES[2], STAGES[3], STAGES[4]  # the stage folder names
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,13 +57,13 @@ def ref_run(tiny_target, tmp_path_factory):
 
 
 def _records(run_dir: Path, kind: str) -> list[dict]:
-    lines = (run_dir / "04_train" / "metrics.jsonl").read_text().splitlines()
+    lines = (run_dir / TRAIN_DIR / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
 def _fresh_copy(src: Path, dst: Path) -> Path:
     """A run dir with src's stage 2/3 folders only (no training yet)."""
-    for d in ("02_vocab", "03_extract"):
+    for d in (VOCAB_DIR, EXTRACT_DIR):
         shutil.copytree(src / d, dst / d)
     return dst
 
@@ -153,7 +155,7 @@ def test_drafter_built_from_stage_folders(tiny_target, ref_run):
     rd, _, params = ref_run
     inp = resolve_inputs(params, rd)
     model = build_drafter(params, inp)
-    m = load_file(str(rd / "02_vocab" / "vocab_mapping.safetensors"))
+    m = load_file(str(rd / VOCAB_DIR / "vocab_mapping.safetensors"))
     assert inp.aux_layer_ids == [2, 4, 5] and inp.draft_vocab_size == 128
     assert torch.equal(model.d2t, m["d2t"]) and torch.equal(model.t2d, m["t2d"])
     assert model.config.eagle_aux_hidden_state_layer_ids == [2, 4, 5]
@@ -168,7 +170,7 @@ def test_drafter_built_from_stage_folders(tiny_target, ref_run):
 
 def test_run_writes_the_stage_contract(ref_run, tiny_target):
     rd, stats, params = ref_run
-    sd = rd / "04_train"
+    sd = rd / TRAIN_DIR
     assert stats["complete"] and read_json(sd / "stats.json")["complete"]
     assert stats["drafter_dir"] == str(sd / "drafter")
     assert stats["excluded_heldout"] == 2 and stats["train_samples"] + stats["val_samples"] == 24  # 2 held out
@@ -218,7 +220,7 @@ def test_export_is_speculators_format_vllm_reads(ref_run, tiny_target):
     assert tl["layer_types"] == ["full_attention"] and tl["vocab_size"] == 512
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(tiny_target)
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
-    m = load_file(str(rd / "02_vocab" / "vocab_mapping.safetensors"))
+    m = load_file(str(rd / VOCAB_DIR / "vocab_mapping.safetensors"))
     assert torch.equal(w["d2t"], m["d2t"]) and torch.equal(w["t2d"], m["t2d"])
     assert "embed_tokens.weight" not in w and not any(k.startswith("verifier_") for k in w)
     assert check_drafter(d, tiny_target) == []
@@ -260,23 +262,23 @@ def test_resume_after_stop_is_bitwise_exact(ref_run, tmp_path):
     rd2 = _fresh_copy(rd, tmp_path / "run")
     part = run(params, rd2, stop_after=7)
     assert not part["complete"] and part["step"] == 7
-    assert read_json(rd2 / "04_train" / "progress.json")["status"] == "stopped"
-    assert (rd2 / "04_train" / "checkpoints" / "step_000007").is_dir()
-    assert not (rd2 / "04_train" / "stats.json").exists()
+    assert read_json(rd2 / TRAIN_DIR / "progress.json")["status"] == "stopped"
+    assert (rd2 / TRAIN_DIR / "checkpoints" / "step_000007").is_dir()
+    assert not (rd2 / TRAIN_DIR / "stats.json").exists()
     # a crash after the checkpoint leaves extra metrics lines: they are dropped and recomputed
-    with open(rd2 / "04_train" / "metrics.jsonl", "a") as f:
+    with open(rd2 / TRAIN_DIR / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"kind": "train", "step": 8, "loss": -1.0}) + "\n{\"kind\": \"tr")
     final = run(params, rd2)
     assert final["complete"] and final["best_step"] == stats["best_step"]
     last = f"step_{stats['total_steps']:06d}"
     for name in ("model.safetensors",):
-        a = load_file(str(rd / "04_train" / "checkpoints" / last / name))
-        b = load_file(str(rd2 / "04_train" / "checkpoints" / last / name))
+        a = load_file(str(rd / TRAIN_DIR / "checkpoints" / last / name))
+        b = load_file(str(rd2 / TRAIN_DIR / "checkpoints" / last / name))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    oa = torch.load(rd / "04_train" / "checkpoints" / last / "optimizer.pt", weights_only=True)
-    ob = torch.load(rd2 / "04_train" / "checkpoints" / last / "optimizer.pt", weights_only=True)
+    oa = torch.load(rd / TRAIN_DIR / "checkpoints" / last / "optimizer.pt", weights_only=True)
+    ob = torch.load(rd2 / TRAIN_DIR / "checkpoints" / last / "optimizer.pt", weights_only=True)
     assert all(torch.equal(oa["state"][i]["exp_avg_sq"], ob["state"][i]["exp_avg_sq"]) for i in oa["state"])
-    assert (rd / "04_train/drafter/model.safetensors").read_bytes() == (rd2 / "04_train/drafter/model.safetensors").read_bytes()
+    assert (rd / TRAIN_DIR / "drafter/model.safetensors").read_bytes() == (rd2 / TRAIN_DIR / "drafter/model.safetensors").read_bytes()
     ta, tb = _records(rd, "train"), _records(rd2, "train")
     assert [r["loss"] for r in ta] == [r["loss"] for r in tb]  # same steps, each once, same numbers
     # running a finished stage again changes nothing
@@ -296,7 +298,7 @@ def test_sigterm_saves_a_checkpoint_then_resumes(ref_run, tmp_path):
     log = open(tmp_path / "log.txt", "w")
     proc = subprocess.Popen([sys.executable, "-m", "eagle3.train", str(pf), "--run-dir", str(rd2)],
                             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-    metrics = rd2 / "04_train" / "metrics.jsonl"
+    metrics = rd2 / TRAIN_DIR / "metrics.jsonl"
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None:
         if metrics.exists() and metrics.read_text().count('"kind": "train"') >= 3:
@@ -309,9 +311,9 @@ def test_sigterm_saves_a_checkpoint_then_resumes(ref_run, tmp_path):
     done = [r["step"] for r in _records(rd2, "train")]
     from eagle3.train import list_checkpoints
 
-    assert list_checkpoints(rd2 / "04_train" / "checkpoints")[-1] == done[-1] < 40 * 6
-    assert read_json(rd2 / "04_train" / "progress.json")["status"] == "interrupted"
-    assert not (rd2 / "04_train" / "stats.json").exists()
+    assert list_checkpoints(rd2 / TRAIN_DIR / "checkpoints")[-1] == done[-1] < 40 * 6
+    assert read_json(rd2 / TRAIN_DIR / "progress.json")["status"] == "interrupted"
+    assert not (rd2 / TRAIN_DIR / "stats.json").exists()
     out = run(p, rd2, stop_after=2)
     assert out["step"] == done[-1] + 2
     assert [r["step"] for r in _records(rd2, "train")] == list(range(1, done[-1] + 3))
@@ -331,8 +333,8 @@ def test_ddp_two_cpu_processes_match_one_process_with_accumulation(ref_run, tmp_
     b = run(two, _fresh_copy(rd, tmp_path / "two"))
     assert b["world_size"] == 2 and a["world_size"] == 1 and a["total_steps"] == b["total_steps"] >= 4
     last = f"step_{a['total_steps']:06d}"
-    wa = load_file(str(tmp_path / "one/04_train/checkpoints" / last / "model.safetensors"))
-    wb = load_file(str(tmp_path / "two/04_train/checkpoints" / last / "model.safetensors"))
+    wa = load_file(str(tmp_path / "one" / TRAIN_DIR / "checkpoints" / last / "model.safetensors"))
+    wb = load_file(str(tmp_path / "two" / TRAIN_DIR / "checkpoints" / last / "model.safetensors"))
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-6)
     la = [r["loss"] for r in _records(tmp_path / "one", "train")]
@@ -353,17 +355,17 @@ def test_mapping_from_another_tokenizer_is_refused(ref_run, tmp_path):
 
     rd, _, params = ref_run
     rd2 = _fresh_copy(rd, tmp_path / "run")
-    f = rd2 / "02_vocab" / "vocab_mapping.safetensors"
+    f = rd2 / VOCAB_DIR / "vocab_mapping.safetensors"
     m = load_file(str(f))
     save_file({"d2t": m["d2t"], "t2d": torch.cat([m["t2d"], torch.zeros(88, dtype=torch.bool)])}, str(f))
-    info = json.loads((rd2 / "02_vocab" / "mapping.json").read_text())
+    info = json.loads((rd2 / VOCAB_DIR / "mapping.json").read_text())
     with pytest.raises(TrainError, match=r"vocab_mapping.safetensors: t2d covers 600 target tokens but the target has 512.*different runs"):
         run(params, rd2)
     info["target_vocab_size"] = 49152
-    (rd2 / "02_vocab" / "mapping.json").write_text(json.dumps(info))
+    (rd2 / VOCAB_DIR / "mapping.json").write_text(json.dumps(info))
     with pytest.raises(TrainError, match=r"mapping.json: target_vocab_size=49152 but the target \(512 tokens\)"):
         run(params, rd2)
-    assert not (rd2 / "04_train" / "checkpoints").exists()
+    assert not (rd2 / TRAIN_DIR / "checkpoints").exists()
 
 
 def _random_stage3(rd: Path, hidden: int, slots: int, meta_hidden: int = 64):
@@ -381,7 +383,8 @@ def test_hidden_state_files_with_another_hidden_size_are_refused(tiny_target, tm
 
     params = tiny_params(tiny_target, val_fraction=0.0)
     _random_stage3(tmp_path / "a", hidden=32, slots=4)
-    with pytest.raises(TrainError, match=r"03_extract/rows_000000-002000/\d+\.safetensors \(id s\d+\): hidden size 32 but the target/drafter has hidden size 64"):
+    want = EXTRACT_DIR + r"/rows_000000-002000/\d+\.safetensors \(id s\d+\): hidden size 32 but the target/drafter has hidden size 64"
+    with pytest.raises(TrainError, match=want):
         run(params, tmp_path / "a")
     _random_stage3(tmp_path / "b", hidden=32, slots=4, meta_hidden=32)
     with pytest.raises(TrainError, match=r"meta.json: hidden_size=32 but the target .* has hidden_size=64"):
@@ -393,7 +396,8 @@ def test_hidden_state_files_with_another_aux_count_are_refused(tiny_target, tmp_
     from eagle3.train import run
 
     _random_stage3(tmp_path, hidden=64, slots=3)
-    with pytest.raises(TrainError, match=r"\.safetensors \(id s\d+\): hidden_states has 3 layer slots but the drafter uses 3 aux layers \(\+1"):
+    want = r"\.safetensors \(id s\d+\): hidden_states has 3 layer slots but the drafter uses 3 aux layers \(\+1"
+    with pytest.raises(TrainError, match=want):
         run(tiny_params(tiny_target, val_fraction=0.0), tmp_path)
 
 
@@ -405,10 +409,10 @@ def test_empty_training_split_is_refused(tiny_target, tmp_path):
     for s in samples:
         s["hidden_states"] = torch.randn(len(s["token_ids"]), 4, 64)
     write_stage2(tmp_path, [], 512, 128, heldout=samples)  # every extracted sample is held out
-    (tmp_path / "02_vocab" / "vocab_mapping.safetensors").unlink()
-    (tmp_path / "02_vocab" / "mapping.json").write_text(json.dumps({"draft_vocab_size": 512, "target_vocab_size": 512}))
+    (tmp_path / VOCAB_DIR / "vocab_mapping.safetensors").unlink()
+    (tmp_path / VOCAB_DIR / "mapping.json").write_text(json.dumps({"draft_vocab_size": 512, "target_vocab_size": 512}))
     write_stage3(tmp_path, samples, [2, 4, 5], 8, 64, "tiny")
-    with pytest.raises(TrainError, match=r"empty training split: 4 samples in 03_extract/manifest.jsonl, 4 held out"):
+    with pytest.raises(TrainError, match=rf"empty training split: 4 samples in {EXTRACT_DIR}/manifest.jsonl, 4 held out"):
         run(tiny_params(tiny_target), tmp_path)
 
 
@@ -448,12 +452,13 @@ def test_nan_loss_stops_naming_step_and_samples_and_keeps_last_good_checkpoint(r
     t = load_file(str(victim.file))
     t["hidden_states"][3, 0, 5] = float("nan")
     save_file(t, str(victim.file))
-    with pytest.raises(TrainingDiverged, match=rf"(?s)loss is NaN/Inf at step 3 \(epoch 0\).*sample ids \[.*'{victim.id}'.*step_000002 \(kept\)"):
+    want = rf"(?s)loss is NaN/Inf at step 3 \(epoch 0\).*sample ids \[.*'{victim.id}'.*step_000002 \(kept\)"
+    with pytest.raises(TrainingDiverged, match=want):
         run(p, rd2)
-    assert list_checkpoints(rd2 / "04_train" / "checkpoints") == [1, 2]
-    assert load_file(str(rd2 / "04_train/checkpoints/step_000002/model.safetensors"))["fc.weight"].isfinite().all()
-    assert read_json(rd2 / "04_train" / "progress.json")["status"] == "failed"
-    assert not (rd2 / "04_train" / "drafter").exists() and not (rd2 / "04_train" / "stats.json").exists()
+    assert list_checkpoints(rd2 / TRAIN_DIR / "checkpoints") == [1, 2]
+    assert load_file(str(rd2 / TRAIN_DIR / "checkpoints/step_000002/model.safetensors"))["fc.weight"].isfinite().all()
+    assert read_json(rd2 / TRAIN_DIR / "progress.json")["status"] == "failed"
+    assert not (rd2 / TRAIN_DIR / "drafter").exists() and not (rd2 / TRAIN_DIR / "stats.json").exists()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -476,7 +481,8 @@ def _plant(cfg: dict, w: dict, defect: str) -> None:
         t2d[on], t2d[off] = False, True
         w["t2d"] = t2d
     elif defect == "embed_differs":
-        emb = load_file(str(Path(cfg["speculators_config"]["verifier"]["name_or_path"]) / "model.safetensors"))["model.embed_tokens.weight"].clone()
+        verifier = Path(cfg["speculators_config"]["verifier"]["name_or_path"])
+        emb = load_file(str(verifier / "model.safetensors"))["model.embed_tokens.weight"].clone()
         emb[7, 3] += 1e-3
         w["embed_tokens.weight"] = emb
     elif defect == "hidden_size_mismatch":
@@ -538,10 +544,9 @@ def test_check_drafter_catches_planted_defect(defect, ref_run, tiny_target, tmp_
 def test_online_training_matches_offline_files(ref_run, tiny_target, tmp_path):
     """train.online reads the target through eagle3.extract.online_samples: same data as the files."""
     pytest.importorskip("eagle3.extract")
-    from eagle3.train import run
-
     from eagle3.config import TargetParams
     from eagle3.target import load_tokenizer, resolve_target
+    from eagle3.train import run
 
     tgt = tmp_path / "target"  # the tiny target plus a tokenizer (online extraction loads one for padding)
     shutil.copytree(tiny_target, tgt)
@@ -554,7 +559,7 @@ def test_online_training_matches_offline_files(ref_run, tiny_target, tmp_path):
     on.train.online = True
     a = run(off, _fresh_copy(rd, tmp_path / "off"))
     (tmp_path / "on").mkdir()
-    shutil.copytree(rd / "02_vocab", tmp_path / "on" / "02_vocab")  # online: no 03_extract at all
+    shutil.copytree(rd / VOCAB_DIR, tmp_path / "on" / VOCAB_DIR)  # online: no Stage 3 folder at all
     b = run(on, tmp_path / "on")
     assert a["total_steps"] == b["total_steps"] == 3
     ra, rb = _records(tmp_path / "off", "train"), _records(tmp_path / "on", "train")

@@ -30,10 +30,11 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -528,14 +529,14 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
         self.ids = [r.id for r in self.refs]
 
     @classmethod
-    def from_run(cls, run_dir: str | Path) -> "HiddenStatesDataset":
+    def from_run(cls, run_dir: str | Path) -> HiddenStatesDataset:
         """The Stage 3 folder of run directory ``run_dir``."""
         from eagle3.rundir import EXTRACT, RunDir
 
         return cls(RunDir(run_dir).stage(EXTRACT))
 
     @classmethod
-    def for_training(cls, refs: Sequence[SampleRef], n_aux: int, hidden_size: int, vocab_size: int) -> "HiddenStatesDataset":
+    def for_training(cls, refs: Sequence[SampleRef], n_aux: int, hidden_size: int, vocab_size: int) -> HiddenStatesDataset:
         """The samples ``refs`` (their ``file`` set) as speculators' training items."""
         self = cls.__new__(cls)
         self.dir, self.meta, self.entries = None, None, None

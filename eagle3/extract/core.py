@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -50,7 +50,7 @@ def plan_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     return batches
 
 
-def pad_batch(rows: "TokenizedRows", batch: Sequence[int], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+def pad_batch(rows: TokenizedRows, batch: Sequence[int], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
     """Right-padded ``(input_ids [B, T] int64, attention_mask [B, T] int64 or None, lengths)`` on CPU.
 
     The mask is None when every sample has the full length (no padding in the batch).
@@ -89,7 +89,9 @@ class TokenizedRows:
 
     def __init__(self, path: str | Path) -> None:
         import pyarrow.compute as pc
-        import pyarrow.parquet as pq
+
+        from eagle3.contracts import tokenized
+        from eagle3.errors import VocabError
 
         self.path = Path(path)
         if not self.path.is_file():
@@ -97,11 +99,10 @@ class TokenizedRows:
                 f"{self.path} does not exist: Stage 3 reads Stage 2's tokenized samples. Run stage 2 "
                 f"(`eagle3 run PARAMS --stages 2`) first."
             )
-        schema = pq.read_schema(self.path)
-        missing = [c for c in self.COLUMNS if c not in schema.names]
-        if missing:
-            raise ExtractError(f"{self.path}: missing column(s) {missing}; expected {list(self.COLUMNS)}")
-        table = pq.read_table(self.path, columns=list(self.COLUMNS))
+        try:  # the split's one reader (columns checked there)
+            table = tokenized.read_table(self.path, columns=list(self.COLUMNS))
+        except VocabError as exc:
+            raise ExtractError(str(exc)) from None
         self.ids = [str(x) for x in table.column("id").to_pylist()]
         self.sources = [str(x) for x in table.column("source").to_pylist()]
         cols = {}
@@ -130,7 +131,7 @@ class TokenizedRows:
 
     @classmethod
     def from_lists(cls, ids: Sequence[str], input_ids: Sequence[Sequence[int]],
-                   loss_mask: Sequence[Sequence[int]] | None = None, source: str = "memory") -> "TokenizedRows":
+                   loss_mask: Sequence[Sequence[int]] | None = None, source: str = "memory") -> TokenizedRows:
         """Rows held in memory (no parquet file; used by the benchmark). Loss masks default to all ones."""
         self = cls.__new__(cls)
         self.path = Path(f"<{source}>")

@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+import eagle3.extract.report as report
 from eagle3.config import Params
 from eagle3.contracts import hidden_states as hs
 from eagle3.errors import ExtractError
-from eagle3.extract import report
 from eagle3.extract.prepare import Setup, extract_dir, load_rows
 from eagle3.io import write_stats
 from eagle3.stage import StageRun, Stats

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 
@@ -39,7 +39,7 @@ class OnlineExtractor:
                                       error=ExtractError)
 
     @classmethod
-    def get(cls, params: Params, device: str | None = None) -> "OnlineExtractor":
+    def get(cls, params: Params, device: str | None = None) -> OnlineExtractor:
         key = (params.target.model_dump_json(), tuple(params.extract.aux_layer_ids or ()), params.extract.dtype, device)
         if key not in _ONLINE:
             _ONLINE.clear()  # one target in memory at a time

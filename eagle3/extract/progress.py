@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from eagle3.distributed import DistContext
 from eagle3.io import Progress, read_json

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from matplotlib.figure import Figure
 
 from eagle3.contracts import hidden_states as hsc
@@ -221,7 +220,7 @@ def convention_check(params, run_dir: str | Path, n_samples: int = 2, model=None
         for s, k in enumerate(stored):
             if k < n:
                 ref = hsl[k][0].to(dtype).float().cpu()
-                pairs = [("hidden_states[%d]" % k, got[:, s], ref)]
+                pairs = [(f"hidden_states[{k}]", got[:, s], ref)]
             else:
                 ref = hsl[n][0].to(dtype).float().cpu()
                 normed = dec.norm(got[:, s].to(dev, next(model.parameters()).dtype)).to(dtype).float().cpu()

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from eagle3.config import Params, dump_params
 from eagle3.contracts.hidden_states import SampleWriter

@@ -38,16 +38,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
+import eagle3.extract.finalize as _fin
 from eagle3.config import Params
 from eagle3.contracts.hidden_states import SampleWriter, first_non_finite, sample_relpath
 from eagle3.distributed import DistContext
 from eagle3.errors import ExtractError
-import eagle3.extract.finalize as _fin
 from eagle3.extract.prepare import Setup, build_setup, extract_dir, prepare
 from eagle3.extract.progress import make_progress
 from eagle3.rundir import EXTRACT

@@ -17,8 +17,8 @@ and two processes with ``grad_accum=1`` see exactly the same micro-batches.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -58,25 +58,22 @@ def read_manifest(run_dir: str | Path) -> list[SampleRef]:
 
 def online_refs(run_dir: str | Path) -> list[SampleRef]:
     """Stage 2's train split as :class:`SampleRef` without files (online training)."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
+    from eagle3.contracts import tokenized
 
     f = RunDir(run_dir).tokenized("train")
     if not f.exists():
         raise TrainError(f"{f} does not exist: online training reads Stage 2's tokenized samples. Run stage 2 first.")
-    t = pq.read_table(f, columns=["id", "input_ids"])
-    lens = pc.list_value_length(t.column("input_ids")).to_pylist()
-    return [SampleRef(i, str(x), int(n or 0), None) for i, (x, n) in enumerate(zip(t.column("id").to_pylist(), lens))]
+    ids, lens = tokenized.read_row_tokens(run_dir, "train")
+    return [SampleRef(i, x, int(n), None) for i, (x, n) in enumerate(zip(ids, lens))]
 
 
 def heldout_ids(run_dir: str | Path) -> set[str]:
     """Ids of Stage 2's held-out split (``heldout.parquet``); empty when absent."""
-    f = RunDir(run_dir).tokenized("heldout")
-    if not f.exists():
-        return set()
-    import pyarrow.parquet as pq
+    from eagle3.contracts import tokenized
 
-    return {str(x) for x in pq.read_table(f, columns=["id"]).column("id").to_pylist()}
+    if not RunDir(run_dir).tokenized("heldout").exists():
+        return set()
+    return set(tokenized.read_ids(run_dir, "heldout"))
 
 
 def _id_unit(sample_id: str) -> float:

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import eagle3.train.checkpoint as ckpt
 from eagle3.config import Params, params_fingerprint
 from eagle3.contracts.hidden_states import HiddenStatesDataset, to_training_item
 from eagle3.distributed import DistContext
 from eagle3.errors import TrainError
 from eagle3.rundir import TRAIN, RunDir
-from eagle3.train import checkpoint as ckpt
 from eagle3.train.metrics import StepMetrics, metric_keys, summarize
 
 __all__ = ["TrainingDiverged", "TrainingInterrupted", "WarmupCosine", "Trainer", "LoopResult"]

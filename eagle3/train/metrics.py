@@ -84,7 +84,7 @@ class StepMetrics:
     bad_micro: torch.Tensor
 
     @classmethod
-    def zeros(cls, n_keys: int, global_batch: int, device) -> "StepMetrics":
+    def zeros(cls, n_keys: int, global_batch: int, device) -> StepMetrics:
         """All zeros, float64, on ``device``."""
         z = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=device)  # noqa: E731
         return cls(z(n_keys), z(()), z(()), z(()), z(()), z(global_batch))
@@ -95,10 +95,10 @@ class StepMetrics:
         return torch.cat([self.counts, flags, self.bad_micro])
 
     @classmethod
-    def unpack(cls, vec: torch.Tensor, n_keys: int) -> "StepMetrics":
+    def unpack(cls, vec: torch.Tensor, n_keys: int) -> StepMetrics:
         """The inverse of :meth:`pack`."""
         return cls(vec[:n_keys], vec[n_keys], vec[n_keys + 1], vec[n_keys + 2], vec[n_keys + 3], vec[n_keys + 4:])
 
-    def reduce(self, ctx) -> "StepMetrics":
+    def reduce(self, ctx) -> StepMetrics:
         """Sum over ranks (ONE all-reduce) and copy to the host (ONE device-to-host sync)."""
         return StepMetrics.unpack(ctx.all_sum(self.pack()).cpu(), len(self.counts))

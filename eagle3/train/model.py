@@ -210,10 +210,9 @@ def build_drafter(params: Params, inputs: DrafterInputs, attn_implementation: st
     Raises:
         TrainError: speculators refuses the configuration (message included).
     """
+    from loguru import logger as _loguru
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
-
-    from loguru import logger as _loguru
 
     tp = params.train
     # speculators logs every verifier file it opens (and warns about tied lm_heads); quiet here

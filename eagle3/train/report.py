@@ -138,7 +138,8 @@ def export_summary(run_dir: str | Path) -> dict:
     cfg = json.loads((d / "config.json").read_text())
     verifier = cfg["speculators_config"]["verifier"]["name_or_path"]
     problems = check_drafter(d, _target_dir(run_dir) if rd.params_file.exists() else verifier)
-    spec = json.dumps({"method": "eagle3", "model": str(d), "num_speculative_tokens": cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]})
+    k = cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    spec = json.dumps({"method": "eagle3", "model": str(d), "num_speculative_tokens": k})
     return {"drafter": str(d), "exported checkpoint": f"step_{stats['best_step']:06d}", "why": stats.get("export_reason"),
             "best validation tau_hat": stats.get("best_val_tau_hat"), "final validation tau_hat": stats.get("final_val_tau_hat"),
             "verifier in config.json": verifier, "check_drafter problems": problems or "none",
