@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -651,7 +652,7 @@ def slow_compile(model, mode, attn):
 
 
 m.configure_compile = slow_compile
-from eagle3.train.loop import main
+from eagle3.train.stage import main
 
 sys.exit(main(sys.argv[1:]))
 '''
@@ -727,17 +728,17 @@ def test_sigterm_during_a_compiling_first_step_exits_at_once(ref_run, tmp_path):
 
     _, rd2, proc, log = _start_slow(ref_run, tmp_path, slow_call=1)
     deadline = time.time() + 15  # progress.json: written at most every 2 s, by the heartbeat every 5 s
-    while "phase" not in (read_json(rd2 / "04_train" / "progress.json") or {}).get("extra", {}) and time.time() < deadline:
+    while "phase" not in (read_json(rd2 / TRAIN_DIR / "progress.json") or {}).get("extra", {}) and time.time() < deadline:
         time.sleep(0.1)
-    prog = read_json(rd2 / "04_train" / "progress.json")
+    prog = read_json(rd2 / TRAIN_DIR / "progress.json")
     assert prog["status"] == "running" and prog["done"] == 0
     assert prog["extra"]["phase"] == "first step"  # "first step (torch.compile: attention)" on CUDA
     waited = _terminate(proc, log, tmp_path)
     assert waited < 20  # the step sleeps 300 s: the handler ended it, not the step
-    prog = read_json(rd2 / "04_train" / "progress.json")
+    prog = read_json(rd2 / TRAIN_DIR / "progress.json")
     assert prog["status"] == "interrupted" and prog["done"] == 0
-    assert list_checkpoints(rd2 / "04_train" / "checkpoints") == []  # nothing trained, nothing to keep
-    assert not (rd2 / "04_train" / "metrics.jsonl").exists() or not _records(rd2, "train")
+    assert list_checkpoints(rd2 / TRAIN_DIR / "checkpoints") == []  # nothing trained, nothing to keep
+    assert not (rd2 / TRAIN_DIR / "metrics.jsonl").exists() or not _records(rd2, "train")
 
 
 def test_sigterm_inside_a_long_step_saves_the_last_complete_step_then_resumes(ref_run, tmp_path):
@@ -746,10 +747,10 @@ def test_sigterm_inside_a_long_step_saves_the_last_complete_step_then_resumes(re
     p, rd2, proc, log = _start_slow(ref_run, tmp_path, slow_call=6)  # steps 1-5 done, checkpoint 4 periodic
     assert _terminate(proc, log, tmp_path) < 20
     assert [r["step"] for r in _records(rd2, "train")] == [1, 2, 3, 4, 5]
-    assert list_checkpoints(rd2 / "04_train" / "checkpoints") == [4, 5]
-    st = read_json(rd2 / "04_train" / "checkpoints" / "step_000005" / "state.json")
+    assert list_checkpoints(rd2 / TRAIN_DIR / "checkpoints") == [4, 5]
+    st = read_json(rd2 / TRAIN_DIR / "checkpoints" / "step_000005" / "state.json")
     assert st["step"] == 5 and st["tokens_seen"] == sum(r["tokens"] for r in _records(rd2, "train"))
-    prog = read_json(rd2 / "04_train" / "progress.json")
+    prog = read_json(rd2 / TRAIN_DIR / "progress.json")
     assert prog["status"] == "interrupted" and prog["done"] == 5 and prog["extra"]["phase"] == "training"
     out = run(p, rd2, stop_after=2)
     assert out["step"] == 7
