@@ -114,11 +114,12 @@ def bench_tokenize(n: int) -> None:
     """Serving-exact tokenization throughput on the embedded target's tokenizer (chunk 1 vs 64)."""
     from eagle3.config import TargetParams
     from eagle3.target import load_tokenizer, resolve_target
-    from eagle3.vocab import ChatRenderer, stop_token_ids, tokenize_samples
+    from eagle3.chat import stop_token_ids
+    from eagle3.vocab import LossMaskRenderer, tokenize_samples
 
     target = resolve_target(TargetParams(model="embedded:smollm2-135m"))
     tok = load_tokenizer(target)
-    renderer = ChatRenderer(tok, stop_token_ids(tok, target.path))
+    renderer = LossMaskRenderer(tok, stop_token_ids(tok, target.path))
     rng = np.random.default_rng(0)
     words = np.array("the of and to in is for that def return x y if else while print function value list".split())
 

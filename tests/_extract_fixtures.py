@@ -1,8 +1,7 @@
-"""Fixtures for the Stage 3 tests: a small Stage 2-shaped ``train.parquet`` from real chat renders.
+"""Fixtures for the Stage 3 tests: a small stage-2 train split from real chat renders.
 
-Until Stage 2 lands, the tests write ``02_vocab/train.parquet`` themselves (columns ``id``,
-``source``, ``input_ids`` list<int64>, ``loss_mask`` list<int8>) by rendering short conversations
-with the embedded target's chat template; the loss mask marks the assistant reply tokens.
+The split is written through :func:`eagle3.contracts.tokenized.write_split` from short conversations
+rendered with the embedded target's chat template; the loss mask marks the assistant reply tokens.
 """
 
 from __future__ import annotations
@@ -42,29 +41,20 @@ def tokenize(tok, conv: list[dict]) -> tuple[list[int], list[int]]:
 
 
 def write_train_parquet(run_dir: Path, tok, n: int = 12, seed: int = 0, extra_rows: list[tuple] = ()) -> Path:
-    """Write ``run_dir/02_vocab/train.parquet`` with ``n`` rendered conversations (+ raw extra rows)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    """Write the run's train split with ``n`` rendered conversations (+ raw ``(id, ids, mask)`` extra rows);
+    returns the parquet file."""
+    import numpy as np
 
-    ids_col, mask_col, id_col, src_col = [], [], [], []
+    from eagle3.contracts import tokenized
+    from eagle3.rundir import VOCAB, RunDir
+
+    rows = []
     for conv in conversations(n, seed):
         ids, mask = tokenize(tok, conv)
-        ids_col.append(ids)
-        mask_col.append(mask)
-        id_col.append(hashlib.sha256(repr(conv).encode()).hexdigest()[:12])
-        src_col.append("test")
-    for sid, ids, mask in extra_rows:
-        id_col.append(sid)
-        src_col.append("test")
-        ids_col.append(list(ids))
-        mask_col.append(list(mask))
-    table = pa.table({
-        "id": pa.array(id_col, pa.string()),
-        "source": pa.array(src_col, pa.string()),
-        "input_ids": pa.array(ids_col, pa.list_(pa.int64())),
-        "loss_mask": pa.array(mask_col, pa.list_(pa.int8())),
-    })
-    out = Path(run_dir) / "02_vocab" / "train.parquet"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, out)
-    return out
+        rows.append((hashlib.sha256(repr(conv).encode()).hexdigest()[:12], ids, mask))
+    rows += [(sid, list(ids), list(mask)) for sid, ids, mask in extra_rows]
+    RunDir(run_dir).stage(VOCAB, create=True)
+    tokenized.write_split(run_dir, "train", [[
+        tokenized.TokenizedRow(sid, "test", np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.int8), len(ids))
+        for sid, ids, mask in rows]])
+    return tokenized.split_path(run_dir, "train")

@@ -1,5 +1,5 @@
-"""Stage 4 test inputs made in the tests themselves (until Stages 2/3 provide them): a tiny random
-Llama target, a draft vocab mapping built by the DESIGN.md rule, and 03_extract folders with the
+"""Stage 4 test inputs: a tiny random Llama target, stage 2's folder written through its contracts
+(the mapping by the DESIGN.md rule), and 03_extract folders with the
 contract layout holding the target's real hidden states (or random ones)."""
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ def make_tiny_target(path: Path, seed: int = 0) -> Path:
 
 
 def design_mapping(counts: np.ndarray, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """DESIGN.md rule: rank by (-frequency, id), keep the top k (padding with unused ids), sort
-    ascending, ``d2t[i] = kept[i] - i``, ``t2d`` = bool mask of the kept ids."""
+    """DESIGN.md rule, written out independently of the package (the tests compare against it): rank by
+    (-frequency, id), keep the top k (padding with unused ids), sort ascending, ``d2t[i] = kept[i] - i``,
+    ``t2d`` = bool mask of the kept ids."""
     V = len(counts)
     order = sorted(range(V), key=lambda i: (-int(counts[i]), i))
     kept = sorted(order[:draft_vocab_size])
@@ -41,30 +42,29 @@ def design_mapping(counts: np.ndarray, draft_vocab_size: int) -> tuple[torch.Ten
 
 def write_stage2(run_dir: Path, samples: list[dict], target_vocab: int, draft_vocab_size: int,
                  heldout: list[dict] = ()) -> None:
-    """02_vocab/: vocab_mapping.safetensors (+ mapping.json), train/heldout.parquet, token_counts.npy."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from safetensors.torch import save_file
+    """Stage 2's folder through its contracts' writers: the mapping (+ mapping.json with a cache key),
+    the train/heldout splits (+ row lengths) and the token counts."""
+    from eagle3.contracts import tokenized
+    from eagle3.contracts.vocab_mapping import VocabMapping, write_mapping
+    from eagle3.rundir import VOCAB, RunDir
+    from eagle3.vocab.mapping import write_counts
 
-    d = run_dir / "02_vocab"
-    d.mkdir(parents=True, exist_ok=True)
+    RunDir(run_dir).stage(VOCAB, create=True)
     counts = np.zeros(target_vocab, dtype=np.int64)
     for s in samples:
         ids = np.asarray(s["token_ids"])
         np.add.at(counts, ids[np.asarray(s["loss_mask"]).astype(bool)], 1)
-    np.save(d / "token_counts.npy", counts)
-    if draft_vocab_size < target_vocab:
+    write_counts(run_dir, counts, np.zeros(target_vocab, dtype=np.int64))
+    mapping = VocabMapping.build(counts, draft_vocab_size, cache_key="test")
+    if not mapping.full_size:
         d2t, t2d = design_mapping(counts, draft_vocab_size)
-        save_file({"d2t": d2t, "t2d": t2d}, str(d / "vocab_mapping.safetensors"))
-    (d / "mapping.json").write_text(json.dumps({"draft_vocab_size": draft_vocab_size, "target_vocab_size": target_vocab,
-                                                "cache_key": "test", "coverage": 1.0}))
+        assert torch.equal(mapping.d2t, d2t) and torch.equal(mapping.t2d, t2d)
+    write_mapping(run_dir, mapping, coverage=1.0)
     for name, rows in (("train", samples), ("heldout", list(heldout))):
-        t = pa.table({"id": [r["id"] for r in rows], "source": ["test"] * len(rows),
-                      "input_ids": [list(map(int, r["token_ids"])) for r in rows],
-                      "loss_mask": [list(map(int, r["loss_mask"])) for r in rows]},
-                     schema=pa.schema([("id", pa.string()), ("source", pa.string()), ("input_ids", pa.list_(pa.int64())),
-                                       ("loss_mask", pa.list_(pa.int8()))]))
-        pq.write_table(t, d / f"{name}.parquet")
+        tokenized.write_split(run_dir, name, [[
+            tokenized.TokenizedRow(r["id"], "test", np.asarray(r["token_ids"], dtype=np.int64),
+                                   np.asarray(r["loss_mask"], dtype=np.int8), len(r["token_ids"]))
+            for r in rows]])
 
 
 def write_stage3(run_dir: Path, samples: list[dict], aux_ids: list[int], num_layers: int, hidden: int,

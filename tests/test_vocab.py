@@ -8,18 +8,17 @@ import numpy as np
 import pytest
 import torch
 
+from eagle3.chat import stop_token_ids
+from eagle3.contracts.samples import SamplesError, read_samples
+from eagle3.contracts.vocab_mapping import VocabMapping
+from eagle3.vocab import cached_vocab_mapping as cached
 from eagle3.vocab import (
-    ChatRenderer,
     Coverage,
+    LossMaskRenderer,
     VocabError,
     VocabMappingError,
-    build_vocab_mapping,
-    cached_vocab_mapping,
     count_masked_tokens,
-    read_samples,
-    stop_token_ids,
     tokenize_samples,
-    validate_vocab_mapping,
 )
 
 # A Qwen3-style template (the relevant parts of Qwen3's): reasoning of assistant turns after the last
@@ -91,7 +90,7 @@ def supervised_text(tok, row) -> str:
 
 
 def test_smollm2_two_turn_mask_exact_positions(tok, embedded_target):
-    r = ChatRenderer(tok, stop_token_ids(tok, embedded_target.path))
+    r = LossMaskRenderer(tok, stop_token_ids(tok, embedded_target.path))
     assert r.stop_ids == {2}  # <|im_end|>
     s = sample(msgs=TWO_TURNS)
     s["turn_usage"] = [{"completion_tokens": 3}, {"completion_tokens": 5}]  # the second disagrees
@@ -114,7 +113,7 @@ def test_smollm2_two_turn_mask_exact_positions(tok, embedded_target):
 
 
 def test_system_message_and_length_finish(tok):
-    r = ChatRenderer(tok, {2})
+    r = LossMaskRenderer(tok, {2})
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count"},
             {"role": "assistant", "content": "1 2 3"}]
     rows, rep = rows_of([sample(msgs=msgs, finish=["length"])], r)
@@ -125,7 +124,7 @@ def test_system_message_and_length_finish(tok):
 
 
 def test_injected_empty_think_block_not_supervised(qwen_tok):
-    r = ChatRenderer(qwen_tok, {2})
+    r = LossMaskRenderer(qwen_tok, {2})
     s = sample(msgs=TWO_TURNS[:2], settings={"enable_thinking": False})
     rows, rep = rows_of([s], r)
     row = rows[0]
@@ -145,7 +144,7 @@ def test_injected_empty_think_block_not_supervised(qwen_tok):
 
 
 def test_reasoning_present_is_supervised(qwen_tok):
-    r = ChatRenderer(qwen_tok, {2})
+    r = LossMaskRenderer(qwen_tok, {2})
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning": "Greet back."}]
     rows, rep = rows_of([sample(msgs=msgs)], r)
     assert supervised_text(qwen_tok, rows[0]) == "<think>\nGreet back.\n</think>\n\nHello!<|im_end|>"
@@ -153,7 +152,7 @@ def test_reasoning_present_is_supervised(qwen_tok):
 
 
 def test_reasoning_dropped_by_template_is_counted(tok):
-    r = ChatRenderer(tok, {2})  # ChatML without reasoning support
+    r = LossMaskRenderer(tok, {2})  # ChatML without reasoning support
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning": "Greet back."}]
     rows, rep = rows_of([sample(msgs=msgs)], r)
     assert supervised_text(tok, rows[0]) == "Hello!<|im_end|>"
@@ -161,7 +160,7 @@ def test_reasoning_dropped_by_template_is_counted(tok):
 
 
 def test_history_rerendering_policies(qwen_tok):
-    r = ChatRenderer(qwen_tok, {2})
+    r = LossMaskRenderer(qwen_tok, {2})
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning": "Greet."},
             {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "See you.", "reasoning": "Leave."}]
     rows, rep = rows_of([sample(msgs=msgs)], r, policy="explode")
@@ -180,7 +179,7 @@ def test_history_rerendering_policies(qwen_tok):
 
 
 def test_truncation_counts(tok):
-    r = ChatRenderer(tok, {2})
+    r = LossMaskRenderer(tok, {2})
     a = sample("a", TWO_TURNS)  # 51 tokens, supervised at 31-33 and 46-49
     b = sample("b")  # 35 tokens, supervised at 31-33
     long_q = [{"role": "user", "content": "Please answer with one word: yes or no?"}, {"role": "assistant", "content": "Yes"}]
@@ -200,7 +199,7 @@ def test_truncation_counts(tok):
 
 
 def test_no_supervised_sample_reported_and_all_empty_is_error(tok):
-    r = ChatRenderer(tok, {2})
+    r = LossMaskRenderer(tok, {2})
     empty = sample("e", [{"role": "user", "content": "only a question"}])
     rows, rep = rows_of([sample("ok"), empty], r)
     assert [x.id for x in rows] == ["ok"]
@@ -215,21 +214,33 @@ def test_read_samples_errors_name_file_line_field(tmp_path):
     p = tmp_path / "samples.jsonl"
     good = json.dumps(sample("a"))
     p.write_text(good + "\n" + "{not json\n")
-    with pytest.raises(VocabError, match=r"samples.jsonl:2: not valid JSON"):
-        read_samples(p)
+    with pytest.raises(SamplesError, match=r"samples.jsonl:2: not valid JSON"):
+        read_samples(None, path=p)
     bad = sample("b")
     bad["messages"][1]["role"] = "bot"
     p.write_text(good + "\n" + json.dumps(bad) + "\n")
-    with pytest.raises(VocabError, match=r"samples.jsonl:2: messages\[1\].role must be one of"):
-        read_samples(p)
-    p.write_text(good + "\n\n" + good + "\n")
-    with pytest.raises(VocabError, match=r"samples.jsonl:3: duplicate id 'a' \(first on line 1\)"):
-        read_samples(p)
+    with pytest.raises(SamplesError, match=r"samples.jsonl:2: messages\[1\].role must be one of"):
+        read_samples(None, path=p)
+    p.write_text(good + "\n" + good + "\n")
+    with pytest.raises(SamplesError, match=r"samples.jsonl:2: duplicate id 'a' \(first on line 1\)"):
+        read_samples(None, path=p)
     bad = sample("c")
     bad["finish_reasons"] = ["stop", "stop"]
     p.write_text(json.dumps(bad) + "\n")
-    with pytest.raises(VocabError, match=r":1: field 'finish_reasons'"):
-        read_samples(p)
+    with pytest.raises(SamplesError, match=r":1: field 'finish_reasons'"):
+        read_samples(None, path=p)
+
+
+def test_read_samples_skips_torn_last_line_and_filters_split(tmp_path):
+    p = tmp_path / "samples.jsonl"
+    a, b = sample("a"), sample("b", split="heldout")
+    p.write_text(json.dumps(a) + "\n" + json.dumps(b) + "\n" + json.dumps(sample("c"))[:25])
+    assert [s["id"] for s in read_samples(None, path=p)] == ["a", "b"]
+    assert read_samples(None, "heldout", path=p) == [b]
+    with pytest.raises(SamplesError, match="split must be"):
+        read_samples(None, "dev", path=p)
+    with pytest.raises(SamplesError, match=r"nope.jsonl does not exist: run stage 1"):
+        read_samples(None, path=tmp_path / "nope.jsonl")
 
 
 # --------------------------------------------------------------------------- counting, coverage
@@ -287,48 +298,91 @@ HAND[[0, 5, 7, 9, 2, 11]] = [10, 7, 7, 3, 1, 1]
 
 
 def test_mapping_from_hand_table():
-    d2t, t2d = build_vocab_mapping(HAND, 4)
+    m = VocabMapping.build(HAND, 4)
+    d2t, t2d = m.d2t, m.t2d
+    assert m.kept().tolist() == [0, 5, 7, 9] and m.draft_vocab_size == 4 and m.target_vocab_size == 12
     assert d2t.dtype == torch.int64 and t2d.dtype == torch.bool
     assert d2t.tolist() == [0, 4, 5, 6]  # kept ids [0, 5, 7, 9]
     assert torch.nonzero(t2d).flatten().tolist() == [0, 5, 7, 9]
-    d2t, t2d = build_vocab_mapping(HAND, 5)  # tie between ids 2 and 11 (count 1): lower id wins
+    d2t = VocabMapping.build(HAND, 5).d2t  # tie between ids 2 and 11 (count 1): lower id wins
     assert (torch.arange(5) + d2t).tolist() == [0, 2, 5, 7, 9] and d2t.tolist() == [0, 1, 3, 4, 5]
 
 
 def test_mapping_padding_when_fewer_distinct():
     c = np.zeros(12, np.int64)
     c[[3, 8]] = [5, 2]
-    d2t, t2d = build_vocab_mapping(c, 4)  # 2 distinct tokens, padded with the lowest unused ids 0, 1
-    assert (torch.arange(4) + d2t).tolist() == [0, 1, 3, 8] and d2t.tolist() == [0, 0, 1, 5]
-    assert int(t2d.sum()) == 4
+    m = VocabMapping.build(c, 4)  # 2 distinct tokens, padded with the lowest unused ids 0, 1
+    assert (torch.arange(4) + m.d2t).tolist() == [0, 1, 3, 8] and m.d2t.tolist() == [0, 0, 1, 5]
+    assert int(m.t2d.sum()) == 4
+    # the coverage computation keeps the same padded ids
+    assert np.flatnonzero(Coverage.from_counts(c).kept_mask(4)).tolist() == [0, 1, 3, 8]
 
 
 def test_full_size_has_no_mapping_and_oversize_is_error():
-    assert build_vocab_mapping(HAND, 12) == (None, None)
+    full = VocabMapping.build(HAND, 12)
+    assert full.d2t is None and full.t2d is None and full.full_size and full.problems() == []
+    assert full.kept_mask().all()
     with pytest.raises(VocabError, match=r"draft_vocab_size must be in 1..12"):
-        build_vocab_mapping(HAND, 13)
+        VocabMapping.build(HAND, 13)
 
 
 def test_validation_rejects_broken_mappings():
-    d2t, t2d = build_vocab_mapping(HAND, 4)
-    validate_vocab_mapping(d2t, t2d, 4, 12, counts=HAND)
-    with pytest.raises(VocabMappingError, match="not strictly increasing at i=2"):
-        validate_vocab_mapping(torch.tensor([0, 4, 3, 6]), t2d, 4, 12)  # kept [0, 5, 5, 9]
-    with pytest.raises(VocabMappingError, match="outside"):
-        validate_vocab_mapping(torch.tensor([0, 4, 5, 9]), t2d, 4, 12)  # 3 + 9 = 12
+    m = VocabMapping.build(HAND, 4)
+    d2t, t2d = m.d2t, m.t2d
+    assert m.problems(counts=HAND) == []
+
+    def check(d2t, t2d, counts=None):
+        VocabMapping(d2t, t2d, 4, 12).check("where", counts=counts)
+
+    with pytest.raises(VocabMappingError, match="where: kept ids are not strictly increasing at i=2"):
+        check(torch.tensor([0, 4, 3, 6]), t2d)  # kept [0, 5, 5, 9]
+    with pytest.raises(VocabMappingError, match=r"d2t maps draft id 3 to target id 12, outside \[0, 12\)"):
+        check(torch.tensor([0, 4, 5, 9]), t2d)  # 3 + 9 = 12
     with pytest.raises(VocabMappingError, match=r"shape \(3,\)"):
-        validate_vocab_mapping(d2t[:3], t2d, 4, 12)
+        check(d2t[:3], t2d)
+    with pytest.raises(VocabMappingError, match="d2t has dtype torch.int32"):
+        check(d2t.int(), t2d)
     bad = t2d.clone()
     bad[1] = True
     with pytest.raises(VocabMappingError, match=r"t2d.sum\(\) = 5, expected 4"):
-        validate_vocab_mapping(d2t, bad, 4, 12)
+        check(d2t, bad)
     with pytest.raises(VocabMappingError, match="token id 9 is among the top 4 but not kept"):
         other = torch.zeros(12, dtype=torch.bool)
         other[[0, 5, 7, 8]] = True
-        validate_vocab_mapping(torch.tensor([0, 4, 5, 5]), other, 4, 12, counts=HAND)
+        check(torch.tensor([0, 4, 5, 5]), other, counts=HAND)
+    with pytest.raises(VocabMappingError, match="draft_vocab_size 4 < target vocab 12 but d2t and t2d are missing"):
+        check(None, None)
+
+
+def test_mapping_files_round_trip_and_checks(tmp_path):
+    from eagle3.contracts.vocab_mapping import mapping_paths, read_mapping, write_mapping
+
+    m = VocabMapping.build(HAND, 4, cache_key="k1")
+    write_mapping(tmp_path, m, coverage=0.5, corpus_hash="c", tokenizer_hash="t", cache_hit=False)
+    mfile, info = mapping_paths(tmp_path)
+    assert list(json.loads(info.read_text())) == ["draft_vocab_size", "target_vocab_size", "cache_key", "coverage",
+                                                  "corpus_hash", "tokenizer_hash", "cache_hit", "full_size"]
+    got = read_mapping(tmp_path, target_vocab_size=12)
+    assert torch.equal(got.d2t, m.d2t) and torch.equal(got.t2d, m.t2d) and got.cache_key == "k1"
+    assert got.info == {"coverage": 0.5, "corpus_hash": "c", "tokenizer_hash": "t", "cache_hit": False}
+    with pytest.raises(VocabMappingError, match=r"mapping.json: target_vocab_size=12 but the target \(13 tokens\)"):
+        read_mapping(tmp_path, target_vocab_size=13)
+    meta = json.loads(info.read_text())
+    info.write_text(json.dumps({**meta, "cache_key": "k2"}))
+    with pytest.raises(VocabMappingError, match=r"has cache_key 'k1' but mapping.json says 'k2'"):
+        read_mapping(tmp_path)
+    write_mapping(tmp_path, VocabMapping.build(HAND, 12, cache_key="k3"))  # full size: no tensor file
+    assert not mfile.exists() and read_mapping(tmp_path).full_size
+    info.write_text(json.dumps({**meta}))
+    with pytest.raises(VocabMappingError, match="vocab_mapping.safetensors is missing"):
+        read_mapping(tmp_path)
 
 
 def test_cache_keyed_by_size_and_corpus(tmp_path):
+    def cached_vocab_mapping(*args):  # (d2t, t2d, key, hit) as the assertions read them
+        m, hit = cached(*args)
+        return m.d2t, m.t2d, m.cache_key, hit
+
     a = cached_vocab_mapping(HAND, 4, "corpusA", "tok", tmp_path)
     assert a[1] is not None and a[3] is False and a[0].tolist() == [0, 4, 5, 6]
     again = cached_vocab_mapping(HAND, 4, "corpusA", "tok", tmp_path)
@@ -369,13 +423,13 @@ def test_history_reasoning_drop_or_keep(embedded_target):
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning": "Greet."},
             {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "See you.", "reasoning": "Leave."}]
     # stage 1 sends history without reasoning: turn 2 was generated after "Hello!" alone
-    rows, rep = rows_of([sample(msgs=msgs)], ChatRenderer(t, {2}), policy="explode")
+    rows, rep = rows_of([sample(msgs=msgs)], LossMaskRenderer(t, {2}), policy="explode")
     assert [x.id for x in rows] == ["s0#0", "s0#1"] and rep.history_rerendered_samples == 1
     assert supervised_text(t, rows[0]) == "<think>Greet.</think>Hello!<|im_end|>"
     assert t.decode(rows[1].input_ids).startswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>")
     assert supervised_text(t, rows[1]) == "<think>Leave.</think>See you.<|im_end|>"
     # history sent back with its reasoning: the template renders history as written, one row, both turns
-    rows, rep = rows_of([sample(msgs=msgs)], ChatRenderer(t, {2}, history_reasoning="keep"), policy="explode")
+    rows, rep = rows_of([sample(msgs=msgs)], LossMaskRenderer(t, {2}, history_reasoning="keep"), policy="explode")
     assert [x.id for x in rows] == ["s0"] and rep.history_rerendered_samples == 0
     assert supervised_text(t, rows[0]) == "<think>Greet.</think>Hello!<|im_end|><think>Leave.</think>See you.<|im_end|>"
 
@@ -392,18 +446,18 @@ def test_vllm_shipped_thinking_template(embedded_target):
     t = AutoTokenizer.from_pretrained(embedded_target.path)
     t.chat_template = path.read_text()
     msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning": "Greet."}]
-    rows, _ = rows_of([sample(msgs=msgs, settings={"enable_thinking": True})], ChatRenderer(t, {2}))
+    rows, _ = rows_of([sample(msgs=msgs, settings={"enable_thinking": True})], LossMaskRenderer(t, {2}))
     assert t.decode(rows[0].input_ids) == (
         "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\nGreet.\n</think>\n\nHello!<|im_end|>\n"
     )
     assert supervised_text(t, rows[0]) == "Greet.\n</think>\n\nHello!<|im_end|>"
     rows, _ = rows_of([sample(msgs=msgs[:1] + [{"role": "assistant", "content": "Hello!"}],
-                              settings={"enable_thinking": False})], ChatRenderer(t, {2}))
+                              settings={"enable_thinking": False})], LossMaskRenderer(t, {2}))
     assert supervised_text(t, rows[0]) == "Hello!<|im_end|>"  # the injected empty think block is not
 
 
 def test_explorer_numbers_and_slider(tok):
-    from eagle3.vocab.explore import CoverageExplorer
+    from eagle3.vocab.report import CoverageExplorer
 
     held = np.zeros(12, np.int64)
     held[[0, 9, 2, 4]] = [5, 2, 2, 1]  # 10 held-out masked tokens; 2 and 4 fall outside the top 4
@@ -427,6 +481,27 @@ def test_explorer_numbers_and_slider(tok):
     assert "draft vocab 6</b>" in out.value and "100.0000%" in out.value and "lost 0 of 29" in out.value
 
 
+def test_explorer_counts_padding_ids_up_to_the_full_vocab():
+    """Issue 16: the explorer's held-out OOV at a size is the mapping's (padding ids included): 0 at the
+    full vocab 49,152, and equal to the stage's formula at every size."""
+    from eagle3.vocab.report import CoverageExplorer
+
+    V = 49152
+    train = np.zeros(V, np.int64)
+    train[[100, 200, 300]] = [50, 30, 20]
+    held = np.zeros(V, np.int64)
+    held[[100, 5, 40000]] = [8, 1, 1]  # id 5 is a padding id from size 4 on; 40000 only at the full size
+    ex = CoverageExplorer(train, held, chosen_size=V)
+    assert ex.summary(V)["heldout_oov_rate"] == 0.0 and ex.heldout_coverage(V) == 1.0
+    assert ex.summary(3)["heldout_oov_rate"] == pytest.approx(0.2)
+    assert ex.summary(9)["heldout_oov_rate"] == pytest.approx(0.1)  # padded with ids 0..5
+    for size in (3, 9, 8192, V - 1):
+        kept = VocabMapping.build(train, size).kept_mask()
+        assert ex.heldout_oov_rate(size) == float(held[~kept].sum() / held.sum())
+    curve = ex.cov.curve(held)
+    assert curve[V - 1] == 1.0 and curve[2] == pytest.approx(0.8) and curve[8] == pytest.approx(0.9)
+
+
 def test_boundary_fallback_and_unstable_template_rejected(embedded_target):
     from transformers import AutoTokenizer
 
@@ -436,13 +511,13 @@ def test_boundary_fallback_and_unstable_template_rejected(embedded_target):
     # DeepSeek-R1-like: the generation prompt opens a think block that the rendered turn does not have;
     # the boundary falls back to the common prefix (the history render is a prefix of the turn render)
     t.chat_template = chatml
-    rows, rep = rows_of([sample()], ChatRenderer(t, {2}))
+    rows, rep = rows_of([sample()], LossMaskRenderer(t, {2}))
     assert supervised_text(t, rows[0]) == "Hello!<|im_end|>" and rep.boundary_fallback_turns == 1
     # a template whose history differs with and without the generation prompt: no boundary, rejected
     t.chat_template = "{%- if add_generation_prompt -%}A{%- else -%}B{%- endif -%}" + chatml
     with pytest.raises(VocabError, match=r"rejected \(template error / unstable boundary\): 1"):
-        rows_of([sample("bad")], ChatRenderer(t, {2}))
-    chunks, rep = tokenize_samples([sample("bad")], ChatRenderer(t, {2}), 4096)
+        rows_of([sample("bad")], LossMaskRenderer(t, {2}))
+    chunks, rep = tokenize_samples([sample("bad")], LossMaskRenderer(t, {2}), 4096)
     with pytest.raises(VocabError):
         list(chunks)
     assert rep.failed_samples == 1 and rep.failed[0]["id"] == "bad" and "boundary unstable" in rep.failed[0]["reason"]

@@ -9,7 +9,32 @@ import pytest
 import torch
 
 from eagle3.config import load_params
-from eagle3.vocab import Coverage, VocabError, build_vocab_mapping, load_mapping, load_tokenized, run
+from eagle3.contracts import tokenized
+from eagle3.contracts.samples import SamplesError, write_samples
+from eagle3.contracts.vocab_mapping import VocabMapping, VocabMappingError, read_mapping
+from eagle3.io import read_json
+from eagle3.rundir import VOCAB, RunDir
+from eagle3.vocab import Coverage, CoverageExplorer, VocabError, VocabStats
+from eagle3.vocab import run as run_stage
+
+
+def run(params, rd) -> dict:
+    """Stage 2, checking that the returned stats are what stats.json holds (plus complete/finished_at)."""
+    st = run_stage(params, rd)
+    on_disk = read_json(RunDir(rd).stats(VOCAB))
+    assert isinstance(st, VocabStats) and on_disk["complete"] is True
+    assert st.to_dict() == {k: v for k, v in on_disk.items() if k not in ("complete", "finished_at")}
+    assert list(st.to_dict()) == [k for k in on_disk if k not in ("complete", "finished_at")]
+    return on_disk
+
+
+def load_tokenized(rd, split, as_table=False):
+    return tokenized.read_table(rd, split) if as_table else tokenized.read_dataset(rd, split)
+
+
+def load_mapping(rd):
+    m = read_mapping(rd)
+    return m.d2t, m.t2d
 
 
 def _samples() -> list[dict]:
@@ -30,8 +55,7 @@ def _samples() -> list[dict]:
 
 def _run_dir(tmp_path, name="r", samples=None):
     rd = tmp_path / name
-    (rd / "01_synthesize").mkdir(parents=True)
-    (rd / "01_synthesize" / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in (samples or _samples())))
+    write_samples(rd, samples or _samples())
     return rd
 
 
@@ -45,7 +69,7 @@ def test_run_end_to_end_and_resume(tmp_path):
 
     rd = _run_dir(tmp_path)
     st = run(_params(tmp_path, "vocab.draft_vocab_size=16"), rd)
-    d = rd / "02_vocab"
+    d = RunDir(rd).stage(VOCAB)
     train = load_tokenized(rd, "train")
     held = load_tokenized(rd, "heldout", as_table=True)
     assert train.column_names == ["id", "source", "input_ids", "loss_mask"]
@@ -55,7 +79,7 @@ def test_run_end_to_end_and_resume(tmp_path):
     assert held.column("id").to_pylist() == ["s0", "s4", "s8"]
     assert st["train_no_supervised_samples"] == 1 and st["tokenize_reports"]["train"]["no_supervised_ids"] == ["q"]
     assert all(len(x) <= 60 for x in train["input_ids"]) and st["train_truncated_rows"] > 0
-    lengths = np.load(d / "row_lengths_train.npy")
+    lengths = tokenized.read_row_lengths(rd, "train")
     assert int((lengths > 60).sum()) == st["train_truncated_rows"]
     assert int(np.minimum(lengths, 60).sum()) == st["train_tokens"] == sum(len(x) for x in train["input_ids"])
     assert int((lengths - np.minimum(lengths, 60)).sum()) == st["train_truncated_tokens"]
@@ -71,7 +95,8 @@ def test_run_end_to_end_and_resume(tmp_path):
 
     # mapping: the top-16 by (-count, id), as the pure function builds it, and the stats derived from it
     d2t, t2d = load_mapping(rd)
-    e2t, e2d = build_vocab_mapping(counts, 16)
+    expected = VocabMapping.build(counts, 16)
+    e2t, e2d = expected.d2t, expected.t2d
     assert torch.equal(d2t, e2t) and torch.equal(t2d, e2d) and d2t.shape == (16,) and t2d.shape == (49152,)
     meta = json.loads((d / "mapping.json").read_text())
     assert meta["draft_vocab_size"] == 16 and meta["target_vocab_size"] == 49152 and meta["cache_key"] == st["cache_key"]
@@ -83,6 +108,10 @@ def test_run_end_to_end_and_resume(tmp_path):
     assert 0 < st["heldout_oov_rate"] < 1 and st["cache_hit"] is False
     for png in ("coverage_curve", "rank_frequency", "sequence_lengths"):
         assert (d / f"{png}.png").stat().st_size > 1000
+    # the explorer computes the same held-out OOV as the stage, and none at the full vocab (issue 16)
+    ex = CoverageExplorer.from_run(rd)
+    assert ex.chosen_size == 16 and ex.summary(16)["heldout_oov_rate"] == st["heldout_oov_rate"]
+    assert ex.summary(49152)["heldout_oov_rate"] == 0.0 and ex.summary(49152)["heldout_coverage"] == 1.0
 
     # resume: nothing re-tokenized, same outputs, the mapping comes from the cache
     mtime = (d / "train.parquet").stat().st_mtime_ns
@@ -104,7 +133,7 @@ def test_run_end_to_end_and_resume(tmp_path):
 def test_run_size_from_coverage_and_full_size(tmp_path):
     rd = _run_dir(tmp_path)
     st = run(_params(tmp_path, "vocab.target_coverage=0.9"), rd)
-    counts = np.load(rd / "02_vocab" / "token_counts.npy")
+    counts = np.load(RunDir(rd).token_counts)
     cov = Coverage.from_counts(counts)
     assert st["draft_vocab_size_from"] == "target_coverage"
     assert st["draft_vocab_size"] == cov.size_for(0.9) and st["coverage"] >= 0.9 > cov.at(st["draft_vocab_size"] - 1)
@@ -115,14 +144,16 @@ def test_run_size_from_coverage_and_full_size(tmp_path):
     assert st["full_size"] is True and st["coverage"] == 1.0 and st["padded_ids"] == 0
     assert st["heldout_samples"] == 0 and st["heldout_oov_rate"] is None
     assert load_tokenized(rd2, "heldout").num_rows == 0 and load_tokenized(rd2, "train").num_rows == 12
-    assert not (rd2 / "02_vocab" / "vocab_mapping.safetensors").exists()
+    assert not RunDir(rd2).vocab_mapping.exists()
     assert load_mapping(rd2) == (None, None)
 
 
 def test_run_errors(tmp_path):
-    with pytest.raises(VocabError, match=r"01_synthesize/samples.jsonl does not exist"):
+    with pytest.raises(SamplesError, match=r"synthesize/samples.jsonl does not exist: run stage 1"):
         run(_params(tmp_path), tmp_path / "empty")
     with pytest.raises(VocabError, match="exceeds the target vocab size 49152"):
         run(_params(tmp_path, "vocab.draft_vocab_size=50000"), _run_dir(tmp_path))
-    with pytest.raises(VocabError, match="run stage 2"):
+    with pytest.raises(VocabMappingError, match="run stage 2"):
         load_mapping(tmp_path / "empty")
+    with pytest.raises(tokenized.TokenizedError, match="run stage 2"):
+        tokenized.read_rows(tmp_path / "empty", "train")

@@ -2,49 +2,35 @@
 
 * :mod:`eagle3.vocab.render` - render conversations with the target's chat template as the server
   does and derive loss masks from renders of turn prefixes;
-* :mod:`eagle3.vocab.mapping` - masked-token counting, coverage curve, d2t/t2d mapping and its cache;
-* :mod:`eagle3.vocab.stage` - ``run(params, run_dir)`` and the loaders later stages use;
-* :mod:`eagle3.vocab.explore` - the notebook's coverage explorer (tables, plots, slider).
+* :mod:`eagle3.vocab.mapping` - masked-token counting, the coverage computation, the mapping cache;
+* :mod:`eagle3.vocab.stage` - ``run(params, run_dir)``;
+* :mod:`eagle3.vocab.report` - the notebook's coverage explorer (tables, figures, slider).
+
+The files stage 2 writes are read and written only through :mod:`eagle3.contracts.tokenized` and
+:mod:`eagle3.contracts.vocab_mapping`.
 """
 
-from eagle3.vocab.mapping import (
-    Coverage,
-    VocabMappingError,
-    build_vocab_mapping,
-    cached_vocab_mapping,
-    count_masked_tokens,
-    mapping_cache_key,
-    validate_vocab_mapping,
-)
-from eagle3.vocab.render import ChatRenderer, TokenizeReport, VocabError, read_samples, stop_token_ids, tokenize_samples
-from eagle3.vocab.stage import load_mapping, load_tokenized, run
+from eagle3.contracts.vocab_mapping import VocabMapping, VocabMappingError
+from eagle3.errors import VocabError
+from eagle3.vocab.mapping import Coverage, cached_vocab_mapping, count_masked_tokens, mapping_cache_key
+from eagle3.vocab.render import LossMaskRenderer, TokenizeReport, tokenize_samples
+from eagle3.vocab.report import CoverageExplorer, report_table, show_masked_rows
+from eagle3.vocab.stage import VocabStats, run
 
 __all__ = [
     "run",
-    "load_tokenized",
-    "load_mapping",
-    "build_vocab_mapping",
-    "validate_vocab_mapping",
+    "VocabStats",
+    "VocabMapping",
+    "VocabMappingError",
+    "VocabError",
     "cached_vocab_mapping",
     "mapping_cache_key",
     "count_masked_tokens",
     "Coverage",
-    "ChatRenderer",
+    "LossMaskRenderer",
     "tokenize_samples",
     "TokenizeReport",
-    "read_samples",
-    "stop_token_ids",
-    "VocabError",
-    "VocabMappingError",
     "CoverageExplorer",
     "report_table",
     "show_masked_rows",
 ]
-
-
-def __getattr__(name):  # the explorer pulls in pandas/matplotlib: import it on first use
-    if name in ("CoverageExplorer", "report_table", "show_masked_rows"):
-        from eagle3.vocab import explore
-
-        return getattr(explore, name)
-    raise AttributeError(name)

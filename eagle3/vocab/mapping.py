@@ -1,11 +1,8 @@
-"""Masked-token frequencies, the coverage curve, and the draft vocabulary mapping (d2t / t2d).
+"""Masked-token frequencies, the coverage computation, and the draft vocab mapping's cache.
 
-Conventions (docs/DESIGN.md, "Draft vocab mapping", same as speculators'
-``speculators/train/vocab_mapping.py::build_vocab_mappings_from_distribution``): count loss-masked
-tokens; rank by (-frequency, id); keep the top ``draft_vocab_size`` ids, padding with the lowest
-unused ids when the corpus has fewer distinct tokens; sort the kept ids ascending;
-``d2t[i] = kept[i] - i`` (int64 offsets: target id = ``i + d2t[i]``); ``t2d`` is a bool mask over
-the target vocab with ``t2d.sum() == draft_vocab_size``. A full-size draft vocab has no mapping.
+The mapping itself (its rule, check and files) is :mod:`eagle3.contracts.vocab_mapping`;
+:class:`Coverage` ranks ids with the same :func:`~eagle3.contracts.vocab_mapping.rank_ids`, so the
+coverage and OOV numbers of a size are those of the mapping of that size, padding ids included.
 """
 
 from __future__ import annotations
@@ -20,16 +17,18 @@ from typing import Any
 
 import numpy as np
 
-from eagle3.vocab.render import VocabError
+from eagle3.contracts import tokenized
+from eagle3.contracts.vocab_mapping import VocabMapping, VocabMappingError, load_tensors, rank_ids, save_tensors
+from eagle3.errors import VocabError
 
 __all__ = [
-    "VocabMappingError",
     "count_masked_tokens",
     "Coverage",
-    "build_vocab_mapping",
-    "validate_vocab_mapping",
     "mapping_cache_key",
     "cached_vocab_mapping",
+    "default_cache_dir",
+    "write_counts",
+    "read_counts",
     "COMMON_SIZES",
 ]
 
@@ -38,22 +37,15 @@ log = logging.getLogger(__name__)
 COMMON_SIZES = (8192, 16384, 32768, 65536)
 
 
-class VocabMappingError(VocabError):
-    """A d2t/t2d mapping fails validation (the message says which check and where)."""
-
-
 # --------------------------------------------------------------------------- counting
 
 
 def _record_batches(data: Any, batch_rows: int):
     """Arrow record batches holding ``input_ids``/``loss_mask`` (and ``id`` when present)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     if isinstance(data, (str, Path)):
-        pf = pq.ParquetFile(data)
-        cols = [c for c in ("id", "input_ids", "loss_mask") if c in pf.schema_arrow.names]
-        yield from pf.iter_batches(batch_size=batch_rows, columns=cols)
+        yield from tokenized.iter_batches(data, batch_rows=batch_rows)
         return
     if getattr(data, "_indices", None) is not None:  # a datasets.Dataset after select/shuffle/filter
         data = data.flatten_indices()
@@ -118,7 +110,8 @@ class Coverage:
     Attributes:
         counts: int64 ``[V]`` masked-token frequencies.
         order: int64 ``[V]`` token ids ranked by (-count, id) - the draft vocab of size k is
-            ``order[:k]`` (padded when k exceeds ``distinct``).
+            ``order[:k]``, padding included (zero-count ids rank last, lowest id first: exactly the
+            ids :meth:`~eagle3.contracts.vocab_mapping.VocabMapping.build` pads with).
         cumulative: int64 ``[V]``, ``cumulative[k-1]`` = masked tokens covered by the top k.
     """
 
@@ -132,7 +125,7 @@ class Coverage:
         c = np.asarray(counts, dtype=np.int64)
         if c.ndim != 1 or (c < 0).any():
             raise VocabError("token counts must be a 1-D array of non-negative integers")
-        order = np.lexsort((np.arange(c.size), -c))
+        order = rank_ids(c)
         return cls(c, order, np.cumsum(c[order]))
 
     @property
@@ -175,88 +168,32 @@ class Coverage:
         return int(min(np.searchsorted(share, target, side="left") + 1, self.distinct))
 
     def kept_mask(self, size: int) -> np.ndarray:
-        """bool ``[V]``: token ids inside the top ``size`` by rank (no padding)."""
+        """bool ``[V]``: the token ids a draft vocab of ``size`` keeps - the top ids by rank, then the
+        padding ids, as in the mapping itself (so ``kept_mask(V)`` is all true)."""
         m = np.zeros(self.vocab_size, dtype=bool)
-        m[self.order[: min(size, self.distinct)]] = True
+        m[self.order[: max(int(size), 0)]] = True
         return m
+
+    def oov_rate(self, other_counts, size: int) -> float | None:
+        """Share of ``other_counts`` (int ``[V]``, e.g. the held-out split's) outside a draft vocab of
+        ``size`` built from these counts; None when ``other_counts`` is empty. 0.0 at full size. The
+        one coverage computation behind ``stats.json``, the explorer's tables, widget and plot."""
+        other = np.asarray(other_counts, dtype=np.int64)
+        total = int(other.sum())
+        if total == 0:
+            return None
+        return float(other[~self.kept_mask(size)].sum() / total)
+
+    def curve(self, other_counts=None) -> np.ndarray:
+        """float ``[V]``: coverage of a draft vocab of size ``k + 1`` at index ``k`` - of these counts, or
+        of ``other_counts`` (same ranking and padding as :meth:`kept_mask`)."""
+        if other_counts is None:
+            return self.cumulative / max(self.total, 1)
+        other = np.asarray(other_counts, dtype=np.float64)
+        return np.cumsum(other[self.order]) / max(other.sum(), 1)
 
 
 # --------------------------------------------------------------------------- mapping
-
-
-def validate_vocab_mapping(d2t, t2d, draft_vocab_size: int, target_vocab_size: int, counts=None) -> None:
-    """Check a d2t/t2d pair against the conventions (module docstring).
-
-    Checks: dtypes (int64 / bool), lengths (``[draft_vocab_size]`` / ``[target_vocab_size]``),
-    kept ids ``i + d2t[i]`` inside ``[0, V)``, strictly increasing (sorted, unique),
-    ``t2d.sum() == draft_vocab_size``, ``t2d`` true exactly at the kept ids, and - when ``counts``
-    is given - the kept ids contain the top ``min(size, distinct)`` tokens by (-count, id).
-
-    Raises:
-        VocabMappingError: the first failed check, with the offending index.
-    """
-    import torch
-
-    d2t = torch.as_tensor(d2t)
-    t2d = torch.as_tensor(t2d)
-    if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
-        raise VocabMappingError(f"d2t must be int64 and t2d bool, got {d2t.dtype} and {t2d.dtype}")
-    if tuple(d2t.shape) != (draft_vocab_size,):
-        raise VocabMappingError(f"d2t has shape {tuple(d2t.shape)}, expected ({draft_vocab_size},)")
-    if tuple(t2d.shape) != (target_vocab_size,):
-        raise VocabMappingError(f"t2d has shape {tuple(t2d.shape)}, expected ({target_vocab_size},)")
-    kept = torch.arange(draft_vocab_size, dtype=torch.int64) + d2t
-    if kept.numel():
-        if int(kept.min()) < 0 or int(kept.max()) >= target_vocab_size:
-            i = int(torch.nonzero((kept < 0) | (kept >= target_vocab_size))[0])
-            raise VocabMappingError(f"i + d2t[i] = {int(kept[i])} at i={i} is outside [0, {target_vocab_size})")
-        steps = kept[1:] - kept[:-1]
-        if (steps <= 0).any():
-            i = int(torch.nonzero(steps <= 0)[0]) + 1
-            raise VocabMappingError(f"kept ids are not strictly increasing at i={i} ({int(kept[i-1])}, {int(kept[i])})")
-    if int(t2d.sum()) != draft_vocab_size:
-        raise VocabMappingError(f"t2d.sum() = {int(t2d.sum())}, expected {draft_vocab_size}")
-    if not bool(t2d[kept].all()):
-        raise VocabMappingError("t2d is not true at every kept id i + d2t[i]")
-    if counts is not None:
-        cov = Coverage.from_counts(np.asarray(counts))
-        top = cov.order[: min(draft_vocab_size, cov.distinct)]
-        missing = top[~t2d.numpy()[top]]
-        if missing.size:
-            raise VocabMappingError(f"token id {int(missing[0])} is among the top {draft_vocab_size} but not kept")
-
-
-def build_vocab_mapping(counts, draft_vocab_size: int):
-    """Draft vocab mapping from masked-token counts (speculators' builder, then validated).
-
-    Args:
-        counts: int ``[V]`` masked-token frequencies (numpy array, torch tensor or list); V is
-            the target vocab size.
-        draft_vocab_size: number of draft ids, 1..V.
-
-    Returns:
-        tuple: ``(d2t, t2d)`` - ``torch.int64 [draft_vocab_size]`` offsets (target id = i + d2t[i])
-        and ``torch.bool [V]`` - or ``(None, None)`` when ``draft_vocab_size == V`` (full size).
-
-    Raises:
-        VocabError: ``draft_vocab_size`` outside 1..V, counts not 1-D non-negative.
-        VocabMappingError: the built mapping fails :func:`validate_vocab_mapping`.
-    """
-    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
-
-    c = np.asarray(counts.cpu() if hasattr(counts, "cpu") else counts, dtype=np.int64)
-    if c.ndim != 1 or (c < 0).any():
-        raise VocabError("token counts must be a 1-D array of non-negative integers [target_vocab_size]")
-    V = int(c.size)
-    if not 1 <= int(draft_vocab_size) <= V:
-        raise VocabError(f"draft_vocab_size must be in 1..{V} (the target vocab size), got {draft_vocab_size}")
-    if int(draft_vocab_size) == V:
-        return None, None
-    nz = np.flatnonzero(c)
-    freq = dict(zip(nz.tolist(), c[nz].tolist()))
-    d2t, t2d = build_vocab_mappings_from_distribution(freq, int(draft_vocab_size), V)
-    validate_vocab_mapping(d2t, t2d, int(draft_vocab_size), V, counts=c)
-    return d2t, t2d
 
 
 # --------------------------------------------------------------------------- cache
@@ -278,28 +215,23 @@ def _counts_digest(counts: np.ndarray) -> str:
 
 def cached_vocab_mapping(
     counts, draft_vocab_size: int, corpus_hash: str, tokenizer_hash: str, cache_dir: str | Path
-) -> tuple[Any, Any, str, bool]:
-    """:func:`build_vocab_mapping` through a cache keyed by corpus, tokenizer and size.
+) -> tuple[VocabMapping, bool]:
+    """:meth:`VocabMapping.build` through a cache keyed by corpus, tokenizer and size.
 
     The cache file ``<cache_dir>/<key>.safetensors`` stores ``d2t``/``t2d`` with metadata (key,
     corpus hash, tokenizer hash, sizes, digest of the counts). A file is used only when every
-    metadata field equals the request and the mapping passes validation against ``counts``;
+    metadata field equals the request and the mapping passes its check against ``counts``;
     otherwise it is rebuilt and replaced (atomically), so a mapping made for another size or
     corpus is never picked up.
 
     Returns:
-        tuple: ``(d2t, t2d, key, hit)``; ``d2t``/``t2d`` are None for a full-size vocab.
+        tuple: ``(mapping, hit)``; ``mapping.cache_key`` is the key, d2t/t2d None at full size.
     """
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    from eagle3.io import atomic_path
-
     c = np.asarray(counts, dtype=np.int64)
     V = int(c.size)
     key = mapping_cache_key(corpus_hash, tokenizer_hash, draft_vocab_size, V)
     if int(draft_vocab_size) == V:
-        return None, None, key, False
+        return VocabMapping.build(c, V, key), False
     meta = {
         "format": "eagle3.vocab_mapping/1",
         "cache_key": key,
@@ -312,24 +244,52 @@ def cached_vocab_mapping(
     path = Path(cache_dir) / f"{key}.safetensors"
     if path.is_file():
         try:
-            with safe_open(str(path), framework="pt") as f:
-                got = f.metadata() or {}
-                d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
+            d2t, t2d, got = load_tensors(path)
             bad = [k for k, v in meta.items() if got.get(k) != v]
             if bad:
                 raise VocabMappingError(f"metadata differs in {bad}")
-            validate_vocab_mapping(d2t, t2d, int(draft_vocab_size), V, counts=c)
-            return d2t, t2d, key, True
+            return VocabMapping(d2t, t2d, int(draft_vocab_size), V, key).check(str(path), counts=c), True
         except Exception as exc:  # noqa: BLE001 - any unreadable/mismatched cache is rebuilt
             log.warning("vocab mapping cache %s not used (%s); rebuilding", path, exc)
-    d2t, t2d = build_vocab_mapping(c, draft_vocab_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(path) as tmp:
-        save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(tmp), metadata=meta)
-    return d2t, t2d, key, False
+    m = VocabMapping.build(c, draft_vocab_size, key)
+    save_tensors(path, m.d2t, m.t2d, meta)
+    return m, False
 
 
 def default_cache_dir(target_cache_dir: str | None = None) -> Path:
     """``<target.cache_dir | $EAGLE3_CACHE | ~/.cache/eagle3>/vocab_mappings``."""
     root = target_cache_dir or os.environ.get("EAGLE3_CACHE") or Path.home() / ".cache" / "eagle3"
     return Path(root) / "vocab_mappings"
+
+
+# --------------------------------------------------------------------------- count files
+
+def _counts_path(run_dir: str | Path, split: str) -> Path:
+    from eagle3.rundir import RunDir
+
+    rd = RunDir(run_dir)
+    return rd.token_counts if split == "train" else rd.heldout_token_counts
+
+
+def write_counts(run_dir: str | Path, train: np.ndarray, heldout: np.ndarray) -> None:
+    """Write int64 ``[V]`` masked-token frequencies of both splits (``token_counts.npy``,
+    ``heldout_token_counts.npy``) atomically."""
+    from eagle3.io import atomic_path
+
+    for split, arr in (("train", train), ("heldout", heldout)):
+        with atomic_path(_counts_path(run_dir, split)) as tmp:
+            with open(tmp, "wb") as f:
+                np.save(f, arr)
+
+
+def read_counts(run_dir: str | Path) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(train, heldout)`` int64 ``[V]`` masked-token frequencies (heldout None when absent).
+
+    Raises:
+        VocabError: the train counts are missing (run stage 2).
+    """
+    p = _counts_path(run_dir, "train")
+    if not p.is_file():
+        raise VocabError(f"{p} does not exist: run stage 2 (vocab) first")
+    h = _counts_path(run_dir, "heldout")
+    return np.load(p), (np.load(h) if h.is_file() else None)

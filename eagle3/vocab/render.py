@@ -38,141 +38,19 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
+
+from eagle3.chat import ChatRenderer, stop_token_ids
+from eagle3.contracts.tokenized import TokenizedRow
 from eagle3.errors import VocabError
 
 __all__ = [
-    "VocabError",
-    "read_samples",
-    "stop_token_ids",
-    "ChatRenderer",
-    "TokenizedRow",
+    "LossMaskRenderer",
     "TokenizeReport",
     "tokenize_samples",
 ]
-
-ROLES = ("system", "user", "assistant")
-
-
-# --------------------------------------------------------------------------- samples.jsonl
-
-
-def _check_sample(obj: Any, where: str) -> dict:
-    if not isinstance(obj, dict):
-        raise VocabError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    for key in ("id", "source"):
-        if not isinstance(obj.get(key), str) or not obj[key]:
-            raise VocabError(f"{where}: field '{key}' must be a non-empty string (got {obj.get(key)!r})")
-    if obj.get("split") not in ("train", "heldout"):
-        raise VocabError(f"{where}: field 'split' must be 'train' or 'heldout' (got {obj.get('split')!r})")
-    msgs = obj.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise VocabError(f"{where}: field 'messages' must be a non-empty list")
-    n_assistant = 0
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise VocabError(f"{where}: messages[{i}] must be an object")
-        if m.get("role") not in ROLES:
-            raise VocabError(f"{where}: messages[{i}].role must be one of {ROLES} (got {m.get('role')!r})")
-        if not isinstance(m.get("content"), str):
-            raise VocabError(f"{where}: messages[{i}].content must be a string (got {type(m.get('content')).__name__})")
-        if m.get("reasoning") is not None:
-            if m["role"] != "assistant":
-                raise VocabError(f"{where}: messages[{i}].reasoning is only allowed on assistant messages")
-            if not isinstance(m["reasoning"], str):
-                raise VocabError(f"{where}: messages[{i}].reasoning must be a string")
-        n_assistant += m["role"] == "assistant"
-    fr = obj.get("finish_reasons")
-    if fr is not None:
-        if not isinstance(fr, list) or len(fr) != n_assistant:
-            raise VocabError(
-                f"{where}: field 'finish_reasons' must be a list with one entry per assistant turn "
-                f"({n_assistant}), got {fr!r}"
-            )
-    settings = obj.get("settings")
-    if settings is not None and not isinstance(settings, dict):
-        raise VocabError(f"{where}: field 'settings' must be an object")
-    return obj
-
-
-def read_samples(path: str | Path, split: str | None = None) -> list[dict]:
-    """Read and validate ``01_synthesize/samples.jsonl`` (schema in docs/DESIGN.md, stage 1).
-
-    Args:
-        path: the JSONL file.
-        split: keep only ``"train"`` or ``"heldout"`` samples (None = all), in file order.
-
-    Returns:
-        list[dict]: the samples as written.
-
-    Raises:
-        VocabError: missing file; a line that is not JSON or misses/mistypes a field (message:
-            ``<file>:<line>: field ...``); a duplicated ``id`` (both lines named).
-    """
-    p = Path(path)
-    if not p.is_file():
-        raise VocabError(f"{p} does not exist: run stage 1 (synthesize) first")
-    out: list[dict] = []
-    seen: dict[str, int] = {}
-    with open(p, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{p}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise VocabError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            _check_sample(obj, where)
-            if obj["id"] in seen:
-                raise VocabError(f"{where}: duplicate id {obj['id']!r} (first on line {seen[obj['id']]})")
-            seen[obj["id"]] = lineno
-            if split is None or obj["split"] == split:
-                out.append(obj)
-    return out
-
-
-# --------------------------------------------------------------------------- rendering
-
-
-def stop_token_ids(tokenizer, model_dir: str | Path | None = None) -> set[int]:
-    """Token ids at which the target's generation stops: tokenizer eos plus ``generation_config.json``.
-
-    vLLM stops on the tokenizer's eos id and on every ``eos_token_id`` of the model's generation
-    config (``SamplingParams.update_from_generation_config``); the end-of-turn token is one of them.
-
-    Raises:
-        VocabError: neither source names a stop token (the loss mask could not find turn ends).
-    """
-    ids: set[int] = set()
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    if model_dir is not None:
-        gc = Path(model_dir) / "generation_config.json"
-        if gc.is_file():
-            eos = json.loads(gc.read_text()).get("eos_token_id")
-            if isinstance(eos, int):
-                ids.add(eos)
-            elif isinstance(eos, list):
-                ids.update(int(e) for e in eos)
-    if not ids:
-        raise VocabError(
-            "the target's tokenizer and generation_config.json name no eos/stop token; the loss mask "
-            "needs the end-of-turn token id"
-        )
-    return ids
-
-
-def _chat_message(m: dict) -> dict:
-    """A sample message as the server passes it to the template (vLLM's ``_parse_chat_message_content``)."""
-    out = {"role": m["role"], "content": m["content"]}
-    if m["role"] == "assistant" and m.get("reasoning") is not None:
-        out["reasoning"] = m["reasoning"]
-        out["reasoning_content"] = m["reasoning"]
-    return out
 
 
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -188,13 +66,13 @@ class _Unstable(Exception):
     pass
 
 
-class ChatRenderer:
+class LossMaskRenderer(ChatRenderer):
     """Render conversations with the target's chat template and derive per-turn supervised spans.
 
     Args:
         tokenizer: the target's tokenizer (``transformers``), carrying the chat template the server uses.
-        stop_ids: token ids where generation stops (see :func:`stop_token_ids`); default: the
-            tokenizer's eos id.
+        stop_ids: token ids where generation stops (see :func:`eagle3.chat.stop_token_ids`); default:
+            those of the tokenizer and its chat template.
         chat_template_kwargs: extra template variables for every render (e.g. ``enable_thinking``),
             as the server received them; per-sample settings can override them.
         history_reasoning: ``"drop"`` (default) - earlier assistant turns go into the context
@@ -214,15 +92,14 @@ class ChatRenderer:
     ):
         if history_reasoning not in ("drop", "keep"):
             raise VocabError(f"vocab.history_reasoning must be 'drop' or 'keep' (got {history_reasoning!r})")
-        self.history_reasoning = history_reasoning
         if not getattr(tokenizer, "chat_template", None):
             raise VocabError(
                 f"the target's tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat template; "
                 "stage 2 renders conversations exactly as the server does and needs one"
             )
-        self.tok = tokenizer
-        self.stop_ids = set(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer)
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        super().__init__(tokenizer, chat_template_kwargs)
+        self.history_reasoning = history_reasoning
+        self.stop_ids = set(stop_ids) if stop_ids is not None else set(stop_token_ids(tokenizer, kwargs=self.kwargs))
 
     def prompt(self, messages: list[dict], j: int) -> list[dict]:
         """The context the server received before generating message ``j``: ``messages[:j]``, earlier
@@ -238,42 +115,13 @@ class ChatRenderer:
     def template_kwargs(self, sample: dict) -> dict:
         """Template variables for one sample: defaults, then ``settings.chat_template_kwargs`` and
         ``settings.enable_thinking`` recorded by stage 1."""
-        kw = dict(self.chat_template_kwargs)
+        kw = dict(self.kwargs)
         settings = sample.get("settings") or {}
         if isinstance(settings.get("chat_template_kwargs"), dict):
             kw.update(settings["chat_template_kwargs"])
         if settings.get("enable_thinking") is not None:
             kw["enable_thinking"] = settings["enable_thinking"]
         return kw
-
-    def render(self, convs: list[list[dict]], add_generation_prompt: bool, kwargs: dict) -> list[list[int]]:
-        """Token ids of each conversation, rendered and tokenized as the server does.
-
-        Args:
-            convs: conversations (lists of sample messages).
-            add_generation_prompt: append the assistant header (and whatever the template injects).
-            kwargs: template variables.
-
-        Returns:
-            list[list[int]]: one id list per conversation.
-        """
-        if not convs:
-            return []
-        batch = [[_chat_message(m) for m in c] for c in convs]
-        out = self.tok.apply_chat_template(
-            batch, tokenize=True, return_dict=False, add_generation_prompt=add_generation_prompt, **kwargs
-        )
-        return [list(map(int, x)) for x in out]
-
-    def render_text(self, conv: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
-        """The rendered prompt text of one conversation (``apply_chat_template(tokenize=False)``)."""
-        return self.tok.apply_chat_template(
-            [_chat_message(m) for m in conv], tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
-        )
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` as ``apply_chat_template(tokenize=True)`` encodes a render (no special tokens added)."""
-        return list(map(int, self.tok(text, add_special_tokens=False)["input_ids"]))
 
     def turn_span(
         self,
@@ -337,20 +185,6 @@ class ChatRenderer:
 
 
 @dataclass
-class TokenizedRow:
-    """One training row: ``input_ids`` int64 ``[seq]`` and ``loss_mask`` int8 ``[seq]`` (1 = supervised).
-
-    ``full_len`` is the length before truncation to ``max_seq_len``.
-    """
-
-    id: str
-    source: str
-    input_ids: np.ndarray
-    loss_mask: np.ndarray
-    full_len: int
-
-
-@dataclass
 class TokenizeReport:
     """Counts from :func:`tokenize_samples` (one split). Ids lists are capped at ``max_ids`` entries."""
 
@@ -400,7 +234,7 @@ def _reasoning_rendered(tok, ids: list[int], reasoning: str) -> bool:
 
 
 def _sample_rows(
-    r: ChatRenderer,
+    r: LossMaskRenderer,
     sample: dict,
     P: dict[int, list[int]],
     F: dict[int, list[int]],
@@ -423,8 +257,8 @@ def _sample_rows(
         R[j], s, e, flags = r.turn_span(
             P[j],
             F[j],
-            lambda j=j: (r.render_text(r.prompt(msgs, j), True, kwargs), r.render_text(r.turn(msgs, j), False, kwargs)),
-            lambda j=j: r.render([r.prompt(msgs, j)], False, kwargs)[0],
+            lambda j=j: (r.text(r.prompt(msgs, j), True, kwargs), r.text(r.turn(msgs, j), False, kwargs)),
+            lambda j=j: r.render_ids([r.prompt(msgs, j)], False, kwargs)[0],
             finish[k],
         )
         for fl in flags:
@@ -462,7 +296,7 @@ def _sample_rows(
 
 def tokenize_samples(
     samples: list[dict],
-    renderer: ChatRenderer,
+    renderer: LossMaskRenderer,
     max_seq_len: int,
     policy: str = "explode",
     chunk_size: int = 64,
@@ -475,8 +309,8 @@ def tokenize_samples(
     ``max_seq_len`` are cut on the right; rows left without a supervised token are dropped.
 
     Args:
-        samples: validated stage-1 samples (:func:`read_samples`).
-        renderer: the target's :class:`ChatRenderer`.
+        samples: validated stage-1 samples (:func:`eagle3.contracts.samples.read_samples`).
+        renderer: the target's :class:`LossMaskRenderer`.
         max_seq_len: maximum row length in tokens.
         policy: ``"last"`` or ``"explode"`` for conversations whose history the template re-renders.
         chunk_size: samples rendered per batched ``apply_chat_template`` call.
@@ -510,14 +344,14 @@ def tokenize_samples(
                 kw = kw_of[idx[0]]
                 reqs = [(i, j) for i in idx for j, m in enumerate(chunk[i]["messages"]) if m["role"] == "assistant" and j > 0]
                 try:
-                    ps = renderer.render([renderer.prompt(chunk[i]["messages"], j) for i, j in reqs], True, kw)
-                    fs = renderer.render([renderer.turn(chunk[i]["messages"], j) for i, j in reqs], False, kw)
+                    ps = renderer.render_ids([renderer.prompt(chunk[i]["messages"], j) for i, j in reqs], True, kw)
+                    fs = renderer.render_ids([renderer.turn(chunk[i]["messages"], j) for i, j in reqs], False, kw)
                 except Exception:  # find the sample(s) the template rejects, keep the rest
                     ps, fs = [], []
                     for i, j in reqs:
                         try:
-                            ps.append(renderer.render([renderer.prompt(chunk[i]["messages"], j)], True, kw)[0])
-                            fs.append(renderer.render([renderer.turn(chunk[i]["messages"], j)], False, kw)[0])
+                            ps.append(renderer.render_ids([renderer.prompt(chunk[i]["messages"], j)], True, kw)[0])
+                            fs.append(renderer.render_ids([renderer.turn(chunk[i]["messages"], j)], False, kw)[0])
                         except Exception as exc:  # noqa: BLE001 - templates raise anything
                             failed.setdefault(i, f"chat template error: {type(exc).__name__}: {exc}")
                             ps.append([])

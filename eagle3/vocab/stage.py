@@ -1,15 +1,11 @@
-"""Stage 2 driver: ``run(params, run_dir)`` and the helpers later stages call.
+"""Stage 2 driver: ``run(params, run_dir) -> VocabStats``.
 
-Reads ``01_synthesize/samples.jsonl``; writes into ``02_vocab/``:
+Reads stage 1's samples (:mod:`eagle3.contracts.samples`); writes into the stage-2 folder:
 
-* ``train.parquet``, ``heldout.parquet``: ``id`` (str), ``source`` (str), ``input_ids``
-  (list<int64>), ``loss_mask`` (list<int8>, 1 = supervised) - one row per training sequence;
-* ``row_lengths_train.npy``, ``row_lengths_heldout.npy``: int64 row lengths before truncation;
-* ``token_counts.npy``: int64 ``[target_vocab_size]`` masked-token frequencies of the train split;
-  ``heldout_token_counts.npy`` the same for the held-out split;
-* ``vocab_mapping.safetensors`` (``d2t`` int64 ``[draft_vocab_size]``, ``t2d`` bool ``[V]``), absent
-  for a full-size draft vocab; ``mapping.json`` ``{draft_vocab_size, target_vocab_size, cache_key,
-  coverage, ...}``;
+* the tokenized splits and row lengths (:mod:`eagle3.contracts.tokenized`);
+* ``token_counts.npy``, ``heldout_token_counts.npy``: int64 ``[target_vocab_size]`` masked-token
+  frequencies of each split (:func:`eagle3.vocab.mapping.write_counts`);
+* the draft vocab mapping (:mod:`eagle3.contracts.vocab_mapping`);
 * ``tokenize_meta.json`` (hashes that make tokenization resumable), figures, ``progress.json``,
   ``stats.json``.
 """
@@ -19,46 +15,33 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-import numpy as np
 
+from eagle3.chat import stop_token_ids, template_kwargs
 from eagle3.config import Params
-from eagle3.io import Progress, atomic_path, atomic_write_json, read_json, stage_dir, write_stats
-from eagle3.vocab.mapping import COMMON_SIZES, Coverage, cached_vocab_mapping, count_masked_tokens, default_cache_dir, validate_vocab_mapping
-from eagle3.vocab.render import ChatRenderer, VocabError, read_samples, stop_token_ids, tokenize_samples
+from eagle3.contracts import tokenized
+from eagle3.contracts.samples import read_samples, samples_path
+from eagle3.contracts.vocab_mapping import write_mapping
+from eagle3.errors import VocabError
+from eagle3.io import atomic_write_json, read_json
+from eagle3.rundir import VOCAB
+from eagle3.stage import StageRun, Stats
+from eagle3.vocab.mapping import COMMON_SIZES, Coverage, cached_vocab_mapping, count_masked_tokens, default_cache_dir, write_counts
+from eagle3.vocab.render import LossMaskRenderer, tokenize_samples
 
-__all__ = [
-    "run",
-    "load_tokenized",
-    "load_mapping",
-    "tokenizer_hash",
-    "corpus_hash",
-    "target_vocab_size",
-    "write_tokenized",
-    "SCHEMA_COLUMNS",
-]
+__all__ = ["run", "VocabStats", "tokenizer_hash", "corpus_hash", "target_vocab_size"]
 
 log = logging.getLogger(__name__)
 
-STAGE = 2
-SCHEMA_COLUMNS = ("id", "source", "input_ids", "loss_mask")
-SPLITS = ("train", "heldout")
+SPLITS = tokenized.SPLITS
 _TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "tokenizer.model", "vocab.json", "merges.txt", "tiktoken.model", "chat_template.jinja",
     "chat_template.json", "generation_config.json",
 )
-
-
-def _schema():
-    import pyarrow as pa
-
-    return pa.schema([
-        ("id", pa.string()), ("source", pa.string()),
-        ("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int8())),
-    ])
 
 
 # --------------------------------------------------------------------------- hashes
@@ -99,134 +82,84 @@ def target_vocab_size(model_dir: str | Path, trust_remote_code: bool = False) ->
     return int(cfg.vocab_size)
 
 
-# --------------------------------------------------------------------------- files
-
-
-def write_tokenized(path: str | Path, row_chunks, row_group_rows: int = 1024) -> list[int]:
-    """Stream row chunks (lists of :class:`~eagle3.vocab.render.TokenizedRow`) to a parquet file atomically.
-
-    Returns:
-        list[int]: the rows' lengths before truncation, in file order.
-    """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    schema = _schema()
-    lengths: list[int] = []
-
-    def table(rows) -> pa.Table:
-        offs = np.zeros(len(rows) + 1, dtype=np.int32)
-        np.cumsum([len(r.input_ids) for r in rows], out=offs[1:])
-        ids = np.concatenate([r.input_ids for r in rows]) if rows else np.zeros(0, np.int64)
-        mask = np.concatenate([r.loss_mask for r in rows]) if rows else np.zeros(0, np.int8)
-        return pa.Table.from_arrays([
-            pa.array([r.id for r in rows], pa.string()),
-            pa.array([r.source for r in rows], pa.string()),
-            pa.ListArray.from_arrays(pa.array(offs), pa.array(ids.astype(np.int64))),
-            pa.ListArray.from_arrays(pa.array(offs), pa.array(mask.astype(np.int8))),
-        ], schema=schema)
-
-    with atomic_path(path) as tmp:
-        with pq.ParquetWriter(tmp, schema) as w:
-            buf: list = []
-            for chunk in row_chunks:
-                buf.extend(chunk)
-                lengths.extend(r.full_len for r in chunk)
-                while len(buf) >= row_group_rows:
-                    w.write_table(table(buf[:row_group_rows]))
-                    buf = buf[row_group_rows:]
-            if buf or not lengths:
-                w.write_table(table(buf))
-    return lengths
-
-
-def load_tokenized(run_dir: str | Path, split: str = "train", as_table: bool = False):
-    """The tokenized rows of one split written by stage 2.
-
-    Args:
-        run_dir: the run directory.
-        split: ``"train"`` or ``"heldout"``.
-        as_table: return the ``pyarrow.Table`` instead of a ``datasets.Dataset``.
-
-    Returns:
-        datasets.Dataset | pyarrow.Table: columns ``id`` (str), ``source`` (str), ``input_ids``
-        (list<int64> ``[seq]``), ``loss_mask`` (list<int8> ``[seq]``, 1 = supervised), memory-mapped.
-
-    Raises:
-        VocabError: unknown split or stage 2 has not written the file.
-    """
-    import pyarrow.parquet as pq
-
-    if split not in SPLITS:
-        raise VocabError(f"split must be one of {SPLITS}, got {split!r}")
-    p = stage_dir(run_dir, STAGE, create=False) / f"{split}.parquet"
-    if not p.is_file():
-        raise VocabError(f"{p} does not exist: run stage 2 (vocab) first")
-    table = pq.read_table(p, memory_map=True)
-    if as_table:
-        return table
-    import datasets
-
-    return datasets.Dataset(table)
-
-
-def load_mapping(run_dir: str | Path):
-    """The draft vocab mapping written by stage 2, validated.
-
-    Returns:
-        tuple: ``(d2t, t2d)`` - ``torch.int64 [draft_vocab_size]`` (target id = i + d2t[i]) and
-        ``torch.bool [target_vocab_size]`` - or ``(None, None)`` for a full-size draft vocab.
-
-    Raises:
-        VocabError: stage 2 has not written ``mapping.json``; the safetensors file is missing or
-            belongs to another mapping (cache key differs); the mapping fails validation.
-    """
-    from safetensors import safe_open
-
-    d = stage_dir(run_dir, STAGE, create=False)
-    meta = read_json(d / "mapping.json")
-    if meta is None:
-        raise VocabError(f"{d / 'mapping.json'} does not exist: run stage 2 (vocab) first")
-    size, V = int(meta["draft_vocab_size"]), int(meta["target_vocab_size"])
-    if size == V:
-        return None, None
-    p = d / "vocab_mapping.safetensors"
-    if not p.is_file():
-        raise VocabError(f"{p} is missing although mapping.json has draft_vocab_size={size} < {V}")
-    with safe_open(str(p), framework="pt") as f:
-        got = (f.metadata() or {}).get("cache_key")
-        d2t, t2d = f.get_tensor("d2t"), f.get_tensor("t2d")
-    if got != meta.get("cache_key"):
-        raise VocabError(f"{p} has cache_key {got!r} but mapping.json says {meta.get('cache_key')!r}")
-    validate_vocab_mapping(d2t, t2d, size, V)
-    return d2t, t2d
-
-
 # --------------------------------------------------------------------------- stage
 
 
-def _template_defaults(params: Params) -> dict:
-    return {} if params.synthesize.enable_thinking is None else {"enable_thinking": params.synthesize.enable_thinking}
+@dataclass
+class VocabStats(Stats):
+    """What stage 2 writes to ``stats.json`` (same keys, same order). ``coverage`` is the share of the
+    train split's masked tokens inside the draft vocab, ``heldout_oov_rate`` the share of the held-out
+    split's outside it (padding ids included; :meth:`eagle3.vocab.mapping.Coverage.oov_rate`);
+    ``coverage_at_<n>k`` exist only for sizes up to the target vocab (None otherwise, not written);
+    ``<split>_*`` are the tokenization counters of each split, ``tokenize_reports`` their full reports."""
+
+    HEADLINE: ClassVar[tuple[str, ...]] = ("draft_vocab_size", "coverage", "heldout_oov_rate", "distinct_tokens",
+                                           "masked_tokens")
+    target_vocab_size: int
+    draft_vocab_size: int
+    draft_vocab_size_from: str
+    full_size: bool
+    distinct_tokens: int
+    masked_tokens: int
+    coverage: float
+    padded_ids: int
+    heldout_masked_tokens: int
+    heldout_oov_rate: float | None
+    coverage_at_8k: float | None
+    coverage_at_16k: float | None
+    coverage_at_32k: float | None
+    coverage_at_64k: float | None
+    cache_key: str
+    cache_hit: bool
+    corpus_hash: str
+    tokenizer_hash: str
+    max_seq_len: int
+    multi_turn_policy: str
+    train_samples: int
+    train_rows: int
+    train_tokens: int
+    train_supervised_tokens: int
+    train_truncated_rows: int
+    train_truncated_tokens: int
+    train_truncated_supervised_tokens: int
+    train_dropped_rows_after_truncation: int
+    train_no_supervised_samples: int
+    train_failed_samples: int
+    train_history_rerendered_samples: int
+    train_exploded_rows: int
+    train_completion_token_agreement: float | None
+    heldout_samples: int
+    heldout_rows: int
+    heldout_tokens: int
+    heldout_supervised_tokens: int
+    heldout_truncated_rows: int
+    heldout_truncated_tokens: int
+    heldout_truncated_supervised_tokens: int
+    heldout_dropped_rows_after_truncation: int
+    heldout_no_supervised_samples: int
+    heldout_failed_samples: int
+    heldout_history_rerendered_samples: int
+    heldout_exploded_rows: int
+    heldout_completion_token_agreement: float | None
+    tokenize_reports: dict
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``stats.json`` dict: ``coverage_at_<n>k`` of sizes above the target vocab left out."""
+        return {k: v for k, v in super().to_dict().items() if not (k.startswith("coverage_at_") and v is None)}
 
 
-def _tokenize_split(params, out_dir, split, samples, renderer, hashes, prog) -> dict:
-    """Tokenize one split unless its parquet, lengths and meta already match ``hashes``."""
-    meta_path = out_dir / "tokenize_meta.json"
-    meta = read_json(meta_path, {}) or {}
-    done = meta.get(split)
-    pq_path = out_dir / f"{split}.parquet"
-    len_path = out_dir / f"row_lengths_{split}.npy"
-    if done and done.get("hashes") == hashes and pq_path.is_file() and len_path.is_file():
+def _tokenize_split(params, run_dir, split, samples, renderer, hashes, prog) -> dict:
+    """Tokenize one split unless its files and ``tokenize_meta.json`` already match ``hashes``."""
+    meta_path = tokenized.split_path(run_dir, split).parent / "tokenize_meta.json"
+    done = (read_json(meta_path, {}) or {}).get(split)
+    if done and done.get("hashes") == hashes and tokenized.split_complete(run_dir, split):
         prog.update(len(samples), tokens=int(done["report"]["tokens"]), **{f"{split}_resumed": True})
         return done["report"]
     chunks, rep = tokenize_samples(
         samples, renderer, params.vocab.max_seq_len, params.vocab.multi_turn_policy,
         on_chunk=lambda n, t: prog.update(n, tokens=t),
     )
-    lengths = write_tokenized(pq_path, chunks) if samples else write_tokenized(pq_path, [])
-    with atomic_path(len_path) as tmp:
-        with open(tmp, "wb") as f:
-            np.save(f, np.asarray(lengths, dtype=np.int64))
+    tokenized.write_split(run_dir, split, chunks if samples else [])
     report = rep.as_dict()
     if rep.no_supervised_samples or rep.failed_samples:
         log.warning(
@@ -239,136 +172,118 @@ def _tokenize_split(params, out_dir, split, samples, renderer, hashes, prog) -> 
     return report
 
 
-def run(params: Params, run_dir: str | Path) -> dict:
-    """Stage 2: tokenize as served, count masked tokens, pick the draft vocab size, build the mapping.
+_REPORT_KEYS = ("samples", "rows", "tokens", "supervised_tokens", "truncated_rows", "truncated_tokens",
+                "truncated_supervised_tokens", "dropped_rows_after_truncation", "no_supervised_samples",
+                "failed_samples", "history_rerendered_samples", "exploded_rows")
 
-    Resumable: a split whose parquet file was written for the same corpus hash and tokenizer hash
-    is not tokenized again; counts, coverage and mapping are recomputed (deterministic, seconds).
 
-    Returns:
-        dict: the stats written to ``02_vocab/stats.json`` - ``distinct_tokens``,
-        ``masked_tokens``, ``draft_vocab_size``, ``coverage`` (train masked mass inside the draft
-        vocab), ``heldout_oov_rate`` (share of held-out masked tokens outside it), coverage at
-        8K/16K/32K/64K, per-split tokenization reports (truncation, dropped and rejected samples).
+def _split_stats(reports: dict[str, dict]) -> dict[str, Any]:
+    """``<split>_<counter>`` keys of stats.json from the tokenization reports."""
+    out: dict[str, Any] = {}
+    for split in SPLITS:
+        r = reports[split]
+        for k in _REPORT_KEYS:
+            out[f"{split}_{k}"] = r[k]
+        n = r.get("turns_with_completion_tokens", 0)
+        # share of turns whose supervised span has exactly as many tokens as stage 1 recorded generating
+        out[f"{split}_completion_token_agreement"] = r.get("turns_matching_completion_tokens", 0) / n if n else None
+    return out
 
-    Raises:
-        VocabError: missing/invalid samples.jsonl (file:line:field), a split with samples but no
-            supervised token, ``draft_vocab_size`` larger than the target vocab, a token id outside
-            the target vocab.
-    """
+
+def _pick_size(params: Params, cov: Coverage) -> tuple[int, str]:
+    if params.vocab.target_coverage is not None:
+        return cov.size_for(params.vocab.target_coverage), "target_coverage"
+    return int(params.vocab.draft_vocab_size), "draft_vocab_size"
+
+
+def _load(params: Params, run_dir: Path):
+    """Samples by split, the target's renderer, vocab size and tokenizer hash, with the input checks."""
     from eagle3.target import load_tokenizer, resolve_target
-    from eagle3.tracking import Tracker
-    from eagle3.vocab.explore import CoverageExplorer
 
-    run_dir = Path(run_dir)
-    out = stage_dir(run_dir, STAGE)
-    samples_path = stage_dir(run_dir, 1, create=False) / "samples.jsonl"
-    all_samples = read_samples(samples_path)
+    all_samples = read_samples(run_dir)
     by_split = {s: [x for x in all_samples if x["split"] == s] for s in SPLITS}
     if not by_split["train"]:
-        raise VocabError(f"{samples_path}: no sample has split == 'train'; nothing to count")
-
+        raise VocabError(f"{samples_path(run_dir)}: no sample has split == 'train'; nothing to count")
     target = resolve_target(params.target)
     tok = load_tokenizer(target, params.target.trust_remote_code)
-    renderer = ChatRenderer(tok, stop_token_ids(tok, target.path), _template_defaults(params),
-                            params.vocab.history_reasoning)
+    kw = template_kwargs(params)
+    renderer = LossMaskRenderer(tok, stop_token_ids(tok, target.path, kwargs=kw), kw, params.vocab.history_reasoning)
     V = target_vocab_size(target.path, params.target.trust_remote_code)
     if params.vocab.draft_vocab_size is not None and params.vocab.draft_vocab_size > V:
         raise VocabError(
             f"vocab.draft_vocab_size={params.vocab.draft_vocab_size} exceeds the target vocab size {V}; "
             f"use at most {V} (= full size, no mapping)"
         )
-    tok_hash = tokenizer_hash(target.path, tok)
+    return all_samples, by_split, tok, renderer, V, tokenizer_hash(target.path, tok)
+
+
+def run(params: Params, run_dir: str | Path) -> VocabStats:
+    """Stage 2: tokenize as served, count masked tokens, pick the draft vocab size, build the mapping.
+
+    Resumable: a split whose files were written for the same corpus hash and tokenizer hash is not
+    tokenized again; counts, coverage and mapping are recomputed (deterministic, seconds).
+
+    Returns:
+        VocabStats: what ``stats.json`` holds.
+
+    Raises:
+        SamplesError: missing/invalid samples.jsonl (file:line:field).
+        VocabError: a split with samples but no supervised token, ``draft_vocab_size`` larger than the
+            target vocab, a token id outside the target vocab.
+    """
+    from eagle3.vocab.report import CoverageExplorer
+
+    run_dir = Path(run_dir)
+    all_samples, by_split, tok, renderer, V, tok_hash = _load(params, run_dir)
     settings = {
         "max_seq_len": params.vocab.max_seq_len,
         "multi_turn_policy": params.vocab.multi_turn_policy,
         "history_reasoning": params.vocab.history_reasoning,
-        "template_kwargs": _template_defaults(params),
+        "template_kwargs": template_kwargs(params),
         "format": 2,  # bump when tokenization or its report changes: earlier splits are redone
     }
-    tracker = Tracker(params, run_dir, "02_vocab")
-    reports: dict[str, dict] = {}
-    hashes: dict[str, str] = {}
-    with Progress(out, total=len(all_samples), unit="samples", desc="02_vocab") as prog:
+    with StageRun(params, run_dir, VOCAB, total=len(all_samples), unit="samples") as st:
+        reports: dict[str, dict] = {}
+        hashes: dict[str, str] = {}
         for split in SPLITS:
             hashes[split] = corpus_hash(by_split[split], settings)
-            reports[split] = _tokenize_split(
-                params, out, split, by_split[split], renderer, {"corpus": hashes[split], "tokenizer": tok_hash}, prog
-            )
-
-        counts = count_masked_tokens(out / "train.parquet", V)
-        held = count_masked_tokens(out / "heldout.parquet", V)
-        for name, arr in (("token_counts.npy", counts), ("heldout_token_counts.npy", held)):
-            with atomic_path(out / name) as tmp:
-                with open(tmp, "wb") as f:
-                    np.save(f, arr)
-        cov = Coverage.from_counts(counts)
-        if params.vocab.target_coverage is not None:
-            size, size_from = cov.size_for(params.vocab.target_coverage), "target_coverage"
-        else:
-            size, size_from = int(params.vocab.draft_vocab_size), "draft_vocab_size"
-        cache_dir = Path(params.vocab.cache_dir) if params.vocab.cache_dir else default_cache_dir(params.target.cache_dir)
-        d2t, t2d, key, hit = cached_vocab_mapping(counts, size, hashes["train"], tok_hash, cache_dir)
-        _write_mapping(out, d2t, t2d, key, size, V, cov, hashes["train"], tok_hash, hit)
-
-        kept = t2d.numpy() if t2d is not None else np.ones(V, dtype=bool)
-        held_total = int(held.sum())
-        stats: dict[str, Any] = {
-            "target_vocab_size": V,
-            "draft_vocab_size": size,
-            "draft_vocab_size_from": size_from,
-            "full_size": d2t is None,
-            "distinct_tokens": cov.distinct,
-            "masked_tokens": cov.total,
-            "coverage": cov.at(size),
-            "padded_ids": max(size - cov.distinct, 0) if d2t is not None else 0,
-            "heldout_masked_tokens": held_total,
-            "heldout_oov_rate": (float(held[~kept].sum() / held_total) if held_total else None),
-            **{f"coverage_at_{s // 1024}k": cov.at(s) for s in COMMON_SIZES if s <= V},
-            "cache_key": key,
-            "cache_hit": hit,
-            "corpus_hash": hashes["train"],
-            "tokenizer_hash": tok_hash,
-            "max_seq_len": params.vocab.max_seq_len,
-            "multi_turn_policy": params.vocab.multi_turn_policy,
-        }
-        for split in SPLITS:
-            r = reports[split]
-            for k in ("samples", "rows", "tokens", "supervised_tokens", "truncated_rows", "truncated_tokens",
-                      "truncated_supervised_tokens", "dropped_rows_after_truncation", "no_supervised_samples",
-                      "failed_samples", "history_rerendered_samples", "exploded_rows"):
-                stats[f"{split}_{k}"] = r[k]
-            n = r.get("turns_with_completion_tokens", 0)
-            # share of turns whose supervised span has exactly as many tokens as stage 1 recorded generating
-            stats[f"{split}_completion_token_agreement"] = r.get("turns_matching_completion_tokens", 0) / n if n else None
-        stats["tokenize_reports"] = reports
-
-        explorer = CoverageExplorer.from_run(run_dir, params, tokenizer=tok)
-        for name, fig in explorer.figures().items():
-            tracker.figure(name, fig)
-        tracker.log({k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
-        tracker.summary(stats)
-        tracker.finish()
-        prog.extra.update(draft_vocab_size=size, coverage=stats["coverage"])
-    return write_stats(out, stats)
+            reports[split] = _tokenize_split(params, run_dir, split, by_split[split], renderer,
+                                             {"corpus": hashes[split], "tokenizer": tok_hash}, st.progress)
+        stats = VocabStats(**_count_and_map(params, run_dir, V, hashes["train"], tok_hash), **_split_stats(reports),
+                           tokenize_reports=reports)
+        for name, fig in CoverageExplorer.from_run(run_dir, params, tokenizer=tok).figures().items():
+            st.figure(name, fig)
+        st.progress.extra.update(draft_vocab_size=stats.draft_vocab_size, coverage=stats.coverage)
+        st.finish(stats, log=True)
+    return stats
 
 
-def _write_mapping(out, d2t, t2d, key, size, V, cov, c_hash, t_hash, hit) -> None:
-    from safetensors.torch import save_file
-
-    mpath = out / "vocab_mapping.safetensors"
-    if d2t is None:
-        mpath.unlink(missing_ok=True)  # a full-size draft vocab has no mapping file
-    else:
-        with atomic_path(mpath) as tmp:
-            save_file({"d2t": d2t.contiguous(), "t2d": t2d.contiguous()}, str(tmp), metadata={"cache_key": key})
-    atomic_write_json(out / "mapping.json", {
-        "draft_vocab_size": size,
+def _count_and_map(params: Params, run_dir: Path, V: int, c_hash: str, tok_hash: str) -> dict[str, Any]:
+    """Count both splits, pick the size, build (or reuse) and write the mapping; the stats so far."""
+    counts = count_masked_tokens(tokenized.split_path(run_dir, "train"), V)
+    held = count_masked_tokens(tokenized.split_path(run_dir, "heldout"), V)
+    write_counts(run_dir, counts, held)
+    cov = Coverage.from_counts(counts)
+    size, size_from = _pick_size(params, cov)
+    cache_dir = Path(params.vocab.cache_dir) if params.vocab.cache_dir else default_cache_dir(params.target.cache_dir)
+    mapping, hit = cached_vocab_mapping(counts, size, c_hash, tok_hash, cache_dir)
+    write_mapping(run_dir, mapping, coverage=cov.at(size), corpus_hash=c_hash, tokenizer_hash=tok_hash, cache_hit=hit)
+    return {
         "target_vocab_size": V,
-        "cache_key": key,
+        "draft_vocab_size": size,
+        "draft_vocab_size_from": size_from,
+        "full_size": mapping.full_size,
+        "distinct_tokens": cov.distinct,
+        "masked_tokens": cov.total,
         "coverage": cov.at(size),
-        "corpus_hash": c_hash,
-        "tokenizer_hash": t_hash,
+        "padded_ids": max(size - cov.distinct, 0) if not mapping.full_size else 0,
+        "heldout_masked_tokens": int(held.sum()),
+        "heldout_oov_rate": cov.oov_rate(held, size),
+        **{f"coverage_at_{s // 1024}k": cov.at(s) if s <= V else None for s in COMMON_SIZES},
+        "cache_key": mapping.cache_key,
         "cache_hit": hit,
-        "full_size": d2t is None,
-    })
+        "corpus_hash": c_hash,
+        "tokenizer_hash": tok_hash,
+        "max_seq_len": params.vocab.max_seq_len,
+        "multi_turn_policy": params.vocab.multi_turn_policy,
+    }

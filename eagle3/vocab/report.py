@@ -1,7 +1,10 @@
-"""Coverage explorer for notebook 02: tables, static plots and an ipywidgets slider.
+"""Stage 2's report: the coverage explorer of notebook 02 (tables, figures, an ipywidgets slider)
+and the tokenization table.
 
-Everything here reads stage 2's files (``token_counts.npy``, ``heldout_token_counts.npy``,
-``train.parquet``, ``row_lengths_*.npy``, ``mapping.json``); nothing is written.
+Everything here reads stage 2's files (token counts, the train split, row lengths, the mapping);
+nothing is written. Figures are ``matplotlib.figure.Figure`` objects (never pyplot state). Every
+coverage and OOV number comes from :class:`eagle3.vocab.mapping.Coverage`, the computation the
+stage's ``stats.json`` uses, padding ids of the real mapping included.
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
+from matplotlib.figure import Figure
+
+from eagle3.contracts import tokenized
 from eagle3.vocab.mapping import COMMON_SIZES, Coverage
 
 __all__ = ["CoverageExplorer", "source_counts", "masked_sample_html", "report_table", "show_masked_rows"]
@@ -81,34 +87,34 @@ class CoverageExplorer:
     @classmethod
     def from_run(cls, run_dir: str | Path, params=None, tokenizer=None) -> "CoverageExplorer":
         """Load stage 2's files of a run (tokenizer from ``params.target`` when not given)."""
-        import pyarrow.parquet as pq
+        from eagle3.contracts.vocab_mapping import read_mapping
+        from eagle3.vocab.mapping import read_counts
 
-        from eagle3.io import read_json, stage_dir
-
-        d = stage_dir(run_dir, 2, create=False)
-        counts = np.load(d / "token_counts.npy")
-        held = np.load(d / "heldout_token_counts.npy") if (d / "heldout_token_counts.npy").exists() else None
-        table = pq.read_table(d / "train.parquet", columns=["source", "input_ids", "loss_mask"], memory_map=True)
-        meta = read_json(d / "mapping.json", {}) or {}
-        lengths = np.load(d / "row_lengths_train.npy") if (d / "row_lengths_train.npy").exists() else None
+        counts, held = read_counts(run_dir)
+        table = tokenized.read_table(run_dir, "train", ["source", "input_ids", "loss_mask"])
+        chosen = read_mapping(run_dir).draft_vocab_size
         if tokenizer is None and params is not None:
             from eagle3.target import load_tokenizer, resolve_target
 
             tokenizer = load_tokenizer(resolve_target(params.target), params.target.trust_remote_code)
-        return cls(counts, held, source_counts(table, counts.size), tokenizer, meta.get("draft_vocab_size"),
-                   lengths, params.vocab.max_seq_len if params is not None else None)
+        return cls(counts, held, source_counts(table, counts.size), tokenizer, chosen,
+                   tokenized.read_row_lengths(run_dir, "train"), params.vocab.max_seq_len if params is not None else None)
 
     # ---- numbers
 
+    def heldout_oov_rate(self, size: int) -> float | None:
+        """Share of held-out masked tokens outside the size-``size`` draft vocab, padding included
+        (:meth:`Coverage.oov_rate`, as ``stats.json``'s ``heldout_oov_rate``); 0 at full size."""
+        return None if self.heldout is None else self.cov.oov_rate(self.heldout, size)
+
     def heldout_coverage(self, size: int) -> float | None:
-        """Share of held-out masked tokens inside the top-``size`` train vocab (1 - OOV rate)."""
-        if self.heldout is None or self.heldout.sum() == 0:
-            return None
-        return float(self.heldout[self.cov.kept_mask(size)].sum() / self.heldout.sum())
+        """1 - :meth:`heldout_oov_rate`."""
+        oov = self.heldout_oov_rate(size)
+        return None if oov is None else 1 - oov
 
     def summary(self, size: int) -> dict:
         """Coverage, masked tokens lost (train), held-out coverage/OOV rate at one draft vocab size."""
-        hc = self.heldout_coverage(size)
+        oov = self.heldout_oov_rate(size)
         return {
             "draft_vocab_size": int(size),
             "coverage": self.cov.at(size),
@@ -116,8 +122,8 @@ class CoverageExplorer:
             "masked_tokens_lost": self.cov.lost(size),
             "distinct_tokens": self.cov.distinct,
             "distinct_tokens_lost": max(self.cov.distinct - int(size), 0),
-            "heldout_coverage": hc,
-            "heldout_oov_rate": None if hc is None else 1 - hc,
+            "heldout_coverage": None if oov is None else 1 - oov,
+            "heldout_oov_rate": oov,
         }
 
     def sizes_table(self, sizes=None):
@@ -160,17 +166,13 @@ class CoverageExplorer:
     def plot_coverage(self):
         """Coverage curve (train, and held-out when present) against draft vocab size, log x,
         with markers at 8K/16K/32K/64K and the chosen size. Returns a matplotlib Figure."""
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig = Figure(figsize=(7, 4))
+        ax = fig.subplots()
         n = max(self.cov.distinct, 1)
         x = np.unique(np.geomspace(1, self.cov.vocab_size, 400).astype(int))
         ax.plot(x, [self.cov.at(k) for k in x], label="train (masked tokens)")
         if self.heldout is not None and self.heldout.sum():
-            rank = np.empty(self.cov.vocab_size, dtype=np.int64)
-            rank[self.cov.order] = np.arange(self.cov.vocab_size)
-            hc = np.cumsum(np.bincount(rank, weights=self.heldout, minlength=self.cov.vocab_size)) / self.heldout.sum()
-            ax.plot(x, hc[x - 1], "--", label="held-out")
+            ax.plot(x, self.cov.curve(self.heldout)[x - 1], "--", label="held-out")
         for s, mk in zip(COMMON_SIZES, "sD^v"):
             if s <= self.cov.vocab_size:
                 ax.axvline(s, color="grey", lw=0.6, ls=":")
@@ -185,14 +187,12 @@ class CoverageExplorer:
         ax.set_title(f"Coverage: {self.cov.total:,} masked tokens, {self.cov.distinct:,} distinct")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
-        plt.close(fig)
         return fig
 
     def plot_rank_frequency(self):
         """Rank-frequency of masked tokens on log-log axes. Returns a matplotlib Figure."""
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig = Figure(figsize=(6, 4))
+        ax = fig.subplots()
         freq = self.cov.counts[self.cov.order[: self.cov.distinct]]
         ax.loglog(np.arange(1, freq.size + 1), freq, ".", ms=2)
         if self.chosen_size and self.chosen_size < freq.size:
@@ -202,14 +202,12 @@ class CoverageExplorer:
         ax.set_ylabel("masked-token count")
         ax.set_title("Rank-frequency (log-log)")
         ax.grid(alpha=0.3, which="both")
-        plt.close(fig)
         return fig
 
     def plot_lengths(self):
         """Histogram of row lengths before truncation with the ``max_seq_len`` line. Returns a Figure."""
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig = Figure(figsize=(6, 4))
+        ax = fig.subplots()
         if self.lengths is not None and self.lengths.size:
             ax.hist(self.lengths, bins=50, color="tab:blue", alpha=0.8)
             if self.max_seq_len:
@@ -219,7 +217,6 @@ class CoverageExplorer:
         ax.set_xlabel("tokens per row (before truncation)")
         ax.set_ylabel("rows")
         ax.set_title("Sequence lengths (train)")
-        plt.close(fig)
         return fig
 
     def figures(self) -> dict:
@@ -235,30 +232,46 @@ class CoverageExplorer:
         hc = "n/a" if s["heldout_coverage"] is None else f"{s['heldout_coverage']:.4%} (OOV {s['heldout_oov_rate']:.4%})"
         head = (f"<b>draft vocab {size:,}</b>: train coverage <b>{s['coverage']:.4%}</b>, "
                 f"masked tokens lost {s['masked_tokens_lost']:,} of {s['masked_tokens']:,}; held-out coverage {hc}")
-        return (head + "<br><b>Top lost tokens</b>" + self.top_lost(size, n_lost).to_html(index=False)
+        lost = self.top_lost(size, n_lost)
+        lost_html = lost.to_html(index=False) if len(lost) else "<p>nothing lost at this size</p>"
+        return (head + "<br><b>Top lost tokens</b>" + lost_html
                 + "<b>Coverage by prompt source</b>" + self.by_source_table(size).to_html(index=False))
 
-    def widget(self, step: int = 256):
-        """An ipywidgets slider over the draft vocab size updating the coverage, the masked tokens
-        lost, the top lost tokens (decoded, with their mass) and the coverage by prompt source."""
+    def widget(self, step: float = 0.05):
+        """An ipywidgets control over the draft vocab size - a log-scale slider (base 2, ``step`` in
+        log2 units: every useful size of a small corpus gets room) plus an exact entry - updating the
+        coverage, the masked tokens lost, the top lost tokens (decoded, with their mass) and the
+        coverage by prompt source."""
+        import math
+
         import ipywidgets as w
 
         V = self.cov.vocab_size
         start = int(self.chosen_size or min(32768, V))
-        slider = w.IntSlider(value=start, min=1, max=V, step=1 if V <= step else step, description="draft vocab",
-                             continuous_update=False, layout=w.Layout(width="90%"))
+        slider = w.FloatLogSlider(value=start, base=2, min=0, max=math.log2(V), step=step, description="draft vocab",
+                                  continuous_update=False, readout_format=".0f", layout=w.Layout(width="90%"))
         box = w.BoundedIntText(value=start, min=1, max=V, description="exact")
-        w.jslink((slider, "value"), (box, "value"))
         out = w.HTML(self.render_html(start))
-        slider.observe(lambda ch: setattr(out, "value", self.render_html(int(ch["new"]))), names="value")
+
+        def from_slider(ch) -> None:
+            box.value = min(max(int(round(ch["new"])), 1), V)
+
+        def from_box(ch) -> None:
+            out.value = self.render_html(int(ch["new"]))
+            if int(round(slider.value)) != int(ch["new"]):
+                slider.value = float(ch["new"])
+
+        slider.observe(from_slider, names="value")
+        box.observe(from_box, names="value")
         return w.VBox([w.HBox([slider, box]), out])
 
 
 def report_table(stats: dict):
-    """DataFrame of the per-split tokenization counts in stage 2's stats (rows: counters, columns: splits)."""
+    """DataFrame of the per-split tokenization counts in stage 2's stats (rows: counters, columns: splits);
+    ``stats`` is a :class:`~eagle3.vocab.stage.VocabStats` or the ``stats.json`` dict."""
     import pandas as pd
 
-    reps = stats.get("tokenize_reports", {})
+    reps = stats.get("tokenize_reports", {}) if isinstance(stats, dict) else stats.tokenize_reports
     keys = ["samples", "rows", "tokens", "supervised_tokens", "assistant_turns", "history_rerendered_samples",
             "exploded_rows", "boundary_retokenized_turns", "boundary_fallback_turns", "no_stop_token_turns",
             "length_cut_turns", "reasoning_not_rendered_turns", "turns_with_completion_tokens",
@@ -271,9 +284,7 @@ def show_masked_rows(run_dir, tokenizer, n: int = 2, split: str = "train", max_t
     """Display the first ``n`` rows of a split with supervised tokens highlighted (notebook helper)."""
     from IPython.display import HTML, display
 
-    from eagle3.vocab.stage import load_tokenized
-
-    table = load_tokenized(run_dir, split, as_table=True).slice(0, n)
+    table = tokenized.read_table(run_dir, split).slice(0, n)
     for row in table.to_pylist():
         display(HTML(f"<b>{html.escape(row['id'])}</b> ({html.escape(row['source'])}, {len(row['input_ids'])} tokens, "
                      f"{sum(row['loss_mask'])} supervised)" + masked_sample_html(tokenizer, row["input_ids"], row["loss_mask"], max_tokens)))
