@@ -2,7 +2,7 @@
 
 Both backends get the same prompts (the params file's prompt sources, first ``--prompts`` of them),
 the same settings (temperature, top_p, max_new_tokens, seed, context) and are driven exactly as the
-stage drives them (:class:`eagle3.synthesize.TransformersBackend` / :class:`VllmBackend`, prompts
+stage drives them (:class:`eagle3.synthesize.local.TransformersBackend` / :class:`VllmBackend`, prompts
 sorted by length, ``batch_size`` conversations per call). Loading time is reported apart from
 generation time; tokens/s = completion tokens (a final EOS counted, as vLLM's usage does) per second
 of generation. At temperature 0 the table also gives the share of prompts whose answers are
@@ -60,7 +60,7 @@ def main() -> None:
 
     from eagle3.config import load_params
     from eagle3.prompts import load_prompts
-    from eagle3.synthesize import TransformersBackend, VllmBackend
+    from eagle3.synthesize.local import TransformersBackend, VllmBackend
 
     params = load_params(args.params, [f"synthesize.max_new_tokens={args.max_new_tokens}",
                                        f"synthesize.limit={args.prompts}"])

@@ -5,7 +5,6 @@ capture from recorded responses, prompts too long for the context, the samples c
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -14,16 +13,18 @@ from pathlib import Path
 import pytest
 
 from eagle3.config import Params, dump_params
-from eagle3.io import prepare_run_dir, read_json
+from eagle3.contracts.samples import SampleStore, SamplesError, read_samples
+from eagle3.io import read_json
 from eagle3.prompts import load_prompts
+from eagle3.rundir import SYNTHESIZE, RunDir, prepare_run_dir
 from eagle3.synthesize import (
     SynthesisError,
-    load_samples,
+    SynthesizeStats,
     make_figures,
     parse_chat_completion,
-    run,
     split_reasoning,
 )
+from eagle3.synthesize import run as run_stage
 
 from _synthesize_fixtures import FakeChatServer
 
@@ -48,13 +49,23 @@ def _params(tmp_path: Path, base_url: str, prompts: Path, name: str = "t", serve
     })
 
 
+def run(params: Params, rd: Path) -> dict:
+    """Stage 1; checks that the returned stats are what stats.json holds, returns stats.json."""
+    st = run_stage(params, rd)
+    on_disk = read_json(RunDir(rd).stats(SYNTHESIZE))
+    assert isinstance(st, SynthesizeStats)
+    assert list(st.to_dict()) == [k for k in on_disk if k not in ("complete", "finished_at")]
+    assert st.to_dict() == {k: v for k, v in on_disk.items() if k not in ("complete", "finished_at")}
+    return on_disk
+
+
 def _go(params: Params) -> tuple[dict, Path]:
     rd = prepare_run_dir(params, Path(params.run.output_dir) / params.run.name)
     return run(params, rd), rd
 
 
-def _lines(rd: Path) -> list[dict]:
-    return [json.loads(x) for x in (rd / "01_synthesize" / "samples.jsonl").read_text().splitlines()]
+def load_samples(rd: Path, split: str | None = None) -> list[dict]:
+    return read_samples(rd, split)
 
 
 # ----------------------------------------------------------------------------- reasoning parsing
@@ -142,9 +153,9 @@ def test_server_samples_contract_concurrency_and_api_key(tmp_path, monkeypatch):
     assert load_samples(rd, split="heldout") == [x for x in samples if x["split"] == "heldout"]
     assert stats["samples"] == 9 and stats["completion_tokens"] == 63 and stats["finish_reasons"] == {"stop": 9}
     assert stats["complete"] is True and stats["errors"] == {} and stats["retries"] == 0
-    prog = read_json(rd / "01_synthesize" / "progress.json")
+    prog = read_json(RunDir(rd).progress(SYNTHESIZE))
     assert prog["status"] == "done" and prog["done"] == prog["total"] == 9 and prog["tokens"] == 63
-    assert {p.name for p in (rd / "01_synthesize").glob("*.png")} == {"completion_lengths.png", "finish_reasons.png",
+    assert {p.name for p in RunDir(rd).stage(SYNTHESIZE).glob("*.png")} == {"completion_lengths.png", "finish_reasons.png",
                                                                       "throughput.png"}
 
 
@@ -166,7 +177,7 @@ def test_breaker_trips_names_ids_keeps_written_samples_and_resumes(tmp_path):
         with pytest.raises(SynthesisError) as ei:
             _go(params)
         rd = Path(params.run.output_dir) / "t"
-        sd = rd / "01_synthesize"
+        sd = RunDir(rd).stage(SYNTHESIZE)
         msg = str(ei.value)
         assert "circuit breaker opened after 2 consecutive failed samples" in msg
         assert f"Failed sample ids: {order[2]}, {order[3]}" in msg and "2 samples written so far are kept" in msg
@@ -234,7 +245,7 @@ def test_reasoning_captured_through_the_server(tmp_path, style):
     assert stats["reasoning_capture_rate"] == 1.0 and stats["reasoning_turns"] == 2
     assert 0 < stats["reasoning_char_share"] < 1
     assert "reasoning_share" in make_figures(rd)
-    assert (rd / "01_synthesize" / "reasoning_share.png").exists()
+    assert (RunDir(rd).stage(SYNTHESIZE) / "reasoning_share.png").exists()
 
 
 def test_prompt_longer_than_context_skipped_and_counted(tmp_path):
@@ -255,13 +266,13 @@ def test_prompt_longer_than_context_skipped_and_counted(tmp_path):
     mt = [s for s in load_samples(rd) if s.get("dropped_turns")][0]
     assert [m["role"] for m in mt["messages"]] == ["user", "assistant"]
     # max_tokens shrinks to what the context leaves: 64 - rendered prompt tokens
-    from eagle3.synthesize import ChatRenderer
+    from eagle3.chat import ChatRenderer
     from eagle3.target import load_tokenizer, resolve_target
 
     r = ChatRenderer(load_tokenizer(resolve_target(params.target)))
     n = r.count([{"role": "user", "content": "short one"}])
     assert srv.requests[0][1]["max_tokens"] == min(16, 64 - n)
-    prog = read_json(rd / "01_synthesize" / "progress.json")
+    prog = read_json(RunDir(rd).progress(SYNTHESIZE))
     assert prog["done"] == prog["total"] == 4
 
 
@@ -290,7 +301,7 @@ def test_torn_last_line_dropped_and_regenerated(tmp_path):
     with FakeChatServer() as srv:
         params = _params(tmp_path, srv.base_url, prompts)
         stats, rd = _go(params)
-        path = rd / "01_synthesize" / "samples.jsonl"
+        path = RunDir(rd).samples
         good = path.read_bytes()
         lines = good.splitlines(keepends=True)
         path.write_bytes(b"".join(lines[:3]) + lines[3][: len(lines[3]) // 2])  # killed mid-write
@@ -310,10 +321,10 @@ def test_corrupt_middle_line_is_reported(tmp_path):
     with FakeChatServer() as srv:
         params = _params(tmp_path, srv.base_url, prompts)
         stats, rd = _go(params)
-        path = rd / "01_synthesize" / "samples.jsonl"
+        path = RunDir(rd).samples
         lines = path.read_text().splitlines()
         path.write_text("\n".join([lines[0], "garbage", lines[2]]) + "\n")
-        with pytest.raises(SynthesisError, match=r"samples.jsonl:2: not a sample line"):
+        with pytest.raises(SamplesError, match=r"samples.jsonl:2: not a sample line \(not valid JSON"):
             run(params, rd)
     assert path.read_text().splitlines()[1] == "garbage"  # not touched
 
@@ -321,7 +332,7 @@ def test_corrupt_middle_line_is_reported(tmp_path):
 _CHILD = """
 import sys
 from eagle3.config import load_params
-from eagle3.io import prepare_run_dir
+from eagle3.rundir import prepare_run_dir
 from eagle3.synthesize import run
 p = load_params(sys.argv[1])
 run(p, prepare_run_dir(p, sys.argv[2]))
@@ -339,7 +350,7 @@ def test_sigkill_mid_run_then_resume_gives_the_same_file(tmp_path):
         rd = prepare_run_dir(params, Path(params.run.output_dir) / "killed")
         pfile = tmp_path / "killed.yaml"
         pfile.write_text(dump_params(params))
-        path = rd / "01_synthesize" / "samples.jsonl"
+        path = RunDir(rd).samples
         proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(pfile), str(rd)], cwd=ROOT,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.time() + 120
@@ -354,13 +365,13 @@ def test_sigkill_mid_run_then_resume_gives_the_same_file(tmp_path):
         assert proc.returncode == -9
         n_before = path.read_bytes().count(b"\n")
         assert 5 <= n_before < 16
-        assert read_json(rd / "01_synthesize" / "progress.json")["status"] == "running"  # died without cleanup
-        assert not (rd / "01_synthesize" / "stats.json").exists()
+        assert read_json(RunDir(rd).progress(SYNTHESIZE))["status"] == "running"  # died without cleanup
+        assert not RunDir(rd).stats(SYNTHESIZE).exists()
         stats = run(params, rd)
     ids = [s["id"] for s in load_samples(rd)]
     assert len(ids) == len(set(ids)) == 16
     assert set(ids) == {s["id"] for s in load_samples(ref_rd)}
-    assert path.read_bytes() == (ref_rd / "01_synthesize" / "samples.jsonl").read_bytes()
+    assert path.read_bytes() == RunDir(ref_rd).samples.read_bytes()
     assert stats["resumed_from"] == n_before and stats["samples"] == ref_stats["samples"] == 16
     assert stats["completion_tokens"] == ref_stats["completion_tokens"]
 
@@ -395,12 +406,11 @@ def test_throughput_series_batched_and_streaming_writes():
 
 
 def test_a_second_writer_is_refused(tmp_path):
-    from eagle3.synthesize import SampleStore
-
-    path = tmp_path / "01_synthesize" / "samples.jsonl"
+    path = RunDir(tmp_path).samples
     first = SampleStore(path)
-    first.append({"id": "a", "completion_tokens": 3})
-    with pytest.raises(SynthesisError, match="being written by another process"):
+    first.append({"id": "a", "source": "s", "split": "train", "messages": [{"role": "user", "content": "q"}],
+                  "completion_tokens": 3})
+    with pytest.raises(SamplesError, match="being written by another process"):
         SampleStore(path)
     first.close()
     again = SampleStore(path)  # the lock is released on close (and by the OS when a process dies)

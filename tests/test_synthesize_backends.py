@@ -9,10 +9,24 @@ from pathlib import Path
 
 import pytest
 
+from eagle3.chat import ChatRenderer
 from eagle3.config import Params
-from eagle3.io import prepare_run_dir, read_json
-from eagle3.synthesize import ChatRenderer, TransformersBackend, TurnRequest, load_samples, run
+from eagle3.contracts.samples import read_samples
+from eagle3.io import read_json
+from eagle3.rundir import SYNTHESIZE, RunDir, prepare_run_dir
+from eagle3.synthesize import TurnRequest
+from eagle3.synthesize import run as run_stage
+from eagle3.synthesize.local import TransformersBackend
 from eagle3.vllm_utils import VllmServer
+
+
+def run(params: Params, rd: Path) -> dict:
+    run_stage(params, rd)
+    return read_json(RunDir(rd).stats(SYNTHESIZE))
+
+
+def load_samples(rd: Path) -> list[dict]:
+    return read_samples(rd)
 
 
 def _params(tmp_path: Path, backend: str, sources: list[dict], name: str = "t", **syn) -> Params:
@@ -90,7 +104,7 @@ def test_transformers_stage_end_to_end_multi_turn(tmp_path, target_model):
     assert [m["role"] for m in conv["messages"]] == ["user", "assistant", "user", "assistant"]
     assert "SOURCE ANSWER" not in json.dumps(conv)
     assert stats["tokens_per_s"] > 0 and stats["completion_tokens"] == sum(s["completion_tokens"] for s in samples)
-    prog = read_json(rd / "01_synthesize" / "progress.json")
+    prog = read_json(RunDir(rd).progress(SYNTHESIZE))
     assert prog["done"] == prog["total"] == 4 and prog["status"] == "done"
 
 
@@ -124,7 +138,8 @@ def test_chat_template_error_names_the_sample(target_model):
     import copy
 
     from eagle3.prompts import Prompt
-    from eagle3.synthesize import SynthesisError, _Conv, _prepare
+    from eagle3.synthesize import SynthesisError
+    from eagle3.synthesize.conversation import Conversation, prepare
 
     tok = copy.deepcopy(target_model[1])
     tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
@@ -132,4 +147,40 @@ def test_chat_template_error_names_the_sample(target_model):
     p = Prompt(id="src-0123", source="src", prompt_hash="0" * 64, split="train", origin="data.jsonl:7",
                turns=[[{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]])
     with pytest.raises(SynthesisError, match=r"sample src-0123 \(data.jsonl:7\), turn 1: .*System role not supported"):
-        _prepare(_Conv(p), ChatRenderer(tok), 1024, 16)
+        prepare(Conversation(p), ChatRenderer(tok), 1024, 16)
+
+
+def _gguf_517_tokenizer(tok):
+    """The embedded tokenizer as transformers 5.17 converts the GGUF (issue 13): no pad token and
+    eos ``<|im_start|>``."""
+    import copy
+
+    t = copy.deepcopy(tok)
+    t.pad_token = None
+    t.eos_token = "<|im_start|>"
+    assert t.pad_token_id is None and t.eos_token_id == 1
+    return t
+
+
+def test_transformers_backend_without_pad_token_and_a_wrong_eos(target_model, tmp_path):
+    """Issue 13 failure 1: batched generation works without a pad token, and turns still stop at the
+    template's end of turn (<|im_end|>, id 2), never at the mis-named eos <|im_start|>."""
+    model, tok = target_model
+    params = _params(tmp_path, "transformers", [{"kind": "embedded"}], max_new_tokens=12)
+    good = TransformersBackend(params, model, tok)
+    gen_cfg = model.generation_config
+    saved = (gen_cfg.eos_token_id, gen_cfg.pad_token_id)
+    try:
+        gen_cfg.eos_token_id, gen_cfg.pad_token_id = 1, None  # the converted generation config agrees with it
+        bad = TransformersBackend(params, model, _gguf_517_tokenizer(tok))
+        assert bad.eos_ids == [2] and bad.pad_id == 2
+        chats = [[{"role": "user", "content": "Hi!"}],
+                 [{"role": "user", "content": "What is the capital of France? Answer in one word."}]]
+        reqs = [TurnRequest(f"r{i}", m, 12, good.renderer.count(m)) for i, m in enumerate(chats)]
+        got = bad.generate(reqs)
+    finally:
+        gen_cfg.eos_token_id, gen_cfg.pad_token_id = saved
+    want = good.generate(reqs)
+    assert [(r.content, r.finish_reason, r.completion_tokens, r.prompt_tokens) for r in got] == \
+        [(r.content, r.finish_reason, r.completion_tokens, r.prompt_tokens) for r in want]
+    assert got[1].finish_reason == "stop" and got[1].content == "The capital of France is Paris."

@@ -1,0 +1,163 @@
+"""In-process backends of stage 1: transformers ``generate`` (the CPU default) and vLLM offline.
+
+Both render prompts with :class:`eagle3.chat.ChatRenderer` and stop on the target's stop ids from
+:func:`eagle3.chat.stop_token_ids` (the chat template's end of turn, never the tokenizer's eos alone).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+from typing import Any
+
+from eagle3.chat import ChatRenderer, eos_ids, pad_token_id, stop_token_ids, template_kwargs
+from eagle3.config import Params
+from eagle3.synthesize.turns import TurnRequest, TurnResult, text_result
+
+__all__ = ["TransformersBackend", "VllmBackend", "left_pad"]
+
+
+def left_pad(rows: list[list[int]], pad_id: int):
+    """Left-padded ``(input_ids, attention_mask)`` int64 tensors ``[batch, max_len]`` of token id rows.
+
+    Done by hand because a target's tokenizer may have no pad token (a GGUF converted by
+    transformers 5.17), where ``tokenizer(..., padding=True)`` raises; the result equals that call's.
+    """
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), int(pad_id), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+class TransformersBackend:
+    """transformers ``generate``, batched with left padding (the CPU default).
+
+    Args:
+        params: run params (``target`` for the model, ``synthesize`` for the settings).
+        model, tokenizer: an already loaded target (else loaded with :func:`eagle3.target.load_target`).
+
+    Attributes:
+        eos_ids: sorted stop ids (:func:`eagle3.chat.stop_token_ids` of the tokenizer, the model's
+            generation config and its directory). pad_id: :func:`eagle3.chat.pad_token_id`.
+    """
+
+    name = "transformers"
+
+    def __init__(self, params: Params, model=None, tokenizer=None) -> None:
+        from eagle3.target import load_target
+
+        if model is None or tokenizer is None:
+            model, tokenizer, resolved = load_target(params.target)
+            self.model_name = resolved.name
+        else:
+            self.model_name = str(getattr(model, "name_or_path", "model"))
+        self.model, self.tok = model, tokenizer
+        self.syn = params.synthesize
+        self.renderer = ChatRenderer(tokenizer, template_kwargs(params))
+        cfg_max = getattr(model.config, "max_position_embeddings", None) or params.target.max_model_len
+        self.context_len = min(params.target.max_model_len, int(cfg_max))
+        self.eos_ids = stop_token_ids(tokenizer, None, model.generation_config, kwargs=self.renderer.kwargs)
+        self.pad_id = pad_token_id(tokenizer, self.eos_ids)
+        self.device = next(model.parameters()).device
+
+    def _sampling(self, reqs: list[TurnRequest]) -> dict[str, Any]:
+        """``generate`` kwargs; sampling (temperature > 0) is seeded per batch with ``seed`` and the
+        first request's id, so a resumed run draws the same numbers for the same batch."""
+        import torch
+
+        sample = self.syn.temperature > 0
+        kw: dict[str, Any] = dict(max_new_tokens=max(r.max_new_tokens for r in reqs), do_sample=sample,
+                                  pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
+        if sample:
+            kw.update(temperature=self.syn.temperature, top_p=self.syn.top_p, top_k=0)
+            digest = hashlib.sha256(reqs[0].key.encode()).digest()
+            torch.manual_seed((self.syn.seed + int.from_bytes(digest[:4], "little")) % (2**31))
+        return kw
+
+    def generate(self, reqs: list[TurnRequest]) -> list[TurnResult]:
+        """Generate one turn for each request in one left-padded batch.
+
+        Each request's tokens are cut at its own ``max_new_tokens`` (the batch runs to the largest);
+        ``finish_reason`` is ``"stop"`` when a stop id ends the turn within it, else ``"length"``.
+        """
+        import torch
+
+        rows = [self.renderer.encode(self.renderer.render(r.messages)) for r in reqs]
+        ids, mask = left_pad(rows, self.pad_id)
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      **self._sampling(reqs))
+        new = out[:, ids.shape[1]:].tolist()
+        return [self._result(r, toks, len(row)) for r, toks, row in zip(reqs, new, rows)]
+
+    def _result(self, req: TurnRequest, toks: list[int], plen: int) -> TurnResult:
+        toks = toks[: req.max_new_tokens]
+        stop = next((i for i, t in enumerate(toks) if t in self.eos_ids), None)
+        if stop is not None:
+            toks, finish, body = toks[: stop + 1], "stop", toks[:stop]
+        else:
+            finish, body = "length", toks
+        text = self.tok.decode(body, skip_special_tokens=True)
+        return text_result(text, finish, int(plen), len(toks), self.syn.reasoning, self.syn.think_tags)
+
+    def close(self) -> None:
+        pass
+
+
+class VllmBackend:
+    """In-process vLLM (``vllm.LLM.chat``); engine settings from :func:`eagle3.vllm_utils.engine_kwargs`
+    plus ``synthesize.vllm_kwargs``. Each request is seeded with ``synthesize.seed`` (vLLM's
+    per-request generator), so sampled outputs do not depend on batch composition. When the
+    template's end of turn is not among the engine's eos ids (a mis-converted tokenizer) it is passed
+    as ``stop_token_ids``."""
+
+    name = "vllm"
+
+    def __init__(self, params: Params) -> None:
+        from vllm import LLM
+
+        from eagle3.target import load_tokenizer, resolve_target
+        from eagle3.vllm_utils import engine_kwargs
+
+        resolved = resolve_target(params.target)
+        self.model_name = resolved.name
+        self.syn = params.synthesize
+        self.context_len = params.target.max_model_len
+        self.tok = load_tokenizer(resolved, params.target.trust_remote_code)
+        self.renderer = ChatRenderer(self.tok, template_kwargs(params))
+        self.template_kwargs = self.renderer.kwargs or None
+        eot = self.renderer.end_of_turn_id()
+        # vLLM stops on the eos ids by itself; only a missing end of turn is added (outputs unchanged otherwise)
+        self.extra_stop = [eot] if eot is not None and eot not in eos_ids(self.tok, resolved.path) else []
+        kw = engine_kwargs(resolved.path, dtype=params.target.dtype, max_model_len=params.target.max_model_len,
+                           seed=self.syn.seed, tensor_parallel_size=params.target.tensor_parallel_size,
+                           trust_remote_code=params.target.trust_remote_code, **self.syn.vllm_kwargs)
+        self.llm = LLM(**kw)
+
+    def generate(self, reqs: list[TurnRequest]) -> list[TurnResult]:
+        """One ``LLM.chat`` call for all requests (vLLM batches them itself)."""
+        from vllm import SamplingParams
+
+        extra = {"stop_token_ids": self.extra_stop} if self.extra_stop else {}
+        sps = [SamplingParams(temperature=self.syn.temperature, top_p=self.syn.top_p, max_tokens=r.max_new_tokens,
+                              seed=self.syn.seed, skip_special_tokens=True, **extra) for r in reqs]
+        outs = self.llm.chat([r.messages for r in reqs], sampling_params=sps, use_tqdm=False,
+                             chat_template_kwargs=self.template_kwargs)
+        results = []
+        for o in outs:
+            c = o.outputs[0]
+            results.append(text_result(c.text, str(c.finish_reason or "unknown"), len(o.prompt_token_ids or []),
+                                       len(c.token_ids), self.syn.reasoning, self.syn.think_tags))
+        return results
+
+    def close(self) -> None:
+        llm = getattr(self, "llm", None)
+        self.llm = None
+        del llm
+        gc.collect()

@@ -1,0 +1,238 @@
+"""Stage 1 driver: ``run(params, run_dir) -> SynthesizeStats``.
+
+Resume: ``samples.jsonl`` is append-only while the stage runs (:class:`eagle3.contracts.samples.SampleStore`);
+on start a torn last line is cut off and the ids already present are skipped, and at the end the
+file is rewritten atomically in prompt order, so that an interrupted-and-resumed run and an
+uninterrupted one give the same file (given deterministic generation).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from eagle3.config import Params
+from eagle3.contracts.samples import SampleStore, read_samples, samples_path
+from eagle3.errors import SynthesisError
+from eagle3.io import atomic_write_json
+from eagle3.prompts import LoadReport, Prompt, load_prompts
+from eagle3.rundir import SYNTHESIZE
+from eagle3.stage import StageRun, Stats
+from eagle3.synthesize.conversation import Session, run_batched
+from eagle3.synthesize.report import make_figures
+from eagle3.synthesize.summary import errors_path, overall_rate, read_timeline, summarize_samples, timeline_path
+
+__all__ = ["SynthesizeStats", "run", "make_backend"]
+
+_MAX_LISTED = 50
+
+
+@dataclass
+class SynthesizeStats(Stats):
+    """What stage 1 writes to ``stats.json`` (same keys, same order; ``complete``/``finished_at`` are
+    added on writing). Counts are over the whole file unless ``_this_session``; times in seconds;
+    ``tokens_per_s`` is completion tokens per second of generation over all sessions."""
+
+    HEADLINE: ClassVar[tuple[str, ...]] = ("samples", "completion_tokens", "length_fraction", "tokens_per_s",
+                                           "elapsed_s")
+
+    samples: int
+    samples_train: int
+    samples_heldout: int
+    turns: int
+    multi_turn_samples: int
+    dropped_turns: int
+    prompt_tokens: int
+    completion_tokens: int
+    completion_tokens_mean: float
+    completion_tokens_p50: float
+    completion_tokens_p90: float
+    completion_tokens_max: int
+    finish_reasons: dict
+    length_fraction: float
+    reasoning_turns: int
+    reasoning_capture_rate: float
+    reasoning_char_share: float
+    backend: str
+    settings: dict
+    prompts: dict
+    bad_input: dict
+    skipped: list
+    errors: dict
+    retries: int
+    failed_samples: list
+    failed: int
+    interrupted_samples: int
+    circuit_breaker_open: bool
+    extra_samples_not_in_prompts: int
+    torn_lines_dropped: int
+    resumed_from: int
+    generated_this_session: int
+    completion_tokens_this_session: int
+    load_s: float
+    generation_s: float
+    tokens_per_s_this_session: float | None
+    tokens_per_s: float | None
+    elapsed_s: float
+
+
+def _settings(params: Params, model_name: str | None) -> dict:
+    syn = params.synthesize
+    return {"backend": syn.backend, "model": model_name, "temperature": syn.temperature, "top_p": syn.top_p,
+            "max_new_tokens": syn.max_new_tokens, "seed": syn.seed, "enable_thinking": syn.enable_thinking,
+            "reasoning": syn.reasoning}
+
+
+def make_backend(params: Params):
+    """The backend named by ``synthesize.backend`` (``transformers``, ``vllm`` or ``server``)."""
+    backend = params.synthesize.backend
+    if backend == "transformers":
+        from eagle3.synthesize.local import TransformersBackend
+
+        return TransformersBackend(params)
+    if backend == "vllm":
+        from eagle3.synthesize.local import VllmBackend
+
+        return VllmBackend(params)
+    from eagle3.synthesize.server import ServerBackend
+
+    return ServerBackend(params)
+
+
+@dataclass
+class _Outcome:
+    """One session's generation: the backend used (or None), whether the breaker opened, times."""
+
+    backend: Any = None
+    tripped: bool = False
+    load_s: float = 0.0
+    gen_s: float = 0.0
+
+
+def _generate(params: Params, pending: list[Prompt], sess: Session) -> _Outcome:
+    """Load the backend and generate every pending prompt (nothing when none is pending)."""
+    syn = params.synthesize
+    out = _Outcome()
+    if not pending:
+        return out
+    t0 = time.time()
+    try:
+        out.backend = make_backend(params)
+        sess.settings["model"] = out.backend.model_name
+        server = out.backend.name == "server"
+        if server:
+            from eagle3.synthesize.server import run_server, server_renderer
+
+            renderer = server_renderer(params)
+        out.load_s = time.time() - t0
+        t1 = time.time()
+        sess.timeline.write(json.dumps({"t": round(t1, 3), "session_start": True}) + "\n")
+        if server:
+            out.tripped = run_server(out.backend, pending, sess, renderer, params.target.max_model_len,
+                                     syn.max_new_tokens, syn.server.breaker_failures)
+        else:
+            run_batched(out.backend, pending, sess, syn.batch_size, syn.max_new_tokens)
+        out.gen_s = time.time() - t1
+    finally:
+        if out.backend is not None:
+            out.backend.close()
+    return out
+
+
+def _stats(params: Params, run_dir: Path, samples: list[dict], report: LoadReport, sess: Session, store: SampleStore,
+           out: _Outcome, extra: int, resumed_from: int, t_start: float) -> SynthesizeStats:
+    bad = report.to_dict()["bad_input"]
+    bad["prompt_too_long"] = len(sess.skipped)
+    errors = dict(sorted(getattr(out.backend, "errors", Counter()).items()))
+    return SynthesizeStats(
+        **summarize_samples(samples),
+        backend=params.synthesize.backend,
+        settings=dict(sess.settings),
+        prompts=report.to_dict(),
+        bad_input=bad,
+        skipped=sess.skipped[:_MAX_LISTED],
+        errors=errors,
+        retries=getattr(out.backend, "retries", 0),
+        failed_samples=sess.failed[:_MAX_LISTED],
+        failed=len(sess.failed),
+        interrupted_samples=len(sess.interrupted),
+        circuit_breaker_open=out.tripped,
+        extra_samples_not_in_prompts=extra,
+        torn_lines_dropped=store.torn_lines,
+        resumed_from=resumed_from,
+        generated_this_session=sess.written,
+        completion_tokens_this_session=sess.tokens,
+        load_s=round(out.load_s, 2),
+        generation_s=round(out.gen_s, 2),
+        tokens_per_s_this_session=round(sess.tokens / out.gen_s, 2) if out.gen_s > 0 else None,
+        tokens_per_s=overall_rate(read_timeline(timeline_path(run_dir))),
+        elapsed_s=round(time.time() - t_start, 2),
+    )
+
+
+def _stopped(params: Params, run_dir: Path, stats: SynthesizeStats, sess: Session, store: SampleStore,
+             st: StageRun) -> SynthesisError:
+    """Write ``errors.json`` and the incomplete stats; the error that says why the stage stopped."""
+    syn, failed = params.synthesize, sess.failed
+    atomic_write_json(errors_path(run_dir), {"failed_samples": failed, "interrupted": sess.interrupted,
+                                             "errors": stats.errors, "circuit_breaker_open": stats.circuit_breaker_open})
+    st.finish(stats, complete=False)
+    ids_s = ", ".join(f["id"] for f in failed[:20]) + (" ..." if len(failed) > 20 else "")
+    kinds = Counter(f["kind"] for f in failed)
+    why = (f"circuit breaker opened after {syn.server.breaker_failures} consecutive failed samples"
+           if stats.circuit_breaker_open
+           else f"{len(failed)} samples failed (synthesize.max_failed_samples = {syn.max_failed_samples})")
+    last = failed[-1]["message"] if failed else ""
+    return SynthesisError(
+        f"Stage 1 stopped: {why}. Failed sample ids: {ids_s} (kinds: {dict(kinds)}; last error: {last}). "
+        f"{stats.samples} samples written so far are kept in {store.path}; details in {errors_path(run_dir)}. "
+        f"Fix the server and re-run to resume."
+    )
+
+
+def run(params: Params, run_dir: str | Path) -> SynthesizeStats:
+    """Run stage 1: synthesize ``samples.jsonl`` (resumable), then stats and figures.
+
+    Args:
+        params: validated run params.
+        run_dir: the run directory.
+
+    Returns:
+        SynthesizeStats: what ``stats.json`` holds.
+
+    Raises:
+        PromptsError: unreadable prompt sources (see :mod:`eagle3.prompts`).
+        SynthesisError: the circuit breaker opened, more than ``max_failed_samples`` samples failed
+            (``stats.json`` then says ``complete: false`` and lists them; ``errors.json`` too), or
+            ``samples.jsonl`` is corrupt (:class:`~eagle3.contracts.samples.SamplesError`). Samples
+            written before stay; re-running resumes.
+        TargetError: the target cannot be loaded.
+    """
+    t_start, run_dir = time.time(), Path(run_dir)
+    prompts, report = load_prompts(params.synthesize)
+    ids = [p.id for p in prompts]
+    store = SampleStore(samples_path(run_dir))
+    try:
+        resumed_from = sum(1 for i in ids if i in store.done)
+        with StageRun(params, run_dir, SYNTHESIZE, total=len(prompts), unit="samples", done=resumed_from,
+                      tokens=sum(store.done.get(i, 0) for i in ids)) as st:
+            with open(timeline_path(run_dir), "a", encoding="utf-8") as timeline:
+                sess = Session(store=store, progress=st.progress, settings=_settings(params, None), timeline=timeline)
+                out = _generate(params, [p for p in prompts if p.id not in store.done], sess)
+            ok = not out.tripped and len(sess.failed) <= params.synthesize.max_failed_samples
+            extra = store.finalize(ids) if ok else 0
+            store.close()
+            stats = _stats(params, run_dir, read_samples(run_dir), report, sess, store, out, extra, resumed_from, t_start)
+            if not ok:
+                raise _stopped(params, run_dir, stats, sess, store, st)
+            errors_path(run_dir).unlink(missing_ok=True)
+            for name, fig in make_figures(run_dir).items():
+                st.figure(name, fig)
+            st.finish(stats, log=True)
+    finally:
+        store.close()
+    return stats
