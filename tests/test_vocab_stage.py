@@ -157,3 +157,11 @@ def test_run_errors(tmp_path):
         load_mapping(tmp_path / "empty")
     with pytest.raises(tokenized.TokenizedError, match="run stage 2"):
         tokenized.read_rows(tmp_path / "empty", "train")
+
+
+def test_headlines_are_the_report_index_keys():
+    from eagle3.report import HEADLINE
+    from eagle3.rundir import SYNTHESIZE
+    from eagle3.synthesize import SynthesizeStats
+
+    assert SynthesizeStats.HEADLINE == HEADLINE[SYNTHESIZE] and VocabStats.HEADLINE == HEADLINE[VOCAB]

@@ -37,8 +37,9 @@ class SynthesizeStats(Stats):
     added on writing). Counts are over the whole file unless ``_this_session``; times in seconds;
     ``tokens_per_s`` is completion tokens per second of generation over all sessions."""
 
-    HEADLINE: ClassVar[tuple[str, ...]] = ("samples", "completion_tokens", "length_fraction", "tokens_per_s",
-                                           "elapsed_s")
+    HEADLINE: ClassVar[tuple[str, ...]] = (
+        "samples", "samples_train", "samples_heldout", "turns", "completion_tokens", "completion_tokens_mean",
+        "length_fraction", "reasoning_capture_rate", "failed", "tokens_per_s", "elapsed_s")
 
     samples: int
     samples_train: int

@@ -330,82 +330,96 @@ def tokenize_samples(
     def gen() -> Iterator[list[TokenizedRow]]:
         for c0 in range(0, len(samples), chunk_size):
             chunk = samples[c0 : c0 + chunk_size]
-            # Batched renders grouped by template kwargs: P_j (generation prompt) and F_j per turn.
-            groups: dict[str, list[int]] = {}
-            kw_of: list[dict] = []
-            for i, s in enumerate(chunk):
-                kw = renderer.template_kwargs(s)
-                kw_of.append(kw)
-                groups.setdefault(json.dumps(kw, sort_keys=True), []).append(i)
-            P: list[dict[int, list[int]]] = [{} for _ in chunk]
-            F: list[dict[int, list[int]]] = [{} for _ in chunk]
-            failed: dict[int, str] = {}
-            for idx in groups.values():
-                kw = kw_of[idx[0]]
-                reqs = [(i, j) for i in idx for j, m in enumerate(chunk[i]["messages"]) if m["role"] == "assistant" and j > 0]
-                try:
-                    ps = renderer.render_ids([renderer.prompt(chunk[i]["messages"], j) for i, j in reqs], True, kw)
-                    fs = renderer.render_ids([renderer.turn(chunk[i]["messages"], j) for i, j in reqs], False, kw)
-                except Exception:  # find the sample(s) the template rejects, keep the rest
-                    ps, fs = [], []
-                    for i, j in reqs:
-                        try:
-                            ps.append(renderer.render_ids([renderer.prompt(chunk[i]["messages"], j)], True, kw)[0])
-                            fs.append(renderer.render_ids([renderer.turn(chunk[i]["messages"], j)], False, kw)[0])
-                        except Exception as exc:  # noqa: BLE001 - templates raise anything
-                            failed.setdefault(i, f"chat template error: {type(exc).__name__}: {exc}")
-                            ps.append([])
-                            fs.append([])
-                for (i, j), p, f in zip(reqs, ps, fs):
-                    P[i][j], F[i][j] = p, f
-            out: list[TokenizedRow] = []
-            tokens = 0
-            for i, s in enumerate(chunk):
-                rep.samples += 1
-                rows: list[tuple[str, list[int], np.ndarray]] = []
-                if i not in failed:
-                    try:
-                        rows = _sample_rows(renderer, s, P[i], F[i], kw_of[i], policy, rep)
-                    except _Unstable as exc:
-                        failed[i] = f"boundary unstable: {exc}"
-                if i in failed:
-                    rep.failed_samples += 1
-                    rep.note("failed", {"id": s["id"], "reason": failed[i]})
-                    continue
-                if not rows or all(int(m.sum()) == 0 for _, _, m in rows):
-                    rep.no_supervised_samples += 1
-                    rep.note("no_supervised_ids", s["id"])
-                    continue
-                for rid, ids, mask in rows:
-                    n = len(ids)
-                    if n > max_seq_len:
-                        rep.truncated_rows += 1
-                        rep.truncated_tokens += n - max_seq_len
-                        rep.truncated_supervised_tokens += int(mask[max_seq_len:].sum())
-                        rep.note("truncated_ids", rid)
-                        ids, mask = ids[:max_seq_len], mask[:max_seq_len]
-                    if int(mask.sum()) == 0:
-                        rep.dropped_rows_after_truncation += 1
-                        continue
-                    row = TokenizedRow(rid, s["source"], np.asarray(ids, dtype=np.int64), mask, n)
-                    rep.rows += 1
-                    rep.tokens += len(ids)
-                    rep.supervised_tokens += int(mask.sum())
-                    tokens += len(ids)
-                    out.append(row)
+            P, F, kw_of, failed = _render_chunk(renderer, chunk)
+            out = _chunk_rows(renderer, chunk, P, F, kw_of, failed, policy, max_seq_len, rep)
             if on_chunk is not None:
-                on_chunk(len(chunk), tokens)
+                on_chunk(len(chunk), sum(len(r.input_ids) for r in out))
             yield out
         if samples and rep.rows == 0:
-            reasons = Counter()
-            reasons["no supervised token (no assistant turn, or empty turns)"] = rep.no_supervised_samples
-            reasons["rejected (template error / unstable boundary)"] = rep.failed_samples
-            reasons[f"all supervised tokens beyond max_seq_len={max_seq_len}"] = rep.dropped_rows_after_truncation
-            detail = "; ".join(f"{k}: {v}" for k, v in reasons.items() if v)
-            first = rep.failed[:1] or rep.no_supervised_ids[:3]
-            raise VocabError(
-                f"none of the {len(samples)} samples yields a supervised token ({detail}); first: {first}. "
-                "Check the samples' assistant turns, the chat template and vocab.max_seq_len."
-            )
+            raise _nothing_supervised(len(samples), max_seq_len, rep)
 
     return gen(), rep
+
+
+def _render_chunk(renderer: LossMaskRenderer, chunk: list[dict]):
+    """Batched renders of a chunk, grouped by template kwargs: ``P_j`` (generation prompt) and ``F_j``
+    per assistant turn. Returns ``(P, F, kw_of, failed)``: per sample ``{j: ids}`` dicts, its template
+    kwargs, and ``{sample index: reason}`` for samples the template rejects (the rest are kept)."""
+    groups: dict[str, list[int]] = {}
+    kw_of: list[dict] = []
+    for i, s in enumerate(chunk):
+        kw = renderer.template_kwargs(s)
+        kw_of.append(kw)
+        groups.setdefault(json.dumps(kw, sort_keys=True), []).append(i)
+    P: list[dict[int, list[int]]] = [{} for _ in chunk]
+    F: list[dict[int, list[int]]] = [{} for _ in chunk]
+    failed: dict[int, str] = {}
+    for idx in groups.values():
+        kw = kw_of[idx[0]]
+        reqs = [(i, j) for i in idx for j, m in enumerate(chunk[i]["messages"]) if m["role"] == "assistant" and j > 0]
+        try:
+            ps = renderer.render_ids([renderer.prompt(chunk[i]["messages"], j) for i, j in reqs], True, kw)
+            fs = renderer.render_ids([renderer.turn(chunk[i]["messages"], j) for i, j in reqs], False, kw)
+        except Exception:  # find the sample(s) the template rejects, keep the rest
+            ps, fs = [], []
+            for i, j in reqs:
+                try:
+                    ps.append(renderer.render_ids([renderer.prompt(chunk[i]["messages"], j)], True, kw)[0])
+                    fs.append(renderer.render_ids([renderer.turn(chunk[i]["messages"], j)], False, kw)[0])
+                except Exception as exc:  # noqa: BLE001 - templates raise anything
+                    failed.setdefault(i, f"chat template error: {type(exc).__name__}: {exc}")
+                    ps.append([])
+                    fs.append([])
+        for (i, j), p, f in zip(reqs, ps, fs):
+            P[i][j], F[i][j] = p, f
+    return P, F, kw_of, failed
+
+
+def _chunk_rows(renderer, chunk, P, F, kw_of, failed, policy, max_seq_len, rep) -> list[TokenizedRow]:
+    """The rows of one rendered chunk, truncated to ``max_seq_len``; counts go into ``rep``."""
+    out: list[TokenizedRow] = []
+    for i, s in enumerate(chunk):
+        rep.samples += 1
+        rows: list[tuple[str, list[int], np.ndarray]] = []
+        if i not in failed:
+            try:
+                rows = _sample_rows(renderer, s, P[i], F[i], kw_of[i], policy, rep)
+            except _Unstable as exc:
+                failed[i] = f"boundary unstable: {exc}"
+        if i in failed:
+            rep.failed_samples += 1
+            rep.note("failed", {"id": s["id"], "reason": failed[i]})
+            continue
+        if not rows or all(int(m.sum()) == 0 for _, _, m in rows):
+            rep.no_supervised_samples += 1
+            rep.note("no_supervised_ids", s["id"])
+            continue
+        for rid, ids, mask in rows:
+            n = len(ids)
+            if n > max_seq_len:
+                rep.truncated_rows += 1
+                rep.truncated_tokens += n - max_seq_len
+                rep.truncated_supervised_tokens += int(mask[max_seq_len:].sum())
+                rep.note("truncated_ids", rid)
+                ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+            if int(mask.sum()) == 0:
+                rep.dropped_rows_after_truncation += 1
+                continue
+            rep.rows += 1
+            rep.tokens += len(ids)
+            rep.supervised_tokens += int(mask.sum())
+            out.append(TokenizedRow(rid, s["source"], np.asarray(ids, dtype=np.int64), mask, n))
+    return out
+
+
+def _nothing_supervised(n_samples: int, max_seq_len: int, rep: TokenizeReport) -> VocabError:
+    reasons = Counter()
+    reasons["no supervised token (no assistant turn, or empty turns)"] = rep.no_supervised_samples
+    reasons["rejected (template error / unstable boundary)"] = rep.failed_samples
+    reasons[f"all supervised tokens beyond max_seq_len={max_seq_len}"] = rep.dropped_rows_after_truncation
+    detail = "; ".join(f"{k}: {v}" for k, v in reasons.items() if v)
+    first = rep.failed[:1] or rep.no_supervised_ids[:3]
+    return VocabError(
+        f"none of the {n_samples} samples yields a supervised token ({detail}); first: {first}. "
+        "Check the samples' assistant turns, the chat template and vocab.max_seq_len."
+    )

@@ -93,8 +93,9 @@ class VocabStats(Stats):
     ``coverage_at_<n>k`` exist only for sizes up to the target vocab (None otherwise, not written);
     ``<split>_*`` are the tokenization counters of each split, ``tokenize_reports`` their full reports."""
 
-    HEADLINE: ClassVar[tuple[str, ...]] = ("draft_vocab_size", "coverage", "heldout_oov_rate", "distinct_tokens",
-                                           "masked_tokens")
+    HEADLINE: ClassVar[tuple[str, ...]] = (
+        "target_vocab_size", "draft_vocab_size", "distinct_tokens", "masked_tokens", "coverage", "heldout_oov_rate",
+        "train_rows", "train_tokens", "train_truncated_rows", "heldout_rows", "cache_hit")
     target_vocab_size: int
     draft_vocab_size: int
     draft_vocab_size_from: str
