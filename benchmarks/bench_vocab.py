@@ -28,7 +28,6 @@ from pathlib import Path
 
 import numpy as np
 
-
 os.environ.setdefault("TQDM_DISABLE", "1")  # speculators' counting loop draws a progress bar
 
 
@@ -112,9 +111,9 @@ def main() -> None:
 
 def bench_tokenize(n: int) -> None:
     """Serving-exact tokenization throughput on the embedded target's tokenizer (chunk 1 vs 64)."""
+    from eagle3.chat import stop_token_ids
     from eagle3.config import TargetParams
     from eagle3.target import load_tokenizer, resolve_target
-    from eagle3.chat import stop_token_ids
     from eagle3.vocab import LossMaskRenderer, tokenize_samples
 
     target = resolve_target(TargetParams(model="embedded:smollm2-135m"))

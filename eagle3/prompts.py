@@ -43,9 +43,10 @@ import json
 import random
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from eagle3.config import PromptSource, SynthesizeParams
 from eagle3.errors import PromptsError as PromptError
@@ -197,7 +198,7 @@ def sample_id(source: str, phash: str) -> str:
     """``<source slug>-<16 hex>``: the slug of the source label (at most 32 characters of
     ``[A-Za-z0-9._-]``) and the first 16 hex digits of sha256(source NUL prompt_hash)."""
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", source).strip("-")[:32] or "src"
-    h = hashlib.sha256(f"{source}\0{phash}".encode("utf-8")).hexdigest()[:16]
+    h = hashlib.sha256(f"{source}\0{phash}".encode()).hexdigest()[:16]
     return f"{slug}-{h}"
 
 

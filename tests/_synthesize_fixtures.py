@@ -140,7 +140,7 @@ class FakeChatServer:
                       "total_tokens": 0},
         }
 
-    def __enter__(self) -> "FakeChatServer":
+    def __enter__(self) -> FakeChatServer:
         self.thread.start()
         return self
 

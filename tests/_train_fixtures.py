@@ -4,7 +4,6 @@ contract layout holding the target's real hidden states (or random ones)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -160,7 +159,7 @@ PROMPTS = [
 @torch.no_grad()
 def make_target_run(run_dir: Path, model, tok, target_dir: Path, prompts=PROMPTS, max_new_tokens: int = 48,
                     draft_vocab_size: int = 2048) -> list[dict]:
-    """02_vocab/ and 03_extract/ from the target's own greedy answers to ``prompts`` (chat template,
+    """Stage 2 and stage 3 folders from the target's own greedy answers to ``prompts`` (chat template,
     loss mask on the answer, generated in one left-padded batch), with its real hidden states at the
     default aux ids [2, N//2, N-3]."""
     N = model.config.num_hidden_layers

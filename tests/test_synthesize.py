@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
+from _synthesize_fixtures import FakeChatServer
 
 from eagle3.config import Params, dump_params
-from eagle3.contracts.samples import SampleStore, SamplesError, read_samples
+from eagle3.contracts.samples import SamplesError, SampleStore, read_samples
 from eagle3.io import read_json
 from eagle3.prompts import load_prompts
 from eagle3.rundir import SYNTHESIZE, RunDir, prepare_run_dir
@@ -25,8 +26,6 @@ from eagle3.synthesize import (
     split_reasoning,
 )
 from eagle3.synthesize import run as run_stage
-
-from _synthesize_fixtures import FakeChatServer
 
 ROOT = Path(__file__).resolve().parent.parent
 

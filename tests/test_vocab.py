@@ -11,7 +11,6 @@ import torch
 from eagle3.chat import stop_token_ids
 from eagle3.contracts.samples import SamplesError, read_samples
 from eagle3.contracts.vocab_mapping import VocabMapping
-from eagle3.vocab import cached_vocab_mapping as cached
 from eagle3.vocab import (
     Coverage,
     LossMaskRenderer,
@@ -20,6 +19,7 @@ from eagle3.vocab import (
     count_masked_tokens,
     tokenize_samples,
 )
+from eagle3.vocab import cached_vocab_mapping as cached
 
 # A Qwen3-style template (the relevant parts of Qwen3's): reasoning of assistant turns after the last
 # user message is rendered in a think block, earlier turns lose it; with enable_thinking=false the

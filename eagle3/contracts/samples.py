@@ -26,8 +26,9 @@ import fcntl
 import json
 import logging
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from eagle3.errors import SynthesisError
 

@@ -15,9 +15,9 @@ Readers: :func:`read_table` (arrow, memory-mapped), :func:`read_dataset` (``data
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 

@@ -104,7 +104,7 @@ class VocabMapping:
         return self.draft_vocab_size == self.target_vocab_size
 
     @classmethod
-    def build(cls, counts, draft_vocab_size: int, cache_key: str | None = None) -> "VocabMapping":
+    def build(cls, counts, draft_vocab_size: int, cache_key: str | None = None) -> VocabMapping:
         """The mapping of the DESIGN rule from masked-token counts (pure; no file).
 
         Args:
@@ -197,7 +197,7 @@ class VocabMapping:
                 out.append(f"token id {int(lost[0])} is among the top {size} but not kept")
         return out
 
-    def check(self, where: str = "vocab mapping", counts=None) -> "VocabMapping":
+    def check(self, where: str = "vocab mapping", counts=None) -> VocabMapping:
         """Raise :class:`VocabMappingError` (``"<where>: <problems>"``) unless :meth:`problems` is empty."""
         probs = self.problems(counts)
         if probs:

@@ -16,8 +16,9 @@ import logging
 import os
 import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from eagle3.chat import ChatRenderer, template_kwargs
 from eagle3.config import Params
@@ -164,7 +165,7 @@ class ServerBackend:
                     try:
                         await asyncio.wait_for(self.stop.wait(), timeout=delay)
                         raise Stopped()
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
                 else:
                     await asyncio.sleep(delay)

@@ -13,7 +13,8 @@ from pathlib import Path
 THROUGHPUT_FILE = "throughput.jsonl"
 ERRORS_FILE = "errors.json"
 
-__all__ = ["THROUGHPUT_FILE", "ERRORS_FILE", "timeline_path", "errors_path", "percentile", "summarize_samples", "read_timeline", "throughput_series", "overall_rate"]
+__all__ = ["THROUGHPUT_FILE", "ERRORS_FILE", "timeline_path", "errors_path", "percentile", "summarize_samples",
+           "read_timeline", "throughput_series", "overall_rate"]
 
 
 def timeline_path(run_dir: str | Path) -> Path:

@@ -120,7 +120,7 @@ class Coverage:
     cumulative: np.ndarray
 
     @classmethod
-    def from_counts(cls, counts: np.ndarray) -> "Coverage":
+    def from_counts(cls, counts: np.ndarray) -> Coverage:
         """Rank token ids by (-count, id) and accumulate. ``counts`` int ``[V]``, non-negative."""
         c = np.asarray(counts, dtype=np.int64)
         if c.ndim != 1 or (c < 0).any():

@@ -27,7 +27,8 @@ speculators' ``_render_boundary_rows``); otherwise the sample is rejected and re
 A conversation is *history-stable* when every earlier turn's tokens, up to its stop token, appear
 unchanged in the render of the whole conversation: it becomes one row with every assistant turn
 supervised. Templates that re-render history (Qwen3-style templates drop earlier turns' reasoning;
-reasoning that is rendered for its own turn but not sent back in later contexts) break this; then ``multi_turn_policy`` decides: ``last`` keeps one row (the whole conversation,
+reasoning that is rendered for its own turn but not sent back in later contexts) break this; then
+``multi_turn_policy`` decides: ``last`` keeps one row (the whole conversation,
 only the last assistant turn supervised) and ``explode`` makes one row per assistant turn, each
 rendered as the server saw it when generating that turn (``F_j``), ids ``<id>#<k>`` (k = 0-based
 assistant-turn index).
@@ -37,8 +38,8 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
 
 import numpy as np
 

@@ -13,7 +13,6 @@ import html
 from pathlib import Path
 
 import numpy as np
-
 from matplotlib.figure import Figure
 
 from eagle3.contracts import tokenized
@@ -85,7 +84,7 @@ class CoverageExplorer:
         self.max_seq_len = max_seq_len
 
     @classmethod
-    def from_run(cls, run_dir: str | Path, params=None, tokenizer=None) -> "CoverageExplorer":
+    def from_run(cls, run_dir: str | Path, params=None, tokenizer=None) -> CoverageExplorer:
         """Load stage 2's files of a run (tokenizer from ``params.target`` when not given)."""
         from eagle3.contracts.vocab_mapping import read_mapping
         from eagle3.vocab.mapping import read_counts
@@ -286,5 +285,6 @@ def show_masked_rows(run_dir, tokenizer, n: int = 2, split: str = "train", max_t
 
     table = tokenized.read_table(run_dir, split).slice(0, n)
     for row in table.to_pylist():
-        display(HTML(f"<b>{html.escape(row['id'])}</b> ({html.escape(row['source'])}, {len(row['input_ids'])} tokens, "
-                     f"{sum(row['loss_mask'])} supervised)" + masked_sample_html(tokenizer, row["input_ids"], row["loss_mask"], max_tokens)))
+        head = (f"<b>{html.escape(row['id'])}</b> ({html.escape(row['source'])}, {len(row['input_ids'])} tokens, "
+                f"{sum(row['loss_mask'])} supervised)")
+        display(HTML(head + masked_sample_html(tokenizer, row["input_ids"], row["loss_mask"], max_tokens)))

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-
 from eagle3.chat import stop_token_ids, template_kwargs
 from eagle3.config import Params
 from eagle3.contracts import tokenized
@@ -29,7 +28,14 @@ from eagle3.errors import VocabError
 from eagle3.io import atomic_write_json, read_json
 from eagle3.rundir import VOCAB
 from eagle3.stage import StageRun, Stats
-from eagle3.vocab.mapping import COMMON_SIZES, Coverage, cached_vocab_mapping, count_masked_tokens, default_cache_dir, write_counts
+from eagle3.vocab.mapping import (
+    COMMON_SIZES,
+    Coverage,
+    cached_vocab_mapping,
+    count_masked_tokens,
+    default_cache_dir,
+    write_counts,
+)
 from eagle3.vocab.render import LossMaskRenderer, tokenize_samples
 
 __all__ = ["run", "VocabStats", "tokenizer_hash", "corpus_hash", "target_vocab_size"]
