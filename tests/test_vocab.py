@@ -521,3 +521,31 @@ def test_boundary_fallback_and_unstable_template_rejected(embedded_target):
     with pytest.raises(VocabError):
         list(chunks)
     assert rep.failed_samples == 1 and rep.failed[0]["id"] == "bad" and "boundary unstable" in rep.failed[0]["reason"]
+
+
+def test_tokenized_contract_round_trip_and_row_checks(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eagle3.contracts import tokenized
+
+    rows = [tokenized.TokenizedRow("a", "s1", np.array([5, 6, 7]), np.array([0, 1, 1], np.int8), 9),
+            tokenized.TokenizedRow("b", "s2", np.array([8]), np.array([1], np.int8), 1)]
+    assert tokenized.write_split(tmp_path, "train", [rows[:1], rows[1:]]) == [9, 1]
+    t = tokenized.read_table(tmp_path, "train")
+    assert t.schema == tokenized.schema() and t.column("input_ids").to_pylist() == [[5, 6, 7], [8]]
+    assert tokenized.read_ids(tmp_path) == ["a", "b"] and tokenized.read_row_lengths(tmp_path).tolist() == [9, 1]
+    ids, lens = tokenized.read_row_tokens(tmp_path)
+    assert ids == ["a", "b"] and lens.tolist() == [3, 1]
+    split = tokenized.read_rows(tmp_path, "train")
+    assert len(split) == 2 and split.tokens(0).tolist() == [5, 6, 7] and split.mask(1).tolist() == [1]
+    assert split.sources == ["s1", "s2"] and split.offsets.tolist() == [0, 3, 4]
+    assert tokenized.read_dataset(tmp_path)["id"] == ["a", "b"]
+    assert tokenized.split_complete(tmp_path, "train") and not tokenized.split_complete(tmp_path, "heldout")
+    bad = pa.table({"id": ["x"], "source": ["s"], "input_ids": pa.array([[1, 2]], pa.list_(pa.int64())),
+                    "loss_mask": pa.array([[1]], pa.list_(pa.int8()))})
+    pq.write_table(bad, tokenized.split_path(tmp_path, "heldout"))
+    with pytest.raises(tokenized.TokenizedError, match=r"heldout.parquet: row 0 \(id x\): loss_mask has 1 entries"):
+        tokenized.read_rows(tmp_path, "heldout")
+    with pytest.raises(tokenized.TokenizedError, match="split must be one of"):
+        tokenized.read_table(tmp_path, "dev")
