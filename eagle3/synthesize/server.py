@@ -17,6 +17,7 @@ import os
 import re
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -176,62 +177,90 @@ class ServerBackend:
 
 
 
+@dataclass
+class _Workers:
+    """What the ``concurrency`` workers of one server session share: the queue of conversations, the
+    stop event (set by the circuit breaker) and the count of consecutive failed samples."""
+
+    backend: ServerBackend
+    sess: Session
+    renderer: ChatRenderer | None
+    context_len: int
+    max_new: int
+    breaker_failures: int
+    queue: asyncio.Queue
+    consecutive: int = 0
+    tripped: bool = False
+
+    async def conversation(self, client, conv: Conversation) -> None:
+        """Run one conversation's turns in order (a prompt that does not fit ends it)."""
+        while not conv.finished:
+            req = prepare(conv, self.renderer, self.context_len, self.max_new)
+            if req is None:
+                return
+            try:
+                res = await self.backend.chat(client, req)
+            except PromptTooLong:
+                conv.too_long(req.prompt_tokens)
+                return
+            conv.add(res, req)
+
+    def failed(self, conv: Conversation, exc: SampleFailed) -> None:
+        """Record a failed sample; open the circuit breaker after ``breaker_failures`` in a row."""
+        self.sess.failed.append({"id": conv.prompt.id, "origin": conv.prompt.origin, "kind": exc.kind,
+                                 "message": exc.message, "attempts": exc.attempts, "turn": conv.turn})
+        self.sess.progress.update(1, failed=len(self.sess.failed))
+        self.consecutive += 1
+        if self.consecutive >= self.breaker_failures and not self.backend.stop.is_set():
+            self.tripped = True
+            self.backend.stop.set()
+
+    async def worker(self, client) -> None:
+        """Take the next conversation until the queue is empty or the stage stops."""
+        while not self.backend.stop.is_set():
+            try:
+                conv = self.queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            try:
+                await self.conversation(client, conv)
+            except Stopped:
+                self.sess.interrupted.append(conv.prompt.id)
+                return
+            except asyncio.CancelledError:
+                self.sess.interrupted.append(conv.prompt.id)
+                raise
+            except SampleFailed as exc:
+                self.failed(conv, exc)
+                continue
+            self.consecutive = 0
+            self.sess.finish(conv)
+
+
 def run_server(backend: ServerBackend, prompts: list[Prompt], sess: Session, renderer: ChatRenderer | None,
-                context_len: int, max_new: int, breaker_failures: int) -> bool:
+               context_len: int, max_new: int, breaker_failures: int) -> bool:
     """Server backend: ``concurrency`` workers, each taking the next conversation and running its
-    turns in order. Returns True when the circuit breaker opened."""
+    turns in order. Returns True when the circuit breaker opened.
+
+    Raises:
+        SynthesisError: the server lists no model; any unexpected exception of a worker (a bug) is
+            re-raised once every worker has stopped.
+    """
 
     async def main() -> bool:
         backend.stop = asyncio.Event()
         queue: asyncio.Queue = asyncio.Queue()
         for p in prompts:
             queue.put_nowait(Conversation(p))
-        consecutive = [0]
-        tripped = [False]
-
-        async def worker(client) -> None:
-            while not backend.stop.is_set():
-                try:
-                    conv = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                try:
-                    while not conv.finished:
-                        req = prepare(conv, renderer, context_len, max_new)
-                        if req is None:
-                            break
-                        try:
-                            res = await backend.chat(client, req)
-                        except PromptTooLong:
-                            conv.too_long(req.prompt_tokens)
-                            break
-                        conv.add(res, req)
-                except Stopped:
-                    sess.interrupted.append(conv.prompt.id)
-                    return
-                except asyncio.CancelledError:
-                    sess.interrupted.append(conv.prompt.id)
-                    raise
-                except SampleFailed as exc:
-                    sess.failed.append({"id": conv.prompt.id, "origin": conv.prompt.origin, "kind": exc.kind,
-                                        "message": exc.message, "attempts": exc.attempts, "turn": conv.turn})
-                    sess.progress.update(1, failed=len(sess.failed))
-                    consecutive[0] += 1
-                    if consecutive[0] >= breaker_failures and not backend.stop.is_set():
-                        tripped[0] = True
-                        backend.stop.set()
-                    continue
-                consecutive[0] = 0
-                sess.finish(conv)
-
+        w = _Workers(backend, sess, renderer, context_len, max_new, breaker_failures, queue)
         async with backend.client() as client:
             await backend.resolve_model(client)
             sess.settings["model"] = backend.model_name
-            tasks = [asyncio.create_task(worker(client)) for _ in range(min(backend.sp.concurrency, len(prompts)))]
+            tasks = [asyncio.create_task(w.worker(client)) for _ in range(min(backend.sp.concurrency, len(prompts)))]
             stopper = asyncio.create_task(backend.stop.wait())
             everything = asyncio.gather(*tasks)
             await asyncio.wait([stopper, everything], return_when=asyncio.FIRST_COMPLETED)
-            if backend.stop.is_set():
+            if backend.stop.is_set():  # the breaker opened: cancel the turns in flight
                 for t in tasks:
                     t.cancel()
             results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -243,7 +272,7 @@ def run_server(backend: ServerBackend, prompts: list[Prompt], sess: Session, ren
             bugs = [r for r in results if isinstance(r, Exception)]
             if bugs:  # anything but the handled failures and cancellations stops the stage loudly
                 raise bugs[0]
-        return tripped[0]
+        return w.tripped
 
     return run_async(main)
 
