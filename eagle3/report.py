@@ -14,10 +14,6 @@ __all__ = ["MISSING", "headline_keys", "stats_classes", "summary_html", "index_h
 
 # Headline keys of the stages whose Stats class has not landed yet (their stats.json keys today).
 _HEADLINE_FALLBACK: dict[int, tuple[str, ...]] = {
-    1: ("samples", "samples_train", "samples_heldout", "turns", "completion_tokens", "completion_tokens_mean",
-        "length_fraction", "reasoning_capture_rate", "failed", "tokens_per_s", "elapsed_s"),
-    2: ("target_vocab_size", "draft_vocab_size", "distinct_tokens", "masked_tokens", "coverage", "heldout_oov_rate",
-        "train_rows", "train_tokens", "train_truncated_rows", "heldout_rows", "cache_hit"),
     4: ("best_step", "best_val_tau_hat", "final_step", "final_val_tau_hat", "final_train_loss", "total_steps",
         "tokens_seen", "tokens_per_s", "train_time_s", "drafter_dir"),
 }
@@ -28,8 +24,10 @@ def stats_classes() -> dict[int, type[Stats]]:
     # Imported here: the stage packages pull in torch, which `eagle3 status` does not need.
     from eagle3.evaluate.stage import EvaluateStats
     from eagle3.extract.finalize import ExtractStats
+    from eagle3.synthesize.stage import SynthesizeStats
+    from eagle3.vocab.stage import VocabStats
 
-    return {3: ExtractStats, 5: EvaluateStats}
+    return {1: SynthesizeStats, 2: VocabStats, 3: ExtractStats, 5: EvaluateStats}
 
 
 def headline_keys() -> dict[int, tuple[str, ...]]:

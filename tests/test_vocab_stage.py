@@ -160,8 +160,9 @@ def test_run_errors(tmp_path):
 
 
 def test_headlines_are_the_report_index_keys():
-    from eagle3.report import HEADLINE
+    from eagle3.report import headline_keys, stats_classes
     from eagle3.rundir import SYNTHESIZE
     from eagle3.synthesize import SynthesizeStats
 
-    assert SynthesizeStats.HEADLINE == HEADLINE[SYNTHESIZE] and VocabStats.HEADLINE == HEADLINE[VOCAB]
+    assert stats_classes()[SYNTHESIZE] is SynthesizeStats and stats_classes()[VOCAB] is VocabStats
+    assert headline_keys()[SYNTHESIZE] == SynthesizeStats.HEADLINE and headline_keys()[VOCAB] == VocabStats.HEADLINE
