@@ -12,28 +12,22 @@ from eagle3.stage import Stats
 
 __all__ = ["MISSING", "headline_keys", "stats_classes", "summary_html", "index_html", "key_numbers"]
 
-# Headline keys of the stages whose Stats class has not landed yet (their stats.json keys today).
-_HEADLINE_FALLBACK: dict[int, tuple[str, ...]] = {
-    4: ("best_step", "best_val_tau_hat", "final_step", "final_val_tau_hat", "final_train_loss", "total_steps",
-        "tokens_seen", "tokens_per_s", "train_time_s", "drafter_dir"),
-}
-
-
 def stats_classes() -> dict[int, type[Stats]]:
     """Stage number -> its :class:`eagle3.stage.Stats` subclass (field names = ``stats.json`` keys)."""
     # Imported here: the stage packages pull in torch, which `eagle3 status` does not need.
     from eagle3.evaluate.stage import EvaluateStats
     from eagle3.extract.finalize import ExtractStats
     from eagle3.synthesize.stage import SynthesizeStats
+    from eagle3.train.stage import TrainStats
     from eagle3.vocab.stage import VocabStats
 
-    return {1: SynthesizeStats, 2: VocabStats, 3: ExtractStats, 5: EvaluateStats}
+    return {1: SynthesizeStats, 2: VocabStats, 3: ExtractStats, 4: TrainStats, 5: EvaluateStats}
 
 
 def headline_keys() -> dict[int, tuple[str, ...]]:
     """Stage number -> the keys the index shows for it, in order (each stage's ``Stats.HEADLINE``)."""
     classes = stats_classes()
-    return {s: (classes[s].HEADLINE if s in classes else _HEADLINE_FALLBACK[s]) for s in STAGES}
+    return {s: classes[s].HEADLINE for s in STAGES}
 
 
 MISSING = "(missing from stats.json)"

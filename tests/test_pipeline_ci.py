@@ -45,6 +45,17 @@ def test_every_stage_complete_with_progress(ci_run):
     assert len(list((ci_run / "notebooks").glob("0*.ipynb"))) == 5
 
 
+def test_every_headline_key_is_in_stats_json(ci_run):
+    # What the report index shows (each stage's Stats.HEADLINE) is what the stages really wrote.
+    from eagle3.report import headline_keys
+
+    for s, keys in headline_keys().items():
+        st = read_json(ci_run / STAGES[s] / "stats.json")
+        assert [k for k in keys if k not in st] == [], STAGES[s]
+    html = (ci_run / "report" / "index.html").read_text()
+    assert "(missing from stats.json)" not in html
+
+
 def test_stage1_samples_contract(ci_run):
     lines = (ci_run / "01_synthesize" / "samples.jsonl").read_text().splitlines()
     samples = [json.loads(x) for x in lines]
