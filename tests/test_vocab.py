@@ -549,3 +549,21 @@ def test_tokenized_contract_round_trip_and_row_checks(tmp_path):
         tokenized.read_rows(tmp_path, "heldout")
     with pytest.raises(tokenized.TokenizedError, match="split must be one of"):
         tokenized.read_table(tmp_path, "dev")
+
+
+def test_loss_mask_of_a_mis_converted_tokenizer_is_unchanged(tok, embedded_target):
+    """Issue 13: the GGUF converted by transformers 5.17 names <|im_start|> as eos and has no pad token;
+    the supervised span still ends at the template's end of turn, exactly as with the right tokenizer."""
+    import copy
+
+    bad = copy.deepcopy(tok)
+    bad.pad_token = None
+    bad.eos_token = "<|im_start|>"
+    assert bad.eos_token_id == 1
+    renderer = LossMaskRenderer(bad, stop_token_ids(bad, embedded_target.path))
+    assert renderer.stop_ids == {2}
+    got, _ = rows_of([sample(msgs=TWO_TURNS)], renderer)
+    want, _ = rows_of([sample(msgs=TWO_TURNS)], LossMaskRenderer(tok, stop_token_ids(tok, embedded_target.path)))
+    assert [(r.id, r.input_ids.tolist(), r.loss_mask.tolist()) for r in got] == \
+        [(r.id, r.input_ids.tolist(), r.loss_mask.tolist()) for r in want]
+    assert supervised_text(tok, got[0]) == "Hello!<|im_end|>See you.<|im_end|>"
