@@ -19,12 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-# Compatibility: these moved to eagle3.rundir; import them from there (removed here once unused).
-from eagle3.rundir import NOTEBOOKS, STAGES, prepare_run_dir, stage_complete, stage_dir  # noqa: F401
-
 __all__ = [
-    "STAGES",
-    "stage_dir",
     "atomic_write_bytes",
     "atomic_write_text",
     "atomic_write_json",
@@ -32,14 +27,13 @@ __all__ = [
     "read_json",
     "Progress",
     "write_stats",
-    "stage_complete",
     "dir_bytes",
     "free_bytes",
     "read_jsonl",
     "file_sha256",
     "format_bytes",
-    "prepare_run_dir",
 ]
+
 
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:

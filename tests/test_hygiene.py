@@ -1,8 +1,13 @@
-"""Repository hygiene: notebooks without outputs and with one `parameters` cell; pins agree."""
+"""Repository hygiene: notebooks without outputs and with one `parameters` cell; pins agree; the
+package has no import cycle, no cross-module private import, no lazy façade, no stage folder literal
+outside eagle3/rundir.py; ruff is clean."""
 
 from __future__ import annotations
 
+import ast
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -79,3 +84,170 @@ def test_setup_script_installs_every_ordered_pin():
     for req in ordered:
         assert f'"$(pin {req.split("==")[0]})"' in text, req
     assert "uninstall" in text and "torchvision" in text
+
+
+# ----------------------------------------------------------------------------- package structure (AST)
+
+PKG = ROOT / "eagle3"
+STAGE_FOLDERS = ("01_synthesize", "02_vocab", "03_extract", "04_train", "05_evaluate")
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of the eagle3 package."""
+    out = {}
+    for f in sorted(PKG.rglob("*.py")):
+        parts = list(f.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = f
+    return out
+
+
+MODULES = _modules()
+
+
+def _is_package(mod: str) -> bool:
+    return MODULES[mod].name == "__init__.py"
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """ids of nodes under ``if TYPE_CHECKING:`` (not imported at run time)."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for sub in node.body:
+                skip.update(id(n) for n in ast.walk(sub))
+    return skip
+
+
+def _imports(mod: str) -> list[tuple[str, list[str], int]]:
+    """(imported eagle3 module, names imported from it, line) for every import in ``mod``,
+    module-level and function-level alike."""
+    tree = ast.parse(MODULES[mod].read_text(encoding="utf-8"))
+    skip = _type_checking_nodes(tree)
+    pkg = mod if _is_package(mod) else mod.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            out += [(a.name, [], node.lineno) for a in node.names if a.name.split(".")[0] == "eagle3"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "eagle3":
+                continue
+            names = [a.name for a in node.names]
+            subs = [n for n in names if f"{target}.{n}" in MODULES]
+            if subs:
+                out += [(f"{target}.{n}", [], node.lineno) for n in subs]
+            rest = [n for n in names if n not in subs]
+            if rest or not subs:
+                out.append((target, rest, node.lineno))
+    return out
+
+
+def _import_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for m in MODULES:
+        for target, _, _ in _imports(m):
+            if target in MODULES and target != m:
+                graph[m].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_in_the_package():
+    # Function-level imports count: a cycle hidden inside a function is still a cycle.
+    # A package importing its own submodules (re-exports in __init__) is not a cycle back from them
+    # unless a submodule imports the package's names.
+    cycles = _cycles(_import_graph())
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_private_name_imported_across_modules():
+    bad = []
+    for m in MODULES:
+        for target, names, line in _imports(m):
+            for n in names:
+                if n.startswith("_") and not n.startswith("__") and target != m:
+                    bad.append(f"{MODULES[m].relative_to(ROOT)}:{line}: from {target} import {n}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_module_level_getattr_facade():
+    bad = [str(f.relative_to(ROOT)) for f in MODULES.values()
+           if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__"
+                  for n in ast.parse(f.read_text(encoding="utf-8")).body)]
+    assert not bad, "\n".join(bad)
+
+
+def _docstring_nodes(tree: ast.AST) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                out.add(id(first.value))
+    return out
+
+
+def test_stage_folder_names_only_in_rundir():
+    # Docstrings may name the folders (they document the layout); code asks eagle3.rundir.
+    bad = []
+    for m, f in MODULES.items():
+        if m == "eagle3.rundir":
+            continue
+        tree = ast.parse(f.read_text(encoding="utf-8"))
+        docs = _docstring_nodes(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                hits = [s for s in STAGE_FOLDERS if s in node.value]
+                if hits:
+                    bad.append(f"{f.relative_to(ROOT)}:{node.lineno}: {hits[0]}")
+    assert not bad, "\n".join(bad)
+
+
+def test_ruff_clean():
+    # Rules and line length: [tool.ruff] in pyproject.toml.
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "eagle3", "tests", "benchmarks", "scripts"],
+                       cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr

@@ -43,10 +43,3 @@ def test_stage_complete_and_notebooks(tmp_path):
     assert sorted(rundir.STAGES) == sorted(rundir.NOTEBOOKS) == [1, 2, 3, 4, 5]
     for n in rundir.NOTEBOOKS:
         assert rundir.notebook_path(n).is_file()
-
-
-def test_old_locations_still_import():
-    from eagle3 import io
-
-    assert io.STAGES is rundir.STAGES and io.stage_dir is rundir.stage_dir
-    assert io.prepare_run_dir is rundir.prepare_run_dir
