@@ -9,7 +9,8 @@
   (:mod:`eagle3.evaluate.diagnosis`).
 
 Resumable: offline records are appended per prompt (``offline_records.jsonl``) and each vLLM
-measurement is kept (``vllm_<method>.json``) with a key of its inputs; a re-run reuses them.
+measurement is kept (``vllm_<method>.json``) with a key of its inputs; a re-run reuses them. A run
+whose stage 5 is complete with the same inputs is returned as it is, without rewriting a file.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from eagle3.evaluate.vllm_jobs import (
     vllm_serve_command,
     vllm_summary,
 )
-from eagle3.io import Progress, atomic_write_json, file_sha256, read_json
+from eagle3.io import Progress, atomic_write_json, file_sha256, read_json, read_jsonl
 from eagle3.rundir import EVALUATE, EXTRACT, TRAIN, RunDir
 from eagle3.stage import StageRun, Stats
 
@@ -176,13 +177,48 @@ def _load_inputs(params, run_dir: Path) -> _Inputs:
         t_dtype=str(t_dtype).replace("torch.", ""))
 
 
+def _offline_key(params, inp: _Inputs) -> str:
+    """The resume key of the offline records: drafter, prompts, trained settings, decoding settings, dtype."""
+    ev = params.evaluate
+    return _key([inp.drafter_key, inp.prompts_key, asdict(inp.ref), ev.num_speculative_tokens, ev.temperature,
+                 ev.max_new_tokens, params.run.seed, inp.t_dtype])
+
+
+def _job(params, inp: _Inputs, method: str) -> tuple[dict, str]:
+    """The vLLM job of ``method`` and its resume key (the job, plus the drafter's weights for eagle3)."""
+    job = build_job(params, method, inp.resolved.path, inp.drafter_dir, inp.prompts,
+                    template_kwargs(params) or None)  # None: the template's defaults
+    return job, _key([job, inp.drafter_key if method == "eagle3" else None])
+
+
+def _finished(params, inp: _Inputs, rd: RunDir) -> EvaluateStats | None:
+    """The stats of a complete stage 5 whose every measurement still has the same inputs, else None.
+
+    Then nothing needs to run and nothing is rewritten: opening a finished run's notebook leaves its
+    ``stats.json`` and ``progress.json`` as they were (issue 16).
+    """
+    ev, sd = params.evaluate, rd.stage(EVALUATE)
+    st = read_json(rd.stats(EVALUATE), None)
+    if not st or not st.get("complete") or not rd.evaluate_results.exists():
+        return None
+    if "offline" in ev.backends:
+        key = _offline_key(params, inp)
+        recs = read_jsonl(sd / "offline_records.jsonl", error=EvaluateError, missing_ok=True)
+        if {r.get("id") for r in recs if r.get("key") == key} != {p["id"] for p in inp.prompts}:
+            return None
+    for method in ev.vllm_methods if "vllm" in ev.backends else ():
+        res = read_json(sd / f"vllm_{method}.json", None)
+        if not res or res.get("job_key") != _job(params, inp, method)[1]:
+            return None
+    return EvaluateStats.from_dict(st)
+
+
 def _offline(params, inp: _Inputs, sd: Path, prog: Progress):
     """``(drafter model, records, summary)`` of the offline EAGLE-3 measurement (resumed per prompt)."""
     ev = params.evaluate
     k, temp, model = ev.num_speculative_tokens, ev.temperature, inp.model
     dm = load_drafter(inp.drafter_dir, model, inp.ref, device=str(model.device))
-    key = _key([inp.drafter_key, inp.prompts_key, asdict(inp.ref), k, temp, ev.max_new_tokens, params.run.seed,
-                inp.t_dtype])
+    key = _offline_key(params, inp)
     stops = stop_token_ids(inp.tok, inp.resolved.path, getattr(model, "generation_config", None), model.config,
                            kwargs=template_kwargs(params))
     recs = evaluate_offline(model, inp.tok, dm, inp.prompts, k, ev.max_new_tokens, inp.ref.aux_layer_ids,
@@ -201,9 +237,7 @@ def _vllm(params, inp: _Inputs, sd: Path, prog: Progress) -> tuple[dict, dict]:
     logs.mkdir(exist_ok=True)
     results, summaries = {}, {}
     for method in ev.vllm_methods:
-        job = build_job(params, method, inp.resolved.path, inp.drafter_dir, inp.prompts,
-                        template_kwargs(params) or None)  # None: the template's defaults
-        jkey = _key([job, inp.drafter_key if method == "eagle3" else None])
+        job, jkey = _job(params, inp, method)
         out = sd / f"vllm_{method}.json"
         res = read_json(out, None)
         if not res or res.get("job_key") != jkey:
@@ -273,6 +307,9 @@ def run(params, run_dir: str | Path) -> EvaluateStats:
     ev = params.evaluate
     k, temp = ev.num_speculative_tokens, ev.temperature
     inp = _load_inputs(params, rd.root)
+    done = _finished(params, inp, rd)
+    if done is not None:
+        return done
     atomic_write_json(sd / "prompts.json", {"info": inp.prompt_info, "prompts": [
         {kk: p[kk] for kk in ("id", "source", "prompt_hash")} | {"prompt_tokens": len(p["prompt_ids"])}
         for p in inp.prompts]})
