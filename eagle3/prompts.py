@@ -226,6 +226,11 @@ def iter_records(source: PromptSource, report: LoadReport, on_bad_line: str = "s
         yield from _iter_file(source, report, on_bad_line)
     elif source.kind == "hf":
         yield from _iter_hf(source)
+    elif source.kind == "self":
+        raise PromptError(
+            "a kind: self source is written by the target in stage 1 (eagle3.self_prompt.prepare_self_sources), "
+            "which replaces it by the file it writes; it cannot be read as a prompt set here"
+        )
     else:  # pragma: no cover - pydantic restricts kind
         raise PromptError(f"unknown prompt source kind {source.kind!r}")
 

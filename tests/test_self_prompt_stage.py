@@ -127,3 +127,39 @@ def test_resume_after_sigkill_gives_the_same_prompts(tmp_path, embedded_target):
     assert final.read_text() == clean_final.read_text()
     assert st_resumed[0]["filtered"] == st_clean[0]["filtered"]
 
+
+
+def test_stage1_with_a_self_source(tmp_path, embedded_target):
+    """Stage 1 answers the self-written prompts like any others: samples record ``source: self`` and
+    the self-prompting settings, stats.json has the filter counts; a second run resumes (nothing new)."""
+    import torch
+
+    from eagle3.synthesize import run as synthesize_run
+
+    torch.set_num_threads(2)
+    params = _params(tmp_path, "stage")
+    params.synthesize.sources[0].limit = 1
+    run_dir = params.run_dir()
+    stats = synthesize_run(params, run_dir)
+    samples = [json.loads(x) for x in (run_dir / "01_synthesize" / "samples.jsonl").read_text().splitlines()]
+    mine = [s for s in samples if s["source"] == "self"]
+    assert len(samples) == 3 and len(mine) == 2
+    sp = stats.prompts["self_prompt"][0]
+    assert sp["kept"] == 2 and sum(sp["filtered"].values()) == sp["attempts"]
+    for s in mine:
+        assert s["settings"]["self_prompt"]["1"] == sp["settings"]
+        assert s["messages"][0]["role"] == "system" and s["messages"][1]["role"] == "user"
+        assert s["messages"][2]["role"] == "assistant" and s["finish_reasons"]
+    on_disk = json.loads((run_dir / "01_synthesize" / "stats.json").read_text())
+    assert on_disk["prompts"]["self_prompt"][0]["filtered"] == sp["filtered"]
+    again = synthesize_run(params, run_dir)
+    assert again.resumed_from == 3 and again.generated_this_session == 0
+    assert [json.loads(x) for x in (run_dir / "01_synthesize" / "samples.jsonl").read_text().splitlines()] == samples
+
+
+def test_a_self_source_is_not_read_directly():
+    from eagle3.errors import PromptsError
+    from eagle3.prompts import load_source
+
+    with pytest.raises(PromptsError, match="written by the target in stage 1"):
+        load_source(PromptSource(kind="self"))

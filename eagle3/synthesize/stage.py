@@ -214,7 +214,15 @@ def run(params: Params, run_dir: str | Path) -> SynthesizeStats:
         TargetError: the target cannot be loaded.
     """
     t_start, run_dir = time.time(), Path(run_dir)
-    prompts, report = load_prompts(params.synthesize)
+    syn, self_stats = params.synthesize, []
+    if any(src.kind == "self" for src in syn.sources):
+        # the target writes these prompts first (resumable, 01_synthesize/self_prompts/); they then
+        # load as file sources labelled "self" (eagle3.self_prompt)
+        from eagle3.self_prompt import prepare_self_sources
+
+        sources, self_stats = prepare_self_sources(params, run_dir)
+        syn = syn.model_copy(update={"sources": sources})
+    prompts, report = load_prompts(syn)
     ids = [p.id for p in prompts]
     store = SampleStore(samples_path(run_dir))
     try:
@@ -222,17 +230,27 @@ def run(params: Params, run_dir: str | Path) -> SynthesizeStats:
         with StageRun(params, run_dir, SYNTHESIZE, total=len(prompts), unit="samples", done=resumed_from,
                       tokens=sum(store.done.get(i, 0) for i in ids)) as st:
             with open(timeline_path(run_dir), "a", encoding="utf-8") as timeline:
-                sess = Session(store=store, progress=st.progress, settings=_settings(params, None), timeline=timeline)
+                settings = _settings(params, None)
+                if self_stats:  # each sample records the self-prompting settings beside the generation ones
+                    settings["self_prompt"] = {str(x["source_index"]): x["settings"] for x in self_stats}
+                sess = Session(store=store, progress=st.progress, settings=settings, timeline=timeline)
                 out = _generate(params, [p for p in prompts if p.id not in store.done], sess)
             ok = not out.tripped and len(sess.failed) <= params.synthesize.max_failed_samples
             extra = store.finalize(ids) if ok else 0
             store.close()
             stats = _stats(params, run_dir, read_samples(run_dir), report, sess, store, out, extra, resumed_from, t_start)
+            if self_stats:  # filter counts, diversity, settings of each kind: self source
+                stats.prompts["self_prompt"] = self_stats
             if not ok:
                 raise _stopped(params, run_dir, stats, sess, store, st)
             errors_path(run_dir).unlink(missing_ok=True)
             for name, fig in make_figures(run_dir).items():
                 st.figure(name, fig)
+            if self_stats:
+                from eagle3.self_prompt import self_prompt_figures
+
+                for name, fig in self_prompt_figures(run_dir).items():
+                    st.figure(name, fig)
             st.finish(stats, log=True)
     finally:
         store.close()
