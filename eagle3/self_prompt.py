@@ -869,9 +869,9 @@ def _open_driver(params, settings: SelfPromptSettings, tkw: dict):
         model, tok, _ = load_target(params.target)
         return TransformersDriver(model, tok, settings, syn.max_new_tokens, tkw), tok, lambda: None
     if syn.backend == "vllm":
-        from eagle3.synthesize import make_backend  # the stage's own vLLM engine settings
+        from eagle3.synthesize.local import VllmBackend  # the stage's own vLLM engine settings
 
-        be = make_backend(params)
+        be = VllmBackend(params)
         return VllmDriver(be.llm, be.tok, settings, syn.max_new_tokens, tkw), be.tok, be.close
     import httpx
 
