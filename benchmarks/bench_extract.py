@@ -45,11 +45,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from eagle3.contracts.hidden_states import SampleWriter  # noqa: E402
-from eagle3.extract.core import TokenizedRows, extract_batches, pad_batch, plan_batches, to_host  # noqa: E402
-from eagle3.hooks import HiddenStateCapture, decoder_layers  # noqa: E402
+from eagle3.contracts.hidden_states import SampleWriter
+from eagle3.extract.core import TokenizedRows, extract_batches, pad_batch, plan_batches, to_host
+from eagle3.hooks import HiddenStateCapture, decoder_layers
 
 H200_PEAK_BF16 = 989e12
 

@@ -453,7 +453,8 @@ def load_params(
                 f"(e.g. params/smollm2-135m.yaml) or a path to your own YAML file."
             )
         try:
-            loaded = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+            # _UniqueKeyLoader is a yaml.SafeLoader (no arbitrary objects), refusing repeated keys
+            loaded = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

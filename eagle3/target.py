@@ -137,10 +137,10 @@ def resolve_target(params: TargetParams) -> ResolvedTarget:
 
     try:
         local = snapshot_download(spec, local_files_only=True)
-    except Exception:
+    except Exception:  # noqa: BLE001 - not cached (hub raises several types): try the download
         try:
             local = snapshot_download(spec, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - re-raised as TargetError naming the model and the fix
             raise TargetError(
                 f"target.model={spec}: not in the local Hugging Face cache and could not be downloaded "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}). On an offline "

@@ -23,21 +23,21 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _extract_fixtures import write_train_parquet  # noqa: E402
+from _extract_fixtures import write_train_parquet
 
-from eagle3.config import load_params  # noqa: E402
-from eagle3.contracts.hidden_states import (  # noqa: E402
+from eagle3.config import load_params
+from eagle3.contracts.hidden_states import (
     HiddenStatesDataset,
     NonFiniteError,
     SampleWriter,
     check_sample_file,
 )
-from eagle3.errors import ExtractError  # noqa: E402
-from eagle3.extract import load_rows, online_samples, preflight, run, verify  # noqa: E402
-from eagle3.extract.core import extract_batches, plan_batches  # noqa: E402
-from eagle3.hooks import PrefillCapture, resolve_layer_ids  # noqa: E402
-from eagle3.io import read_json  # noqa: E402
-from eagle3.rundir import STAGES, prepare_run_dir  # noqa: E402
+from eagle3.errors import ExtractError
+from eagle3.extract import load_rows, online_samples, preflight, run, verify
+from eagle3.extract.core import extract_batches, plan_batches
+from eagle3.hooks import PrefillCapture, resolve_layer_ids
+from eagle3.io import read_json
+from eagle3.rundir import STAGES, prepare_run_dir
 
 VOCAB_DIR, EXTRACT_DIR = STAGES[2], STAGES[3]  # the stage folder names
 

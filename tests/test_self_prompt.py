@@ -218,7 +218,7 @@ class _FakeCompletions:
             def log_message(self, *a):
                 pass
 
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 owner.bodies.append(body)
                 if self.path.endswith("/completions") and "messages" not in body:

@@ -86,7 +86,7 @@ for spec in sys.argv[2:]:
         if phase_seen is None and pj.exists():
             try:
                 ph = json.loads(pj.read_text()).get("extra", {}).get("phase")
-            except Exception:
+            except Exception:  # noqa: BLE001 - a progress.json being rewritten: poll again
                 ph = None
             if ph and ph.startswith("first step"):
                 phase_seen = now

@@ -44,7 +44,7 @@ for f in ("config.json", "generation_config.json", "tokenizer_config.json", "spe
 try:
     from transformers import GenerationConfig
     rep["GenerationConfig.from_pretrained"] = GenerationConfig.from_pretrained(r.path).to_dict()
-except Exception as e:
+except Exception as e:  # noqa: BLE001 - a probe records whatever fails
     rep["GenerationConfig.from_pretrained"] = f"{type(e).__name__}: {e}"
 (out / "tok_probe.json").write_text(json.dumps(rep, indent=1, default=str))
 t = rep["converted_tokenizer"]

@@ -16,7 +16,7 @@ def _bye():
     try:
         import torch._dynamo.utils as u
         print("COMPILE_TIMES", u.compile_times(repr="str"), flush=True)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - diagnostics only
         print("compile_times failed", e)
     print(f"EXIT after {time.time() - t0:.1f} s", flush=True)
 atexit.register(_bye)

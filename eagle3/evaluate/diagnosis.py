@@ -82,7 +82,7 @@ def _layer_probe(target, drafter_model, ids, reference, prompts, offline_records
                               {"config": sorted(set(int(i) for i in ids)), "trained": list(reference.aux_layer_ids)})
         return [f"layer ids: measured first-draft accuracy {acc['trained']:.3f} with the trained ids "
                 f"vs {acc['config']:.3f} with the config's"]
-    except Exception as exc:  # the probe is a hint; a failure must not hide the finding before it
+    except Exception as exc:  # noqa: BLE001 - the probe is a hint; a failure must not hide the finding before it
         return [f"layer ids: probe failed ({type(exc).__name__}: {exc})"]
 
 

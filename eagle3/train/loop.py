@@ -91,7 +91,7 @@ class _Signals:
         self.abortable = False
         self._old: dict[int, Any] = {}
 
-    def _handler(self, signum, frame) -> None:  # noqa: ARG002
+    def _handler(self, signum, frame) -> None:
         self.received = signum
         if self.abortable:
             self.abortable = False

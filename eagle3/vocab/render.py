@@ -361,7 +361,7 @@ def _render_chunk(renderer: LossMaskRenderer, chunk: list[dict]):
         try:
             ps = renderer.render_ids([renderer.prompt(chunk[i]["messages"], j) for i, j in reqs], True, kw)
             fs = renderer.render_ids([renderer.turn(chunk[i]["messages"], j) for i, j in reqs], False, kw)
-        except Exception:  # find the sample(s) the template rejects, keep the rest
+        except Exception:  # noqa: BLE001 - find the sample(s) the template rejects, keep the rest
             ps, fs = [], []
             for i, j in reqs:
                 try:
