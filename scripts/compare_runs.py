@@ -7,7 +7,8 @@ Checks, stage by stage:
 
 * every number (int, float, bool; nested dicts and lists included) of each ``stats.json``, except
   wall-clock, rate and time keys (:data:`SKIPPED_KEYS`, and keys ending in ``_s``, ``_per_s`` or
-  ``_seconds``, or holding ``per_s``): those differ between two runs of the same code;
+  ``_seconds``, or holding ``per_s``): those differ between two runs of the same code; likewise
+  ``cache_hit`` (whether the vocab mapping came from the machine's cache);
 * the sample ids of ``01_synthesize/samples.jsonl`` (as sets: vLLM may finish them in another order);
 * the sha256 of each hidden-state file named in ``03_extract/manifest.jsonl``, per sample id;
 * the exported drafter tensors (``04_train/drafter/*.safetensors``): names, dtypes, shapes and
@@ -29,8 +30,10 @@ from eagle3.contracts.samples import read_samples
 from eagle3.io import read_json
 from eagle3.rundir import STAGES, RunDir
 
-# Keys whose values depend on the machine's speed or the clock, not on the computation.
+# Keys whose values depend on the machine's speed or the clock, not on the computation, and
+# `cache_hit` (stage 2 found its mapping in the machine's cache from an earlier run: same tensors).
 SKIPPED_KEYS = frozenset({
+    "cache_hit",
     "finished_at", "elapsed_s", "load_s", "generation_s", "setup_s", "train_time_s", "writer_busy_s",
     "tokens_per_s", "tokens_per_s_this_session", "write_bytes_per_s", "calibration_tokens_per_s",
     "preflight_projected_seconds", "projected_seconds", "tokens_per_s_vllm_eagle3", "tokens_per_s_vllm_ngram",

@@ -58,7 +58,7 @@ def test_every_kind_of_difference_is_reported(tmp_path, capsys):
 
 
 def test_time_keys_are_skipped_and_missing_dir_is_exit_2(tmp_path):
-    assert [k for k in ("elapsed_s", "x.tokens_per_s_vllm_none", "finished_at", "projected_seconds")
-            if compare_runs.skipped(k)] == ["elapsed_s", "x.tokens_per_s_vllm_none", "finished_at", "projected_seconds"]
+    keys = ["elapsed_s", "x.tokens_per_s_vllm_none", "finished_at", "projected_seconds", "cache_hit"]
+    assert [k for k in keys if compare_runs.skipped(k)] == keys
     assert not compare_runs.skipped("num_samples") and not compare_runs.skipped("tokens_seen")
     assert compare_runs.main([str(tmp_path / "nope"), str(tmp_path)]) == 2
