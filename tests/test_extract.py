@@ -229,14 +229,14 @@ def test_run_writes_the_contract_files(ref):
     assert pf["fits"] and pf["free_bytes"] > 0 and pf["projected_seconds"] > 0
     assert pf["calibration"]["tokens_per_s"] > 0
     # the projection is within 1% of what was written
-    assert abs(stats["bytes"] / pf["projected_bytes"] - 1) < 0.01
-    assert stats["bytes"] == sum(e["bytes"] for e in manifest)
+    assert abs(stats.bytes / pf["projected_bytes"] - 1) < 0.01
+    assert stats.bytes == sum(e["bytes"] for e in manifest)
     prog = read_json(sd / "progress.json")
     assert prog["status"] == "done" and prog["done"] == prog["total"] == N_ROWS
     assert prog["tokens"] == prog["total_tokens"] == tokens and prog["eta_s"] == 0.0
-    assert prog["tokens_per_s"] > 0 and prog["bytes_written"] == stats["bytes"] == prog["bytes_on_disk"]
+    assert prog["tokens_per_s"] > 0 and prog["bytes_written"] == stats.bytes == prog["bytes_on_disk"]
     assert prog["projected_bytes"] == pf["projected_bytes"]
-    assert stats["complete"] and stats["samples_extracted"] == N_ROWS and stats["tokens_per_s"] > 0
+    assert read_json(sd / "stats.json")["complete"] and stats.samples_extracted == N_ROWS and stats.tokens_per_s > 0
     assert (sd / "timeline.jsonl").read_text().strip()
     for fig in ("throughput", "bytes_per_token", "layer_norms"):
         assert (sd / f"{fig}.png").stat().st_size > 1000
@@ -251,7 +251,9 @@ def test_run_writes_the_contract_files(ref):
     assert bool(torch.isfinite(item["hidden_states"]).all())
     # a finished stage is not redone
     t0 = time.time()
-    assert run(params, rd)["finished_at"] == stats["finished_at"] and time.time() - t0 < 5
+    finished = read_json(rd / EXTRACT_DIR / "stats.json")["finished_at"]
+    assert run(params, rd) == stats and time.time() - t0 < 5
+    assert read_json(rd / EXTRACT_DIR / "stats.json")["finished_at"] == finished
 
 
 def test_online_samples_equal_the_stored_ones(ref):
@@ -314,7 +316,7 @@ def test_resume_redoes_truncated_corrupt_and_wrong_shape_files(ref, tmp_path):
     f[9].unlink()  # missing
     (sd / "rows_000000-000004" / ".000003.safetensors.abc.tmp").write_bytes(b"partial")  # killed writer
     stats = run(params, dst)
-    assert stats["files_redone"] == 3 and stats["samples_extracted"] == 4 and stats["samples_skipped"] == 6
+    assert stats.files_redone == 3 and stats.samples_extracted == 4 and stats.samples_skipped == 6
     assert_same_outputs(rd, dst)
     assert not list(sd.rglob("*.tmp"))
 
@@ -346,7 +348,7 @@ def test_sigkill_at_a_random_point_then_resume_is_identical(ref, tmp_path, tok):
     n_before = len(list((rd2 / EXTRACT_DIR).glob("rows_*/*.safetensors")))
     assert 0 < n_before < N_ROWS, (seed, n_before)
     stats = run(p2, rd2)
-    assert stats["samples_skipped"] >= 1, seed
+    assert stats.samples_skipped >= 1, seed
     assert_same_outputs(rd, rd2)
 
 
@@ -440,7 +442,7 @@ def test_full_disk_is_a_clean_error_and_resumable(ref, tmp_path, tok):
     for e in journal:
         assert check_sample_file(sd / e["file"], rows.tokens(e["row"]), 4, 576, torch.bfloat16) is None
     stats = run(params, rd)
-    assert stats["samples_skipped"] == len(files)
+    assert stats.samples_skipped == len(files)
     assert_same_outputs(rd_ref, rd)
 
 
@@ -477,7 +479,7 @@ def test_torchrun_two_cpu_processes_write_the_same_files(ref, tmp_path, tok):
     _, rd_ref, _ = ref
     params, rd = new_run(tmp_path, "dp", tok, data_parallel=2)
     stats = run(params, rd)  # launches torchrun --nproc-per-node 2 -m eagle3.extract
-    assert stats["world_size"] == 2 and stats["samples_extracted"] == N_ROWS
+    assert stats.world_size == 2 and stats.samples_extracted == N_ROWS
     assert_same_outputs(rd_ref, rd)
     assert not list((rd / EXTRACT_DIR).glob(".rank*"))
 

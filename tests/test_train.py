@@ -34,6 +34,7 @@ from safetensors.torch import load_file, save_file
 from eagle3.config import dump_params
 from eagle3.io import read_json
 from eagle3.rundir import STAGES
+from eagle3.train import TrainStats, TrainStopped
 
 VOCAB_DIR, EXTRACT_DIR, TRAIN_DIR = STAGES[2], STAGES[3], STAGES[4]  # the stage folder names
 
@@ -172,32 +173,32 @@ def test_drafter_built_from_stage_folders(tiny_target, ref_run):
 def test_run_writes_the_stage_contract(ref_run, tiny_target):
     rd, stats, params = ref_run
     sd = rd / TRAIN_DIR
-    assert stats["complete"] and read_json(sd / "stats.json")["complete"]
-    assert stats["drafter_dir"] == str(sd / "drafter")
-    assert stats["excluded_heldout"] == 2 and stats["train_samples"] + stats["val_samples"] == 24  # 2 held out
+    assert isinstance(stats, TrainStats) and read_json(sd / "stats.json")["complete"]
+    assert stats.drafter_dir == str(sd / "drafter")
+    assert stats.excluded_heldout == 2 and stats.train_samples + stats.val_samples == 24  # 2 held out
     prog = read_json(sd / "progress.json")
-    assert prog["status"] == "done" and prog["done"] == prog["total"] == stats["total_steps"]
+    assert prog["status"] == "done" and prog["done"] == prog["total"] == stats.total_steps
     train, val = _records(rd, "train"), _records(rd, "val")
-    assert [r["step"] for r in train] == list(range(1, stats["total_steps"] + 1))
+    assert [r["step"] for r in train] == list(range(1, stats.total_steps + 1))
     for k in range(3):
         assert 0.0 <= train[-1][f"full_acc_{k}"] <= 1.0 and 0.0 <= train[-1][f"cond_acc_{k}"] <= 1.0
     assert {"loss", "lr", "tokens_per_s", "grad_norm", "loss_0", "loss_2"} <= set(train[0])
     assert train[0]["lr"] == pytest.approx(params.train.lr / params.train.warmup_steps)
     # validation at every eval_every steps and at the end; the drafter is the best one by tau_hat
-    assert [v["step"] for v in val] == [4, 8, 12, 16, 20, stats["total_steps"]]
+    assert [v["step"] for v in val] == [4, 8, 12, 16, 20, stats.total_steps]
     assert val[-1]["val_loss"] < val[0]["val_loss"]
     best = max(val, key=lambda v: v["val_tau_hat"])
-    assert stats["best_step"] == best["step"] and stats["best_val_tau_hat"] == best["val_tau_hat"]
+    assert stats.best_step == best["step"] and stats.best_val_tau_hat == best["val_tau_hat"]
     for v in val:
         assert v["val_tau_hat"] == pytest.approx(
             1 + v["val_cond_acc_0"] + v["val_cond_acc_0"] * v["val_cond_acc_1"]
             + v["val_cond_acc_0"] * v["val_cond_acc_1"] * v["val_cond_acc_2"])
     ckpts = sorted(p.name for p in (sd / "checkpoints").iterdir())
-    assert f"step_{stats['best_step']:06d}" in ckpts and f"step_{stats['total_steps']:06d}" in ckpts
+    assert f"step_{stats.best_step:06d}" in ckpts and f"step_{stats.total_steps:06d}" in ckpts
     assert len(ckpts) <= params.train.keep_checkpoints + 1 and not any(c.startswith(".") for c in ckpts)
     assert (sd / "training_curves.png").stat().st_size > 10_000 and (sd / "validation_tau_hat.png").exists()
     # the exported weights are the best checkpoint's
-    ck = load_file(str(sd / "checkpoints" / f"step_{stats['best_step']:06d}" / "model.safetensors"))
+    ck = load_file(str(sd / "checkpoints" / f"step_{stats.best_step:06d}" / "model.safetensors"))
     exported = load_file(str(sd / "drafter" / "model.safetensors"))
     assert torch.equal(exported["fc.weight"], ck["fc.weight"].to(exported["fc.weight"].dtype))
 
@@ -208,7 +209,7 @@ def test_export_is_speculators_format_vllm_reads(ref_run, tiny_target):
     from eagle3.contracts.drafter import NORM_FLAGS, check_drafter
 
     rd, stats, params = ref_run
-    d = Path(stats["drafter_dir"])
+    d = Path(stats.drafter_dir)
     cfg = json.loads((d / "config.json").read_text())
     w = load_file(str(d / "model.safetensors"))
     tcfg = json.loads((tiny_target / "config.json").read_text())
@@ -245,7 +246,7 @@ def test_served_name_is_the_exported_verifier(ref_run, tiny_target, tmp_path):
     p.train.max_steps = 2
     p.train.export_embed_tokens = True
     out = run(p, _fresh_copy(rd, tmp_path / "run"))
-    d = Path(out["drafter_dir"])
+    d = Path(out.drafter_dir)
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == "my-org/tiny-target"
     w = load_file(str(d / "model.safetensors"))
@@ -262,7 +263,7 @@ def test_resume_after_stop_is_bitwise_exact(ref_run, tmp_path):
     rd, stats, params = ref_run
     rd2 = _fresh_copy(rd, tmp_path / "run")
     part = run(params, rd2, stop_after=7)
-    assert not part["complete"] and part["step"] == 7
+    assert isinstance(part, TrainStopped) and part.step == 7
     assert read_json(rd2 / TRAIN_DIR / "progress.json")["status"] == "stopped"
     assert (rd2 / TRAIN_DIR / "checkpoints" / "step_000007").is_dir()
     assert not (rd2 / TRAIN_DIR / "stats.json").exists()
@@ -270,8 +271,8 @@ def test_resume_after_stop_is_bitwise_exact(ref_run, tmp_path):
     with open(rd2 / TRAIN_DIR / "metrics.jsonl", "a") as f:
         f.write(json.dumps({"kind": "train", "step": 8, "loss": -1.0}) + "\n{\"kind\": \"tr")
     final = run(params, rd2)
-    assert final["complete"] and final["best_step"] == stats["best_step"]
-    last = f"step_{stats['total_steps']:06d}"
+    assert read_json(rd2 / TRAIN_DIR / "stats.json")["complete"] and final.best_step == stats.best_step
+    last = f"step_{stats.total_steps:06d}"
     for name in ("model.safetensors",):
         a = load_file(str(rd / TRAIN_DIR / "checkpoints" / last / name))
         b = load_file(str(rd2 / TRAIN_DIR / "checkpoints" / last / name))
@@ -283,8 +284,8 @@ def test_resume_after_stop_is_bitwise_exact(ref_run, tmp_path):
     ta, tb = _records(rd, "train"), _records(rd2, "train")
     assert [r["loss"] for r in ta] == [r["loss"] for r in tb]  # same steps, each once, same numbers
     # running a finished stage again changes nothing
-    again = run(params, rd2)
-    assert again["finished_at"] == final["finished_at"]
+    finished = read_json(rd2 / TRAIN_DIR / "stats.json")["finished_at"]
+    assert run(params, rd2) == final and read_json(rd2 / TRAIN_DIR / "stats.json")["finished_at"] == finished
 
 
 def test_sigterm_saves_a_checkpoint_then_resumes(ref_run, tmp_path):
@@ -316,7 +317,7 @@ def test_sigterm_saves_a_checkpoint_then_resumes(ref_run, tmp_path):
     assert read_json(rd2 / TRAIN_DIR / "progress.json")["status"] == "interrupted"
     assert not (rd2 / TRAIN_DIR / "stats.json").exists()
     out = run(p, rd2, stop_after=2)
-    assert out["step"] == done[-1] + 2
+    assert out.step == done[-1] + 2
     assert [r["step"] for r in _records(rd2, "train")] == list(range(1, done[-1] + 3))
 
 
@@ -332,8 +333,8 @@ def test_ddp_two_cpu_processes_match_one_process_with_accumulation(ref_run, tmp_
     two.train.grad_accum, two.train.data_parallel = 1, 2
     a = run(one, _fresh_copy(rd, tmp_path / "one"))
     b = run(two, _fresh_copy(rd, tmp_path / "two"))
-    assert b["world_size"] == 2 and a["world_size"] == 1 and a["total_steps"] == b["total_steps"] >= 4
-    last = f"step_{a['total_steps']:06d}"
+    assert b.world_size == 2 and a.world_size == 1 and a.total_steps == b.total_steps >= 4
+    last = f"step_{a.total_steps:06d}"
     wa = load_file(str(tmp_path / "one" / TRAIN_DIR / "checkpoints" / last / "model.safetensors"))
     wb = load_file(str(tmp_path / "two" / TRAIN_DIR / "checkpoints" / last / "model.safetensors"))
     for k in wa:
@@ -435,7 +436,7 @@ def test_resume_from_checkpoint_of_other_params_is_refused(ref_run, tmp_path):
         run(bigger, rd2)
     fine = params.model_copy(deep=True)
     fine.train.checkpoint_every = 3  # bookkeeping only: resuming is allowed
-    assert run(fine, rd2, stop_after=1)["step"] == 3
+    assert run(fine, rd2, stop_after=1).step == 3
 
 
 def test_nan_loss_stops_naming_step_and_samples_and_keeps_last_good_checkpoint(ref_run, tmp_path):
@@ -562,7 +563,7 @@ def test_online_training_matches_offline_files(ref_run, tiny_target, tmp_path):
     (tmp_path / "on").mkdir()
     shutil.copytree(rd / VOCAB_DIR, tmp_path / "on" / VOCAB_DIR)  # online: no Stage 3 folder at all
     b = run(on, tmp_path / "on")
-    assert a["total_steps"] == b["total_steps"] == 3
+    assert a.total_steps == b.total_steps == 3
     ra, rb = _records(tmp_path / "off", "train"), _records(tmp_path / "on", "train")
     assert [r["tokens"] for r in ra] == [r["tokens"] for r in rb]
     assert [r["loss"] for r in ra] == pytest.approx([r["loss"] for r in rb], rel=2e-2)
@@ -603,7 +604,7 @@ def test_vllm_serves_the_embedded_target_with_the_exported_drafter(target_model,
                                 "train": {"token_budget": 170, "epochs": 12, "lr": 1e-3, "warmup_steps": 2,
                                           "eval_every": 100, "checkpoint_every": 100, "val_fraction": 0.0}})
     stats = run(params, rd)
-    d = Path(stats["drafter_dir"])
+    d = Path(stats.drafter_dir)
     assert check_drafter(d, embedded_target.path) == []
     losses = [r["loss"] for r in _records(rd, "train")]
     assert losses[-1] < 0.5 * losses[0]
@@ -753,5 +754,5 @@ def test_sigterm_inside_a_long_step_saves_the_last_complete_step_then_resumes(re
     prog = read_json(rd2 / TRAIN_DIR / "progress.json")
     assert prog["status"] == "interrupted" and prog["done"] == 5 and prog["extra"]["phase"] == "training"
     out = run(p, rd2, stop_after=2)
-    assert out["step"] == 7
+    assert out.step == 7
     assert [r["step"] for r in _records(rd2, "train")] == list(range(1, 8))

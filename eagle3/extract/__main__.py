@@ -1,8 +1,8 @@
 """``python -m eagle3.extract PARAMS.yaml [--run-dir DIR] [--set k=v] [--verify-only]``.
 
 The entry point for data-parallel extraction: ``torchrun --nproc-per-node P -m eagle3.extract
-PARAMS.yaml --run-dir DIR`` (each rank takes every P-th batch). Exit code 0 on success, 1 on an
-ExtractError (the message is printed), 2 on invalid params.
+PARAMS.yaml --run-dir DIR`` (each rank takes every P-th batch). Prints the stats as JSON (rank 0).
+Exit code 0 on success, 1 on an ExtractError (the message is printed), 2 on invalid params.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     except ExtractError as exc:
         print(f"eagle3 extract: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(out, default=str)[:4000], flush=True)
+    if out is not None:  # None: a data-parallel rank other than 0 (rank 0 prints the stats)
+        print(json.dumps(out if isinstance(out, dict) else out.to_dict(), default=str)[:4000], flush=True)
     if args.verify_only and out["problems"]:
         return 1
     return 0

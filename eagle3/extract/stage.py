@@ -23,7 +23,7 @@ from eagle3.contracts.hidden_states import SampleWriter
 from eagle3.distributed import DistContext, in_torchrun, launch_torchrun
 from eagle3.errors import ExtractError
 from eagle3.extract.core import extract_batches
-from eagle3.extract.finalize import finalize
+from eagle3.extract.finalize import ExtractStats, finalize
 from eagle3.extract.prepare import Prepared, extract_dir, prepare
 from eagle3.extract.progress import make_progress
 from eagle3.hooks import PrefillCapture
@@ -38,7 +38,7 @@ __all__ = ["run"]
 _DIST_TIMEOUT = datetime.timedelta(hours=72)
 
 
-def run(params: Params, run_dir: str | Path, *, write_fn: Callable | None = None) -> dict:
+def run(params: Params, run_dir: str | Path, *, write_fn: Callable | None = None) -> ExtractStats | None:
     """Stage 3: extract the target's aux hidden states (plus layer N before the norm) for every row.
 
     Re-running resumes: complete files are kept (header, shapes, token ids checked), truncated or
@@ -54,7 +54,7 @@ def run(params: Params, run_dir: str | Path, *, write_fn: Callable | None = None
             tests pass one that fails like a full disk.
 
     Returns:
-        dict: the stats (also in ``stats.json``; keys: :class:`eagle3.extract.ExtractStats`).
+        ExtractStats: what ``stats.json`` holds (None on a data-parallel rank other than 0).
 
     Raises:
         ExtractError: missing or malformed Stage 2 output; a row longer than ``vocab.max_seq_len``;
@@ -66,16 +66,17 @@ def run(params: Params, run_dir: str | Path, *, write_fn: Callable | None = None
     run_dir = Path(run_dir)
     ep = params.extract
     if ep.data_parallel > 1 and not in_torchrun():
-        return _launch_data_parallel(params, run_dir, ep.data_parallel)
+        return ExtractStats.from_dict(_launch_data_parallel(params, run_dir, ep.data_parallel))
     sd = extract_dir(run_dir)
     st = read_json(sd / "stats.json", {}) or {}
     if st.get("complete"):
-        return st
+        return ExtractStats.from_dict(st)
     if ep.backend == "vllm":
         from eagle3.extract.vllm_backend import run_vllm
 
-        return run_vllm(params, run_dir)
-    return _run_transformers(params, run_dir, sd, write_fn)
+        return ExtractStats.from_dict(run_vllm(params, run_dir))
+    out = _run_transformers(params, run_dir, sd, write_fn)
+    return ExtractStats.from_dict(out) if out is not None else None
 
 
 def _launch_data_parallel(params: Params, run_dir: Path, nproc: int) -> dict:
@@ -159,7 +160,7 @@ def _extract_share(params: Params, sd: Path, prep: Prepared, dist: DistContext, 
     return loop
 
 
-def _run_transformers(params: Params, run_dir: Path, sd: Path, write_fn) -> dict:
+def _run_transformers(params: Params, run_dir: Path, sd: Path, write_fn) -> dict | None:
     ep = params.extract
     dist = DistContext.from_env(backend="gloo", timeout=_DIST_TIMEOUT)
     prep = prepare(params, run_dir, sd, dist)
@@ -193,5 +194,5 @@ def _run_transformers(params: Params, run_dir: Path, sd: Path, write_fn) -> dict
         loops = dist.gather(mine)
         dist.barrier()
         if not dist.main:
-            return {"rank": dist.rank, **mine}
+            return None
         return finalize(params, run_dir, sd, prep.setup, prep.pf, loops, prep.redone, dist.world, st)

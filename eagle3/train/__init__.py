@@ -10,7 +10,7 @@ from eagle3.contracts.drafter import check_drafter  # re-exported: the one check
 from eagle3.train.checkpoint import list_checkpoints
 from eagle3.train.loop import TrainingDiverged, TrainingInterrupted
 from eagle3.train.metrics import tau_hat
-from eagle3.train.stage import TrainStats, run
+from eagle3.train.stage import TrainStats, TrainStopped, run
 
-__all__ = ["run", "TrainStats", "check_drafter", "TrainingDiverged", "TrainingInterrupted", "list_checkpoints",
+__all__ = ["run", "TrainStats", "TrainStopped", "check_drafter", "TrainingDiverged", "TrainingInterrupted", "list_checkpoints",
            "tau_hat"]

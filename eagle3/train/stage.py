@@ -27,7 +27,7 @@ from eagle3.rundir import TRAIN, RunDir
 from eagle3.stage import StageRun, Stats
 from eagle3.train.loop import Trainer, TrainingInterrupted
 
-__all__ = ["TrainStats", "run", "main"]
+__all__ = ["TrainStats", "TrainStopped", "run", "main"]
 
 
 @dataclass
@@ -64,7 +64,25 @@ class TrainStats(Stats):
     setup_s: float
 
 
-def run(params: Params, run_dir: str | Path, *, stop_after: int | None = None) -> dict:
+@dataclass
+class TrainStopped:
+    """A call that stopped early (``stop_after``): what ``last_call.json`` holds; the stage is incomplete.
+
+    Attributes:
+        step: the last optimizer step done (and checkpointed). total_steps: the run's steps.
+        checkpoint: that checkpoint's folder.
+    """
+
+    step: int
+    total_steps: int
+    checkpoint: str
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainStopped:
+        return cls(int(d["step"]), int(d["total_steps"]), str(d["checkpoint"]))
+
+
+def run(params: Params, run_dir: str | Path, *, stop_after: int | None = None) -> TrainStats | TrainStopped:
     """Stage 4: train the drafter, checkpoint, export the best checkpoint to the stage's ``drafter/``.
 
     Resumes from the newest checkpoint in the stage's ``checkpoints/`` (exactly: weights, optimizer,
@@ -79,8 +97,7 @@ def run(params: Params, run_dir: str | Path, *, stop_after: int | None = None) -
             call; a later call resumes. For time-boxed sessions and tests.
 
     Returns:
-        dict: the stats (:class:`TrainStats` keys plus ``complete``); when stopped early
-        ``complete`` False, ``step`` and ``checkpoint``.
+        TrainStats: what ``stats.json`` holds; :class:`TrainStopped` when ``stop_after`` ended the call.
 
     Raises:
         TrainError: bad inputs (mapping from another run, hidden size / aux count mismatch, empty
@@ -95,7 +112,8 @@ def run(params: Params, run_dir: str | Path, *, stop_after: int | None = None) -
 
     ctx = DistContext.from_env(device=pick_device(params.train.device))
     try:
-        return _train(params, run_dir, ctx, stop_after)
+        out = _train(params, run_dir, ctx, stop_after)
+        return TrainStats.from_dict(out) if out.get("complete") else TrainStopped.from_dict(out)
     except TrainingInterrupted as exc:
         if exc.signum == signal.SIGTERM:
             raise SystemExit(128 + signal.SIGTERM) from None
@@ -104,7 +122,7 @@ def run(params: Params, run_dir: str | Path, *, stop_after: int | None = None) -
         ctx.close()
 
 
-def _launch_torchrun(params: Params, run_dir: Path, stop_after: int | None) -> dict:
+def _launch_torchrun(params: Params, run_dir: Path, stop_after: int | None) -> TrainStats | TrainStopped:
     sd = RunDir(run_dir).stage(TRAIN, create=True)
     pfile = sd / ".torchrun_params.yaml"
     atomic_write_text(pfile, dump_params(params))
@@ -112,7 +130,8 @@ def _launch_torchrun(params: Params, run_dir: Path, stop_after: int | None) -> d
     rc, cmd = launch_torchrun("eagle3.train", pfile, run_dir, params.train.data_parallel, extra, omp_threads=True)
     if rc != 0:
         raise TrainError(f"torchrun exited with code {rc}: {' '.join(cmd)} (see its output above)")
-    return read_json(sd / "stats.json") or read_json(sd / "last_call.json") or {}
+    st = read_json(sd / "stats.json") or {}
+    return TrainStats.from_dict(st) if st.get("complete") else TrainStopped.from_dict(read_json(sd / "last_call.json"))
 
 
 def _train(params: Params, run_dir: Path, ctx: DistContext, stop_after: int | None) -> dict:
@@ -229,5 +248,6 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(a.run_dir) if a.run_dir else resolve_run_dir(params)
     stats = run(params, run_dir, stop_after=a.stop_after)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps({k: v for k, v in stats.items() if not isinstance(v, (list, dict))}, indent=1, default=str))
+        d = stats.to_dict() if isinstance(stats, TrainStats) else vars(stats)
+        print(json.dumps({k: v for k, v in d.items() if not isinstance(v, (list, dict))}, indent=1, default=str))
     return 0
