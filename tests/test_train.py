@@ -525,7 +525,7 @@ def test_check_drafter_catches_planted_defect(defect, ref_run, tiny_target, tmp_
 
     from eagle3.contracts.drafter import DrafterCheckError, check_drafter
 
-    src = Path(ref_run[1]["drafter_dir"])
+    src = Path(ref_run[1].drafter_dir)
     cfg = json.loads((src / "config.json").read_text())
     w = load_file(str(src / "model.safetensors"))
     _plant(cfg, w, defect)
