@@ -48,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from eagle3.contracts.hidden_states import SampleWriter
-from eagle3.extract.core import TokenizedRows, extract_batches, pad_batch, plan_batches, to_host
+from eagle3.contracts.tokenized import TokenizedSplit
+from eagle3.extract.core import extract_batches, pad_batch, plan_batches, to_host
 from eagle3.hooks import HiddenStateCapture, decoder_layers
 
 H200_PEAK_BF16 = 989e12
@@ -91,11 +92,11 @@ def embedded_model():
     return model
 
 
-def synthetic_rows(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> TokenizedRows:
+def synthetic_rows(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> TokenizedSplit:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     seqs = [torch.randint(100, vocab - 1, (k,), generator=g).tolist() for k in lens]
-    return TokenizedRows.from_lists([f"s{i}" for i in range(n)], seqs, source="synthetic")
+    return TokenizedSplit.from_lists([f"s{i}" for i in range(n)], seqs, source="synthetic")
 
 
 def sync(dev: torch.device) -> None:
@@ -104,7 +105,7 @@ def sync(dev: torch.device) -> None:
 
 
 @torch.inference_mode()
-def plain_forward(model, rows: TokenizedRows, batches) -> float:
+def plain_forward(model, rows: TokenizedSplit, batches) -> float:
     dec, _ = decoder_layers(model)
     dev = next(model.parameters()).device
     sync(dev)
@@ -117,7 +118,7 @@ def plain_forward(model, rows: TokenizedRows, batches) -> float:
     return time.perf_counter() - t0
 
 
-def capture_only(cap: HiddenStateCapture, rows: TokenizedRows, batches) -> float:
+def capture_only(cap: HiddenStateCapture, rows: TokenizedSplit, batches) -> float:
     """Hooks, the finite check and the device-to-host copy, nothing written."""
     dev = cap.device
     sync(dev)
@@ -134,7 +135,7 @@ def capture_only(cap: HiddenStateCapture, rows: TokenizedRows, batches) -> float
     return time.perf_counter() - t0
 
 
-def extract_write(cap: HiddenStateCapture, rows: TokenizedRows, batches, out: Path, threads: int,
+def extract_write(cap: HiddenStateCapture, rows: TokenizedSplit, batches, out: Path, threads: int,
                   pending_mb: int) -> tuple[float, int, float]:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

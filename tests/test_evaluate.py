@@ -297,7 +297,7 @@ def test_diagnosis_names_planted_mismatches(random_drafter, embedded_target, tmp
     sd = load_file(str(bad / "model.safetensors"))
     sd["d2t"][5] = sd["d2t"][5] - 1 + (sd["d2t"][4] - sd["d2t"][5])
     save_file(sd, str(bad / "model.safetensors"))
-    assert added(bad) == ["vocab mapping: d2t maps two draft ids to the same target id"]
+    assert added(bad) == ["vocab mapping: kept ids are not strictly increasing at i=5 (4, 4)"]
 
 
 def test_parity_error_message_carries_the_diagnosis():

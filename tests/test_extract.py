@@ -247,7 +247,7 @@ def test_run_writes_the_contract_files(ref):
     item = ds[3]
     assert item["hidden_states"].shape == (rows.lengths[3], 4, 576) and item["hidden_states"].dtype == torch.bfloat16
     assert item["token_ids"].dtype == torch.int64 and item["token_ids"].tolist() == rows.tokens(3).tolist()
-    assert item["loss_mask"].dtype == torch.int8 and item["loss_mask"].tolist() == rows.loss_mask(3).tolist()
+    assert item["loss_mask"].dtype == torch.int8 and item["loss_mask"].tolist() == rows.mask(3).tolist()
     assert bool(torch.isfinite(item["hidden_states"]).all())
     # a finished stage is not redone
     t0 = time.time()

@@ -358,10 +358,12 @@ def test_mapping_from_another_tokenizer_is_refused(ref_run, tmp_path):
     rd, _, params = ref_run
     rd2 = _fresh_copy(rd, tmp_path / "run")
     f = rd2 / VOCAB_DIR / "vocab_mapping.safetensors"
-    m = load_file(str(f))
-    save_file({"d2t": m["d2t"], "t2d": torch.cat([m["t2d"], torch.zeros(88, dtype=torch.bool)])}, str(f))
+    from eagle3.contracts.vocab_mapping import load_tensors, save_tensors
+
+    d2t, t2d, meta = load_tensors(f)  # same cache key: only the t2d length is wrong
+    save_tensors(f, d2t, torch.cat([t2d, torch.zeros(88, dtype=torch.bool)]), meta)
     info = json.loads((rd2 / VOCAB_DIR / "mapping.json").read_text())
-    with pytest.raises(TrainError, match=r"vocab_mapping.safetensors: t2d covers 600 target tokens but the target has 512.*different runs"):
+    with pytest.raises(TrainError, match=r"vocab_mapping.safetensors: t2d has shape \(600,\), expected \(512,\).*re-run stage 2"):
         run(params, rd2)
     info["target_vocab_size"] = 49152
     (rd2 / VOCAB_DIR / "mapping.json").write_text(json.dumps(info))
@@ -508,7 +510,7 @@ def _plant(cfg: dict, w: dict, defect: str) -> None:
 DEFECTS = {
     "layer_ids_missing": r"eagle_aux_hidden_state_layer_ids missing",
     "layer_ids_out_of_range": r"\[8\] out of range \[1, 7\] for a 8-layer target",
-    "d2t_wrong_length": r"vocab mapping: d2t has shape \[127\], expected \[128\]",
+    "d2t_wrong_length": r"vocab mapping: d2t has shape \(127,\), expected \(128,\)",
     "d2t_out_of_range": r"vocab mapping: d2t maps draft id 127 to target id \d+, outside \[0, 512\)",
     "t2d_inconsistent": r"vocab mapping: t2d is inconsistent with d2t",
     "embed_differs": r"embed_tokens differ from the target's \(1 rows differ\)",

@@ -27,6 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3.contracts.vocab_mapping import VocabMapping
 from eagle3.errors import Eagle3Error, TrainError
 
 __all__ = [
@@ -36,7 +37,6 @@ __all__ = [
     "read_config",
     "settings_from_config",
     "settings_from_params",
-    "mapping_problems",
     "export_drafter",
     "check_drafter",
 ]
@@ -123,58 +123,6 @@ def settings_from_params(params, aux_layer_ids, source: str = "params.train") ->
     return DrafterSettings(aux_layer_ids=[int(i) for i in aux_layer_ids], norm_before_residual=t.norm_before_residual,
                            norm_before_fc=t.norm_before_fc, fc_norm=t.fc_norm, norm_output=t.norm_output,
                            source=source)
-
-
-def mapping_problems(d2t, t2d, target_vocab_size: int, draft_vocab_size: int) -> list[str]:
-    """Consistency problems of a draft vocab mapping (empty list when it is valid).
-
-    Convention (DESIGN.md, speculators ``train/vocab_mapping.py``): ``d2t`` int64 ``[draft]`` with
-    target id ``i + d2t[i]``, all distinct and in ``[0, V)``; ``t2d`` bool ``[V]`` with exactly the
-    mapped target ids set.
-    """
-    import torch
-
-    out: list[str] = []
-    if d2t is None or t2d is None:
-        if draft_vocab_size != target_vocab_size:
-            out.append(
-                f"draft_vocab_size {draft_vocab_size} < target vocab {target_vocab_size} but "
-                f"{'d2t' if d2t is None else 't2d'} is missing"
-            )
-        return out
-    if d2t.dim() != 1 or d2t.shape[0] != draft_vocab_size:
-        out.append(f"d2t has shape {list(d2t.shape)}, expected [{draft_vocab_size}] (draft_vocab_size)")
-        return out
-    if d2t.dtype != torch.int64:
-        out.append(f"d2t has dtype {d2t.dtype}, expected torch.int64")
-    ids = torch.arange(d2t.shape[0], dtype=torch.int64) + d2t.to(torch.int64)
-    bad = ((ids < 0) | (ids >= target_vocab_size)).nonzero().flatten()
-    if len(bad):
-        i = int(bad[0])
-        out.append(
-            f"d2t maps draft id {i} to target id {int(ids[i])}, outside [0, {target_vocab_size}) "
-            f"({len(bad)} ids out of range)"
-        )
-        return out
-    if len(torch.unique(ids)) != len(ids):
-        out.append("d2t maps two draft ids to the same target id")
-    if t2d.dim() != 1 or t2d.shape[0] != target_vocab_size:
-        out.append(f"t2d has shape {list(t2d.shape)}, expected [{target_vocab_size}] (target vocab size)")
-        return out
-    if t2d.dtype != torch.bool:
-        out.append(f"t2d has dtype {t2d.dtype}, expected torch.bool")
-    t2d_b = t2d.bool()
-    if int(t2d_b.sum()) != draft_vocab_size:
-        out.append(f"t2d marks {int(t2d_b.sum())} target ids, but d2t has {draft_vocab_size}")
-    elif not bool(t2d_b[ids].all()):
-        missing = ids[~t2d_b[ids]]
-        out.append(f"t2d is inconsistent with d2t: target ids {missing[:5].tolist()} are mapped by d2t but not set in t2d")
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
-# Export
-# ----------------------------------------------------------------------------------------------
 
 
 def _export_config(model, verifier_name: str, dtype) -> dict:
@@ -339,7 +287,9 @@ def _check_vocab(cfg: dict, w: dict, V: int) -> list[str]:
     if draft is None:
         out.append("draft_vocab_size missing from config.json")
     elif draft != V or "d2t" in w:
-        out += [f"vocab mapping: {p}" for p in mapping_problems(w.get("d2t"), w.get("t2d"), V, int(draft))]
+        # the one mapping check (contracts.vocab_mapping), on the tensors the drafter ships
+        mapping = VocabMapping(w.get("d2t"), w.get("t2d"), int(draft), V)
+        out += [f"vocab mapping: {p}" for p in mapping.problems()]
     return out
 
 

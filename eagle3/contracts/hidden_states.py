@@ -579,7 +579,7 @@ def _check_entry(sd: Path, e: dict, rows, meta: dict, check_hashes: bool, check_
         return f"size {path.stat().st_size} != manifest {e['bytes']}"
     dtype = getattr(torch, meta["dtype"])
     reason = check_sample_file(path, rows.tokens(r), len(meta["stored_layers"]), meta["hidden_size"], dtype,
-                               rows.loss_mask(r))
+                               rows.mask(r))
     if reason:
         return reason
     if check_hashes and sha256_file(path) != e["sha256"]:

@@ -15,6 +15,7 @@ Readers: :func:`read_table` (arrow, memory-mapped), :func:`read_dataset` (``data
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,6 +255,49 @@ class TokenizedSplit:
     def mask(self, row: int) -> np.ndarray:
         """int8 ``[seq]`` loss mask of ``row`` (1 = supervised)."""
         return self.loss_mask[self.offsets[row]: self.offsets[row + 1]]
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens over all rows."""
+        return int(self.lengths.sum())
+
+    def fingerprint(self) -> str:
+        """sha256 (16 hex) of ids, token ids and loss masks: which data Stage 3's files belong to."""
+        h = hashlib.sha256()
+        h.update("\n".join(self.ids).encode())
+        h.update(self.lengths.tobytes())
+        h.update(self.input_ids.tobytes())
+        h.update(self.loss_mask.tobytes())
+        return h.hexdigest()[:16]
+
+    def check_max_len(self, max_seq_len: int, field: str = "vocab.max_seq_len", error: type[Exception] = TokenizedError) -> None:
+        """Raise ``error`` naming the first row longer than ``max_seq_len`` tokens (and how many are)."""
+        over = np.flatnonzero(self.lengths > max_seq_len)
+        if over.size:
+            r = int(over[0])
+            raise error(
+                f"{self.path}: row {r} (id {self.ids[r]}) has {int(self.lengths[r])} tokens, more than "
+                f"{field} = {max_seq_len} ({over.size} row(s) too long). Re-run Stage 2 with the same "
+                f"max_seq_len, or raise {field}."
+            )
+
+    @classmethod
+    def from_lists(cls, ids, input_ids, loss_mask=None, source: str = "memory") -> TokenizedSplit:
+        """Rows held in memory (no parquet file; benchmarks and tests). Loss masks default to all ones.
+
+        Args:
+            ids: ``[rows]`` sample ids. input_ids: ``[rows]`` token id sequences. loss_mask: same
+                shape as input_ids (1 = supervised) or None. source: recorded per row.
+        """
+        lengths = np.array([len(x) for x in input_ids], dtype=np.int64)
+        masks = loss_mask if loss_mask is not None else [np.ones(n, np.int8) for n in lengths]
+
+        def flat(xs, dt):
+            return np.concatenate([np.asarray(x, dtype=dt) for x in xs]) if len(xs) else np.zeros(0, dt)
+
+        return cls(Path(f"<{source}>"), [str(x) for x in ids], [source] * len(lengths), lengths,
+                   flat(input_ids, np.int64), flat(masks, np.int8),
+                   np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
 
 
 def read_rows(run_dir: str | Path, split: str = "train") -> TokenizedSplit:

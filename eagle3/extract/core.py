@@ -7,19 +7,16 @@ The capture itself is :mod:`eagle3.hooks` (layer-id convention there); the files
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
-import numpy as np
 import torch
 
 from eagle3.contracts.hidden_states import NonFiniteError, SampleWriter, first_non_finite, sample_relpath
-from eagle3.errors import ExtractError
+from eagle3.contracts.tokenized import TokenizedSplit
 from eagle3.hooks import PrefillCapture
 
-__all__ = ["plan_batches", "pad_batch", "TokenizedRows", "finite_flags", "to_host", "extract_batches"]
+__all__ = ["plan_batches", "pad_batch", "finite_flags", "to_host", "extract_batches"]
 
 
 def plan_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
@@ -50,7 +47,7 @@ def plan_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     return batches
 
 
-def pad_batch(rows: TokenizedRows, batch: Sequence[int], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
+def pad_batch(rows: TokenizedSplit, batch: Sequence[int], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
     """Right-padded ``(input_ids [B, T] int64, attention_mask [B, T] int64 or None, lengths)`` on CPU.
 
     The mask is None when every sample has the full length (no padding in the batch).
@@ -69,116 +66,6 @@ def pad_batch(rows: TokenizedRows, batch: Sequence[int], pad_id: int = 0) -> tup
 # ----------------------------------------------------------------------------------------------
 # Input rows (Stage 2's tokenized parquet)
 # ----------------------------------------------------------------------------------------------
-
-
-class TokenizedRows:
-    """Stage 2's ``train.parquet`` (columns ``id``, ``source``, ``input_ids``, ``loss_mask``) in memory.
-
-    Token ids and loss masks are kept as two flat numpy arrays plus offsets (no per-row Python lists).
-
-    Attributes:
-        path: the parquet file. ids: sample ids (list[str]). sources: list[str].
-        lengths: int64 numpy ``[rows]`` token counts.
-
-    Raises:
-        ExtractError: missing file, missing column, a null row, or a loss mask whose length differs from
-            its input_ids (the message names the file, row and id).
-    """
-
-    COLUMNS = ("id", "source", "input_ids", "loss_mask")
-
-    def __init__(self, path: str | Path) -> None:
-        import pyarrow.compute as pc
-
-        from eagle3.contracts import tokenized
-        from eagle3.errors import VocabError
-
-        self.path = Path(path)
-        if not self.path.is_file():
-            raise ExtractError(
-                f"{self.path} does not exist: Stage 3 reads Stage 2's tokenized samples. Run stage 2 "
-                f"(`eagle3 run PARAMS --stages 2`) first."
-            )
-        try:  # the split's one reader (columns checked there)
-            table = tokenized.read_table(self.path, columns=list(self.COLUMNS))
-        except VocabError as exc:
-            raise ExtractError(str(exc)) from None
-        self.ids = [str(x) for x in table.column("id").to_pylist()]
-        self.sources = [str(x) for x in table.column("source").to_pylist()]
-        cols = {}
-        for name in ("input_ids", "loss_mask"):
-            arr = table.column(name).combine_chunks()
-            if arr.null_count:
-                row = int(np.flatnonzero(arr.is_null().to_numpy(zero_copy_only=False))[0])
-                raise ExtractError(f"{self.path}: row {row} (id {self.ids[row]}): column {name} is null")
-            lens = pc.list_value_length(arr).to_numpy(zero_copy_only=False).astype(np.int64)
-            cols[name] = (arr.flatten().to_numpy(zero_copy_only=False), lens)
-        self.lengths = cols["input_ids"][1]
-        bad = np.flatnonzero(cols["loss_mask"][1] != self.lengths)
-        if bad.size:
-            r = int(bad[0])
-            raise ExtractError(
-                f"{self.path}: row {r} (id {self.ids[r]}): loss_mask has {cols['loss_mask'][1][r]} entries "
-                f"but input_ids has {self.lengths[r]}"
-            )
-        empty = np.flatnonzero(self.lengths == 0)
-        if empty.size:
-            r = int(empty[0])
-            raise ExtractError(f"{self.path}: row {r} (id {self.ids[r]}): input_ids is empty")
-        self._ids_flat = np.array(cols["input_ids"][0], dtype=np.int64)  # owned, writable copies
-        self._mask_flat = np.array(cols["loss_mask"][0], dtype=np.int8)
-        self._offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
-
-    @classmethod
-    def from_lists(cls, ids: Sequence[str], input_ids: Sequence[Sequence[int]],
-                   loss_mask: Sequence[Sequence[int]] | None = None, source: str = "memory") -> TokenizedRows:
-        """Rows held in memory (no parquet file; used by the benchmark). Loss masks default to all ones."""
-        self = cls.__new__(cls)
-        self.path = Path(f"<{source}>")
-        self.ids = [str(x) for x in ids]
-        self.sources = [source] * len(self.ids)
-        self.lengths = np.array([len(x) for x in input_ids], dtype=np.int64)
-        self._ids_flat = np.concatenate([np.asarray(x, dtype=np.int64) for x in input_ids]) if len(input_ids) else np.zeros(0, np.int64)
-        masks = loss_mask if loss_mask is not None else [np.ones(len(x), np.int8) for x in input_ids]
-        self._mask_flat = np.concatenate([np.asarray(x, dtype=np.int8) for x in masks]) if len(masks) else np.zeros(0, np.int8)
-        self._offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
-        return self
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def tokens(self, row: int) -> np.ndarray:
-        """int64 ``[seq]`` token ids of ``row``."""
-        return self._ids_flat[self._offsets[row]: self._offsets[row + 1]]
-
-    def loss_mask(self, row: int) -> np.ndarray:
-        """int8 ``[seq]`` loss mask of ``row`` (1 = supervised)."""
-        return self._mask_flat[self._offsets[row]: self._offsets[row + 1]]
-
-    @property
-    def total_tokens(self) -> int:
-        return int(self.lengths.sum())
-
-    def fingerprint(self) -> str:
-        """sha256 (16 hex) of ids, token ids and loss masks: which data the stored files belong to."""
-        h = hashlib.sha256()
-        h.update("\n".join(self.ids).encode())
-        h.update(self.lengths.tobytes())
-        h.update(self._ids_flat.tobytes())
-        h.update(self._mask_flat.tobytes())
-        return h.hexdigest()[:16]
-
-    def check_max_len(self, max_seq_len: int, field: str = "vocab.max_seq_len") -> None:
-        """Raise ExtractError naming the first row longer than ``max_seq_len`` tokens."""
-        over = np.flatnonzero(self.lengths > max_seq_len)
-        if over.size:
-            r = int(over[0])
-            raise ExtractError(
-                f"{self.path}: row {r} (id {self.ids[r]}) has {int(self.lengths[r])} tokens, more than "
-                f"{field} = {max_seq_len} ({over.size} row(s) too long). Re-run Stage 2 with the same "
-                f"max_seq_len, or raise {field}."
-            )
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,7 +105,7 @@ def to_host(hs: torch.Tensor, mask: torch.Tensor | None, lens: Sequence[int]):
     return host, fin_host, ev
 
 
-def extract_batches(capture: PrefillCapture, rows: TokenizedRows, batches: Sequence[Sequence[int]],
+def extract_batches(capture: PrefillCapture, rows: TokenizedSplit, batches: Sequence[Sequence[int]],
                     writer: SampleWriter | None, *, shard_size: int, skip: set[int] | frozenset = frozenset(),
                     pad_id: int = 0, on_batch: Callable[[int, int, int], None] | None = None) -> dict:
     """Run ``batches`` through ``capture`` and queue every sample not in ``skip`` on ``writer``.
@@ -263,7 +150,7 @@ def extract_batches(capture: PrefillCapture, rows: TokenizedRows, batches: Seque
                                          f"{first_non_finite(hs_host[j, : lens[j]], capture.stored_layers)}")
                 continue
             tensors = {"token_ids": torch.from_numpy(rows.tokens(r).copy()),
-                       "loss_mask": torch.from_numpy(rows.loss_mask(r).copy()),
+                       "loss_mask": torch.from_numpy(rows.mask(r).copy()),
                        "hidden_states": hs_host[j, : lens[j]]}
             writer.submit({"row": r, "id": rows.ids[r], "file": sample_relpath(r, shard_size)}, tensors,
                           finite=fin[j], ready=ready)

@@ -94,5 +94,5 @@ def online_samples(params: Params, run_dir: str | Path, rows: Iterable[int] | No
                 raise NonFiniteError(f"non-finite hidden states in sample id {data.ids[r]} (row {r}): "
                                      f"{first_non_finite(h.cpu(), ex.capture.stored_layers)}")
             yield {"token_ids": torch.from_numpy(data.tokens(r).copy()).to(out_device),
-                   "loss_mask": torch.from_numpy(data.loss_mask(r).copy()).to(out_device),
+                   "loss_mask": torch.from_numpy(data.mask(r).copy()).to(out_device),
                    "hidden_states": h.to(out_device)}

@@ -18,9 +18,11 @@ import torch
 
 from eagle3.config import Params
 from eagle3.contracts import hidden_states as hs
+from eagle3.contracts import tokenized
+from eagle3.contracts.tokenized import TokenizedSplit
 from eagle3.distributed import DistContext
-from eagle3.errors import ExtractError
-from eagle3.extract.core import TokenizedRows, plan_batches
+from eagle3.errors import ExtractError, VocabError
+from eagle3.extract.core import plan_batches
 from eagle3.hooks import resolve_layer_ids, text_config
 from eagle3.io import atomic_write_json, atomic_write_text, free_bytes, read_json
 from eagle3.rundir import EXTRACT, RunDir
@@ -49,16 +51,24 @@ def extract_dir(run_dir: str | Path, create: bool = True) -> Path:
     return RunDir(run_dir).stage(EXTRACT, create=create)
 
 
-def load_rows(run_dir: str | Path, split: str = "train") -> TokenizedRows:
-    """Stage 2's tokenized samples (``<split>.parquet``) as :class:`TokenizedRows`."""
-    return TokenizedRows(RunDir(run_dir).tokenized(split))
+def load_rows(run_dir: str | Path, split: str = "train") -> TokenizedSplit:
+    """Stage 2's tokenized samples (``<split>.parquet``) through their contract (``contracts.tokenized``).
+
+    Raises:
+        ExtractError: the contract's error (missing file, missing column, a null or empty row, a loss
+            mask whose length differs from its input_ids; file, row and id named).
+    """
+    try:
+        return tokenized.read_rows(run_dir, split)
+    except VocabError as exc:
+        raise ExtractError(f"{exc} (Stage 3 reads Stage 2's tokenized samples: run stage 2 first)") from None
 
 
 @dataclass
 class Setup:
     """What Stage 3 extracts: the rows, the target's shape, the stored layers, dtypes and the batch plan."""
 
-    rows: TokenizedRows
+    rows: TokenizedSplit
     meta: dict
     aux: list[int]
     stored: list[int]
@@ -70,7 +80,7 @@ class Setup:
     plan: list[list[int]]
 
 
-def _meta(params: Params, rows: TokenizedRows, aux: list[int], n_layers: int, hidden: int,
+def _meta(params: Params, rows: TokenizedSplit, aux: list[int], n_layers: int, hidden: int,
           sdtype: torch.dtype, cdtype: torch.dtype, resolved) -> dict:
     name = hs.dtype_name(sdtype)
     return {
@@ -106,7 +116,7 @@ def build_setup(params: Params, run_dir: Path) -> Setup:
 
     ep = params.extract
     rows = load_rows(run_dir)
-    rows.check_max_len(params.vocab.max_seq_len)
+    rows.check_max_len(params.vocab.max_seq_len, error=ExtractError)
     resolved = resolve_target(params.target)
     cfg = text_config(AutoConfig.from_pretrained(resolved.path, trust_remote_code=params.target.trust_remote_code))
     n_layers, hidden = int(cfg.num_hidden_layers), int(cfg.hidden_size)
@@ -182,7 +192,7 @@ def _scan_rows(sd: Path, setup: Setup, rows_to_check: Iterable[int], known: dict
         if path.name not in existing or existing[path.name] != path:
             continue
         reason = hs.check_sample_file(path, rows.tokens(r), len(setup.stored), setup.hidden, setup.sdtype,
-                                      rows.loss_mask(r))
+                                      rows.mask(r))
         size = path.stat().st_size
         e = known.get(r)
         if reason is None and e is not None and e.get("file") == rel and int(e["bytes"]) != size:

@@ -152,7 +152,7 @@ def write_vllm_input(rows, row_ids: Sequence[int], out_dir: str | Path) -> Path:
     out = Path(out_dir)
     ds = datasets.Dataset.from_dict({
         "input_ids": [rows.tokens(r).tolist() for r in row_ids],
-        "loss_mask": [rows.loss_mask(r).tolist() for r in row_ids],
+        "loss_mask": [rows.mask(r).tolist() for r in row_ids],
         "row": [int(r) for r in row_ids],
     })
     ds.set_format("torch")
@@ -216,7 +216,7 @@ def _adopt(sd: Path, setup: Setup, raw_dir: Path, row_map: list[int], writer: Sa
             f.unlink(missing_ok=True)
             continue
         done.add(r)
-        tensors = {"token_ids": tok.to(torch.int64), "loss_mask": torch.from_numpy(rows.loss_mask(r).copy()),
+        tensors = {"token_ids": tok.to(torch.int64), "loss_mask": torch.from_numpy(rows.mask(r).copy()),
                    "hidden_states": hs.to(setup.sdtype)}
         after = None if keep_raw else (lambda p=f: p.unlink(missing_ok=True))
         writer.submit({"row": r, "id": rows.ids[r], "file": sample_relpath(r, setup.meta["shard_size"])}, tensors,

@@ -16,10 +16,9 @@ from typing import Any
 
 from eagle3.config import Params
 from eagle3.contracts import hidden_states as hsc
-from eagle3.contracts.drafter import mapping_problems
+from eagle3.contracts.vocab_mapping import VocabMappingError, read_mapping
 from eagle3.errors import TrainError
 from eagle3.hooks import default_aux_layer_ids
-from eagle3.io import read_json
 from eagle3.rundir import EXTRACT, RunDir
 
 __all__ = [
@@ -76,58 +75,23 @@ def _text_config(cfg):
 
 
 def load_vocab_mapping(run_dir: str | Path, target_vocab_size: int):
-    """Read Stage 2's draft vocab mapping and check it against the target's vocab size.
+    """Stage 2's draft vocab mapping through its contract (``contracts.vocab_mapping.read_mapping``:
+    sizes against the target, cache keys of both files, the one ``VocabMapping.problems()`` check).
 
     Returns:
         tuple: ``(d2t int64 [draft] | None, t2d bool [V] | None, draft_vocab_size, mapping_file | None)``.
 
     Raises:
-        TrainError: Stage 2's ``mapping.json`` missing; vocab sizes that disagree (mapping and
-            tokenizer/target from different runs); an inconsistent d2t/t2d (the file is named).
+        TrainError: the contract's error (missing files, vocab sizes that disagree, an inconsistent
+            d2t/t2d), with the file named, re-raised as a Stage 4 error.
     """
-    from safetensors.torch import load_file
-
-    rd = RunDir(run_dir)
-    info_file = rd.mapping_json
-    info = read_json(info_file)
-    if info is None:
-        raise TrainError(f"{info_file} does not exist: Stage 4 needs Stage 2's vocab mapping. Run stage 2 first.")
-    draft = int(info.get("draft_vocab_size", -1))
-    tv = info.get("target_vocab_size")
-    if tv is not None and int(tv) != target_vocab_size:
-        raise TrainError(
-            f"{info_file}: target_vocab_size={tv} but the target ({target_vocab_size} tokens) disagrees: "
-            f"the mapping and the target/tokenizer come from different runs. Re-run stage 2 for this target."
-        )
-    f = rd.vocab_mapping
-    if not f.exists():
-        if draft != target_vocab_size:
-            raise TrainError(
-                f"{f} is missing but {info_file} says draft_vocab_size={draft} (target vocab {target_vocab_size}); "
-                f"re-run stage 2."
-            )
-        return None, None, draft, None
     try:
-        t = load_file(str(f))
-    except Exception as exc:  # noqa: BLE001 - name the file whatever safetensors says
-        raise TrainError(f"{f}: not a readable safetensors file ({exc})") from None
-    if "d2t" not in t or "t2d" not in t:
-        raise TrainError(f"{f}: expected tensors 'd2t' and 't2d', found {sorted(t)}")
-    d2t, t2d = t["d2t"], t["t2d"]
-    if t2d.dim() == 1 and t2d.shape[0] != target_vocab_size:
-        raise TrainError(
-            f"{f}: t2d covers {t2d.shape[0]} target tokens but the target has {target_vocab_size}: the mapping "
-            f"and the target/tokenizer come from different runs (vocab sizes disagree). Re-run stage 2."
-        )
-    if d2t.dim() == 1 and d2t.shape[0] != draft:
-        raise TrainError(f"{f}: d2t has {d2t.shape[0]} entries but {info_file} says draft_vocab_size={draft}")
-    problems = mapping_problems(d2t, t2d, target_vocab_size, draft)
-    if problems:
-        raise TrainError(f"{f}: " + "; ".join(problems))
-    import torch
-
-    return d2t.to(torch.int64), t2d.bool(), draft, f
-
+        mapping = read_mapping(run_dir, target_vocab_size)
+    except VocabMappingError as exc:
+        raise TrainError(f"{exc} (Stage 4 needs Stage 2's vocab mapping for this target: re-run stage 2)") from None
+    if mapping.full_size:
+        return None, None, mapping.draft_vocab_size, None
+    return mapping.d2t, mapping.t2d, mapping.draft_vocab_size, RunDir(run_dir).vocab_mapping
 
 def resolve_inputs(params: Params, run_dir: str | Path) -> DrafterInputs:
     """Resolve the target, Stage 2's mapping and Stage 3's aux layer ids for this run.
