@@ -18,7 +18,7 @@ def test_every_error_is_an_eagle3_error_with_its_second_base():
 
 def test_old_names_are_the_classes_in_errors():
     from eagle3 import config, evaluate, prompts, runner, synthesize, target
-    from eagle3.extract import core
+    from eagle3.extract import prepare
     from eagle3.train import model
     from eagle3.vocab import render
 
@@ -27,7 +27,7 @@ def test_old_names_are_the_classes_in_errors():
     assert prompts.PromptError is errors.PromptsError
     assert synthesize.SynthesisError is errors.SynthesisError
     assert render.VocabError is errors.VocabError
-    assert core.ExtractError is errors.ExtractError
+    assert prepare.ExtractError is errors.ExtractError
     assert model.TrainError is errors.TrainError
     assert evaluate.EvaluateError is errors.EvaluateError
     assert evaluate.ParityError is errors.ParityError
