@@ -106,18 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     except Eagle3Error as exc:
         print(f"eagle3: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # before OSError, its base class
+        # `eagle3 status RUN | head`: the reader closed the pipe. Point stdout at /dev/null so the
+        # interpreter's final flush does not raise again, and exit like a piped Unix tool.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE
     except OSError as exc:
         # A full disk or a read-only / foreign run directory is the machine's state, not a bug.
         if exc.errno not in _ENVIRONMENT_ERRNOS:
             raise
         print(f"eagle3: {exc.strerror}: {exc.filename or ''} ({_ENVIRONMENT_ERRNOS[exc.errno]})", file=sys.stderr)
         return 2
-    except BrokenPipeError:
-        # `eagle3 status RUN | head`: the reader closed the pipe. Point stdout at /dev/null so the
-        # interpreter's final flush does not raise again, and exit like a piped Unix tool.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 141  # 128 + SIGPIPE
 
 
 if __name__ == "__main__":
