@@ -2,8 +2,8 @@
 
 Every source becomes a list of :class:`Prompt`: the system and user turns of one conversation,
 grouped by the assistant turn that follows each group (the source's own assistant turns are dropped;
-stage 1 regenerates them with the target). Formats (``PromptSource.format``, ``auto`` detects from the
-first record):
+stage 1 regenerates them with the target). Formats (``PromptSource.format``; ``auto`` detects the
+format of each record on its own, so a file that mixes layouts loses no record):
 
 =========  =====================================================  ==============================
 format     record                                                 ``fields`` keys (defaults)
@@ -20,12 +20,16 @@ prompt     ``{"prompt": ..}`` / ``{"question": ..}`` / ...        prompt (or ``p
 Field values are dotted paths: ``instances.0.input`` reads ``record["instances"][0]["input"]``.
 ShareGPT roles ``human``/``user``, ``gpt``/``assistant``/``chatgpt``/``bard``/``bing``/``model`` and
 ``system`` are understood; OpenAI ``developer`` counts as ``system``; content given as a list of
-``{"type": "text", "text": ..}`` parts is joined.
+``{"type": "text", "text": ..}`` parts is joined. A field whose value is null counts as absent (a
+Parquet file or Hugging Face dataset that mixes layouts has every column in every row). JSON and
+JSONL files may start with a UTF-8 byte order mark (BOM; also at the start of any JSONL line, as
+left by concatenating such files); a UTF-16 file is refused with the fix.
 
 Bad input never stops the load silently and never passes silently either: each bad record is
 counted by kind in the load report (``stats.json`` -> ``prompts.bad_input``) with its file and line
 (first few examples kept). Kinds: ``malformed_json``, ``invalid_utf8``, ``not_an_object``,
-``missing_field``, ``unknown_role``, ``empty_prompt``, ``no_user_turn``, ``assistant_only``.
+``unknown_format`` (``format: auto`` found no known layout), ``missing_field``, ``unknown_role``,
+``empty_prompt``, ``no_user_turn``, ``assistant_only``. :meth:`LoadReport.summary` says it in one line.
 ``on_bad_line="fail"`` raises :class:`PromptError` at the first one instead. A source that yields
 no prompt at all raises.
 
@@ -72,6 +76,7 @@ BAD_INPUT_KINDS = (
     "malformed_json",
     "invalid_utf8",
     "not_an_object",
+    "unknown_format",
     "missing_field",
     "unknown_role",
     "empty_prompt",
@@ -97,6 +102,8 @@ _ROLE_MAP = {
 }
 _PROMPT_FIELDS = ("prompt", "question", "instruction", "query", "text", "input")
 _MAX_EXAMPLES = 20
+_BOM = b"\xef\xbb\xbf"  # UTF-8 byte order mark (Windows editors, Excel's "CSV UTF-8" exports)
+_UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
 
 
 class _BadRecord(Exception):
@@ -160,6 +167,25 @@ class LoadReport:
         self.bad[kind] += 1
         if len(self.examples) < _MAX_EXAMPLES:
             self.examples.append({"kind": kind, "where": where, "message": message})
+
+    def summary(self) -> str:
+        """One line for the console: what was selected, what was skipped and why (the first bad
+        record's place and message), e.g. ``prompts: 8 selected of 12 records; skipped 3 bad records
+        (malformed_json 2, unknown_format 1; first p.jsonl:5:3 malformed JSON: ...), 1 duplicate``."""
+        bad = {k: int(self.bad[k]) for k in BAD_INPUT_KINDS if self.bad.get(k)}
+        parts = [f"prompts: {self.kept} selected of {self.records} records"]
+        skipped = []
+        if bad:
+            kinds = ", ".join(f"{k} {v}" for k, v in bad.items())
+            first = f"; first {self.examples[0]['where']} {self.examples[0]['message']}" if self.examples else ""
+            skipped.append(f"{sum(bad.values())} bad record{'s' * (sum(bad.values()) != 1)} ({kinds}{first})")
+        if self.duplicates:
+            skipped.append(f"{self.duplicates} duplicate{'s' * (self.duplicates != 1)}")
+        usable = sum(s.get("usable", 0) for s in self.sources)
+        if usable > self.kept:
+            skipped.append(f"{usable - self.kept} over the limits (sources' limit, synthesize.limit)")
+        parts.append(f"skipped {', '.join(skipped)}" if skipped else "nothing skipped")
+        return "; ".join(parts)
 
     def to_dict(self) -> dict:
         """JSON-ready dict; ``bad_input`` lists every kind (zeros included)."""
@@ -265,10 +291,17 @@ def _iter_file(source: PromptSource, report: LoadReport, on_bad_line: str) -> It
     if not path.is_file():
         raise PromptError(f"synthesize.sources: prompt file {path} does not exist")
     suffix = "".join(path.suffixes[-1:]).lower()
+    if suffix in (".jsonl", ".ndjson", ".json"):
+        with open(path, "rb") as f:
+            head = f.read(2)
+        if head in _UTF16_BOMS:
+            raise PromptError(f"{path}: the file is UTF-16 (byte order mark {head.hex()}); save it as UTF-8")
     if suffix in (".jsonl", ".ndjson"):
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, start=1):
                 where = f"{path}:{lineno}"
+                if raw.startswith(_BOM):  # not JSON, but harmless: json.loads would call it malformed
+                    raw = raw[len(_BOM):]
                 try:
                     text = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
@@ -287,6 +320,8 @@ def _iter_file(source: PromptSource, report: LoadReport, on_bad_line: str) -> It
                 yield rec, where
     elif suffix == ".json":
         data = path.read_bytes()
+        if data.startswith(_BOM):  # no newline in it: line numbers below stay right
+            data = data[len(_BOM):]
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -387,7 +422,7 @@ def _text(value: Any, what: str) -> str:
 
 
 def detect_format(rec: dict, source: PromptSource) -> str:
-    """The format of a record for ``format: auto`` (see the module docstring).
+    """The format of one record for ``format: auto`` (see the module docstring); called per record.
 
     Raises:
         PromptError: no known layout (the message lists the record's keys and the options).
@@ -406,9 +441,9 @@ def detect_format(rec: dict, source: PromptSource) -> str:
             return "openai"
     if source.prompt_field or "prompt" in f:
         return "prompt"
-    if "instruction" in f or "instruction" in rec:
+    if "instruction" in f or rec.get("instruction") is not None:
         return "alpaca"
-    if any(k in rec for k in _PROMPT_FIELDS):
+    if any(rec.get(k) is not None for k in _PROMPT_FIELDS):
         return "prompt"
     raise PromptError(
         f"cannot detect the prompt format of a record with keys {sorted(rec)[:20]}; set format "
@@ -451,7 +486,7 @@ def record_to_turns(rec: dict, fmt: str, source: PromptSource) -> list[list[dict
     elif fmt == "prompt":
         key = source.prompt_field or f.get("prompt")
         if key is None:
-            key = next((k for k in _PROMPT_FIELDS if k in rec), _PROMPT_FIELDS[0])
+            key = next((k for k in _PROMPT_FIELDS if rec.get(k) is not None), _PROMPT_FIELDS[0])
         user = _text(_field(rec, key), key)
         system = _text(_field(rec, f["system"], required=False), "system") if "system" in f else ""
         messages = ([{"role": "system", "content": system}] if system.strip() else []) + [{"role": "user", "content": user}]
@@ -510,20 +545,25 @@ def _with_template(source: PromptSource, label: str) -> PromptSource:
 
 
 def _read_prompts(src: PromptSource, label: str, report: LoadReport, on_bad_line: str, seen: set[str],
-                  dedup: bool, heldout_fraction: float) -> tuple[list[Prompt], int, int, str | None]:
+                  dedup: bool, heldout_fraction: float) -> tuple[list[Prompt], int, int, Counter]:
     """The source's prompts in record order, bad records counted in ``report``, duplicates of ``seen``
-    and of each other dropped (when ``dedup``). Returns ``(prompts, records, duplicates, format)``."""
-    fmt = None if src.format == "auto" else src.format
+    and of each other dropped (when ``dedup``). With ``format: auto`` each record's format is
+    detected on its own (an undetectable record is an ``unknown_format`` bad record).
+    Returns ``(prompts, records, duplicates, formats)``, ``formats`` counting records per format."""
     records = dups = 0
+    formats: Counter = Counter()
     local: set[str] = set()
     out: list[Prompt] = []
     for rec, where in iter_records(src, report, on_bad_line):
         records += 1
-        if fmt is None:
+        fmt = src.format
+        if fmt == "auto":
             try:
                 fmt = detect_format(rec, src)
             except PromptError as exc:
-                raise PromptError(f"{where}: {exc}") from None
+                _bad(report, on_bad_line, "unknown_format", where, str(exc))
+                continue
+        formats[fmt] += 1
         try:
             turns = record_to_turns(rec, fmt, src)
         except _BadRecord as exc:
@@ -537,7 +577,7 @@ def _read_prompts(src: PromptSource, label: str, report: LoadReport, on_bad_line
             local.add(ph)
         out.append(Prompt(id=sample_id(label, ph), source=label, prompt_hash=ph,
                           split=split_for(ph, heldout_fraction), turns=turns, origin=where))
-    return out, records, dups, fmt
+    return out, records, dups, formats
 
 
 def load_source(
@@ -572,8 +612,10 @@ def load_source(
     seen = seen if seen is not None else set()
     label = _label(source)
     src = _with_template(source, label)
-    before = Counter(report.bad)
-    out, records, dups, fmt = _read_prompts(src, label, report, on_bad_line, seen, dedup, heldout_fraction)
+    before, n_examples = Counter(report.bad), len(report.examples)
+    out, records, dups, formats = _read_prompts(src, label, report, on_bad_line, seen, dedup, heldout_fraction)
+    # one name when the source has one layout, else e.g. "openai+prompt" (counts in "formats")
+    fmt = "+".join(sorted(formats)) or None
     bad = {k: v - before.get(k, 0) for k, v in report.bad.items() if v - before.get(k, 0)}
     # Bad lines are counted where they are read (before the format is known), so add the
     # malformed/invalid ones (they have no record) to the records count.
@@ -581,9 +623,11 @@ def load_source(
     report.records += records
     report.duplicates += dups
     if not out and not dups:
+        first = report.examples[n_examples] if len(report.examples) > n_examples else None
+        first_s = f"; first: {first['where']}: {first['message']}" if first else ""
         raise PromptError(
             f"synthesize.sources[{label}]: no usable prompt in {records} records (bad input: {bad or 'none'}; "
-            f"format {fmt or source.format}). Check format, fields and prompt_field."
+            f"format {fmt or source.format}{first_s}). Check format, fields and prompt_field."
         )
     if shuffle:
         random.Random(seed).shuffle(out)
@@ -591,7 +635,8 @@ def load_source(
     if source.limit is not None:
         out = out[: source.limit]
     seen.update(p.prompt_hash for p in out)  # later sources dedup against what was selected here
-    report.sources.append({"label": label, "kind": source.kind, "format": fmt, "records": records,
+    report.sources.append({"label": label, "kind": source.kind, "format": fmt, "formats": dict(sorted(formats.items())),
+                           "records": records,
                            "usable": usable, "duplicates": dups, "selected": len(out), "bad": bad})
     return out
 

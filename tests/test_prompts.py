@@ -89,6 +89,91 @@ def test_auto_detection_failure_names_the_keys(tmp_path):
         load_source(PromptSource(kind="file", path=str(path)))
 
 
+def test_utf8_bom_is_not_a_bad_record(tmp_path):
+    """A BOM (Windows editors) at the start of a JSONL file, of a later line (files concatenated) and of
+    a JSON document: every record is read, none is malformed_json, line numbers unchanged."""
+    recs = [{"prompt": "first"}, {"prompt": "second"}, {"prompt": "third"}]
+    bom = b"\xef\xbb\xbf"
+    lines = [json.dumps(r).encode() for r in recs]
+    jl = tmp_path / "bom.jsonl"
+    jl.write_bytes(bom + lines[0] + b"\n" + lines[1] + b"\n" + bom + lines[2] + b"\n")
+    rep = LoadReport()
+    ps = load_source(PromptSource(kind="file", path=str(jl)), rep)
+    assert [p.turns[0][0]["content"] for p in ps] == ["first", "second", "third"]
+    assert [p.origin for p in ps] == [f"{jl}:1", f"{jl}:2", f"{jl}:3"]
+    assert sum(rep.bad.values()) == 0 and rep.records == 3
+    js = tmp_path / "bom.json"
+    js.write_bytes(bom + json.dumps(recs, indent=1).encode())
+    assert [p.turns[0][0]["content"] for p in load_source(PromptSource(kind="file", path=str(js)))] == [
+        "first", "second", "third"]
+    # a malformed line after a BOM still names its line
+    js.write_bytes(bom + b'[{"prompt": "a"},\n {"prompt": }]')
+    with pytest.raises(PromptError, match=r"bom.json:2:13: malformed JSON"):
+        load_source(PromptSource(kind="file", path=str(js)))
+
+
+def test_utf16_file_is_refused_with_the_fix(tmp_path):
+    f = tmp_path / "u16.jsonl"
+    f.write_bytes('{"prompt": "hi"}\n'.encode("utf-16"))
+    with pytest.raises(PromptError, match=r"u16.jsonl: the file is UTF-16 \(byte order mark fffe\); save it as UTF-8"):
+        load_source(PromptSource(kind="file", path=str(f)))
+
+
+def test_auto_format_is_detected_per_record_in_a_mixed_file(tmp_path):
+    """First line {"prompt": ..}, the rest OpenAI messages, ShareGPT and Alpaca: no record lost."""
+    path = _jsonl(tmp_path / "mixed.jsonl", [
+        {"prompt": "plain one"},
+        {"messages": [{"role": "user", "content": "openai one"}]},
+        {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "openai two"}]},
+        {"conversations": [{"from": "human", "value": "sharegpt one"}]},
+        {"instruction": "alpaca one", "input": "x"},
+        {"foo": "no layout"},
+    ])
+    rep = LoadReport()
+    ps = load_source(PromptSource(kind="file", path=str(path)), rep)
+    assert [p.turns[0][-1]["content"] for p in ps] == ["plain one", "openai one", "openai two", "sharegpt one",
+                                                       "alpaca one\n\nx"]
+    src = rep.sources[0]
+    assert src["format"] == "alpaca+openai+prompt+sharegpt"
+    assert src["formats"] == {"alpaca": 1, "openai": 2, "prompt": 1, "sharegpt": 1}
+    assert (src["records"], src["usable"], src["bad"]) == (6, 5, {"unknown_format": 1})
+    assert rep.examples[0]["where"] == f"{path}:6" and "cannot detect the prompt format" in rep.examples[0]["message"]
+    # fail policy: the undetectable record stops the load, naming file and line
+    with pytest.raises(PromptError, match=r"mixed.jsonl:6: cannot detect the prompt format"):
+        load_source(PromptSource(kind="file", path=str(path)), on_bad_line="fail")
+
+
+def test_mixed_parquet_columns_null_means_absent(tmp_path):
+    """A Parquet file mixing layouts has every column in every row (null where absent)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "mixed.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"prompt": "plain", "messages": None},
+        {"prompt": None, "messages": [{"role": "user", "content": "chat"}]},
+    ]), f)
+    rep = LoadReport()
+    ps = load_source(PromptSource(kind="file", path=str(f)), rep)
+    assert [p.turns[0][-1]["content"] for p in ps] == ["plain", "chat"]
+    assert rep.sources[0]["formats"] == {"openai": 1, "prompt": 1}
+
+
+def test_load_report_summary_is_one_line_with_reasons(tmp_path):
+    path = _jsonl(tmp_path / "s.jsonl", [{"prompt": "a"}, {"prompt": "a"}, "{oops", {"prompt": ""},
+                                         {"prompt": "b"}, {"prompt": "c"}])
+    synth = SynthesizeParams(sources=[{"kind": "file", "path": str(path)}], limit=1)
+    _, rep = load_prompts(synth)
+    line = rep.summary()
+    assert "\n" not in line
+    assert line == (f"prompts: 1 selected of 6 records; skipped 2 bad records (malformed_json 1, empty_prompt 1; "
+                    f"first {path}:3:2 malformed JSON: Expecting property name enclosed in double quotes), "
+                    f"1 duplicate, 2 over the limits (sources' limit, synthesize.limit)")
+    clean = _jsonl(tmp_path / "c.jsonl", [{"prompt": "a"}])
+    _, rep = load_prompts(SynthesizeParams(sources=[{"kind": "file", "path": str(clean)}]))
+    assert rep.summary() == "prompts: 1 selected of 1 records; nothing skipped"
+
+
 def _bad_file(tmp_path: Path) -> Path:
     p = tmp_path / "bad.jsonl"
     lines = [
@@ -114,8 +199,8 @@ def test_bad_input_each_kind_counted_with_file_and_line(tmp_path):
     ps = load_source(PromptSource(kind="file", path=str(path), format="openai"), report)
     assert [p.turns[0][0]["content"] for p in ps] == ["good one", "good two"]
     d = report.to_dict()
-    assert d["bad_input"] == {"malformed_json": 1, "invalid_utf8": 1, "not_an_object": 1, "missing_field": 1,
-                              "unknown_role": 1, "empty_prompt": 1, "no_user_turn": 1, "assistant_only": 1}
+    assert d["bad_input"] == {"malformed_json": 1, "invalid_utf8": 1, "not_an_object": 1, "unknown_format": 0,
+                              "missing_field": 1, "unknown_role": 1, "empty_prompt": 1, "no_user_turn": 1, "assistant_only": 1}
     where = {e["kind"]: e["where"] for e in d["bad_input_examples"]}
     assert where["empty_prompt"] == f"{path}:2"
     assert where["no_user_turn"] == f"{path}:3"

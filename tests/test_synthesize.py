@@ -247,7 +247,7 @@ def test_reasoning_captured_through_the_server(tmp_path, style):
     assert (RunDir(rd).stage(SYNTHESIZE) / "reasoning_share.png").exists()
 
 
-def test_prompt_longer_than_context_skipped_and_counted(tmp_path):
+def test_prompt_longer_than_context_skipped_and_counted(tmp_path, capsys):
     f = tmp_path / "mix.jsonl"
     f.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["short one", "word " * 200, "short two"]))
     mt = tmp_path / "mt.jsonl"
@@ -262,6 +262,8 @@ def test_prompt_longer_than_context_skipped_and_counted(tmp_path):
     assert len(srv.requests) == 3
     assert stats["bad_input"]["prompt_too_long"] == 1 and stats["skipped"][0]["reason"].startswith("prompt_too_long (")
     assert stats["samples"] == 3 and stats["dropped_turns"] == 1
+    out = capsys.readouterr().out
+    assert "1 prompt(s) longer than the context (target.max_model_len); 1 later turn(s) dropped (context full)" in out
     mt = [s for s in load_samples(rd) if s.get("dropped_turns")][0]
     assert [m["role"] for m in mt["messages"]] == ["user", "assistant"]
     # max_tokens shrinks to what the context leaves: 64 - rendered prompt tokens
@@ -282,17 +284,40 @@ def test_server_context_error_counts_as_too_long(tmp_path):
     assert srv.actions() == ["400ctx", "ok"] and stats["bad_input"]["prompt_too_long"] == 1 and stats["samples"] == 1
 
 
-def test_bad_input_lines_counted_in_stats(tmp_path):
+def test_bad_input_lines_counted_in_stats(tmp_path, capsys):
     f = tmp_path / "bad.jsonl"
-    f.write_bytes(b'{"prompt": "fine"}\n{"prompt": ""}\n{"prompt": "x\n{"prompt": "caf\xe9"}\n'
-                  b'{"messages": [{"role": "assistant", "content": "a"}]}\n{"messages": [{"role": "system", "content": "s"}]}\n')
+    f.write_bytes(b'\xef\xbb\xbf{"prompt": "fine"}\n{"prompt": ""}\n{"prompt": "x\n{"prompt": "caf\xe9"}\n'
+                  b'{"messages": [{"role": "assistant", "content": "a"}]}\n{"messages": [{"role": "system", "content": "s"}]}\n'
+                  b'{"messages": [{"role": "user", "content": "chat"}]}\n')
     with FakeChatServer() as srv:
         stats, rd = _go(_params(tmp_path, srv.base_url, f, sources=[{"kind": "file", "path": str(f), "format": "auto"}]))
     b = stats["bad_input"]
+    # line 1 starts with a BOM and is read; the format is detected per record, so the OpenAI-style
+    # lines after the 'prompt' ones are read as conversations (not missing_field)
     assert (b["empty_prompt"], b["malformed_json"], b["invalid_utf8"]) == (1, 1, 1)
-    # format is detected from the first record ('prompt'): conversations without the field are missing_field
-    assert b["missing_field"] == 2 and stats["samples"] == 1
+    assert (b["assistant_only"], b["no_user_turn"], b["missing_field"]) == (1, 1, 0) and stats["samples"] == 2
     assert any(e["where"] == f"{f}:4" for e in stats["prompts"]["bad_input_examples"])
+    # the console gets one line saying what was skipped and why
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("eagle3 synthesize: ")]
+    assert line == [f"eagle3 synthesize: 2 samples from 2 prompts selected of 7 records; 5 bad prompt record(s) "
+                    f"(malformed_json 1, invalid_utf8 1, empty_prompt 1, no_user_turn 1, assistant_only 1; first "
+                    f"{f}:2 a user turn is empty)"] and stats["finish_reasons"] == {"stop": 2}
+
+
+def test_skip_summary_names_every_kind_of_loss():
+    from eagle3.synthesize.summary import skip_summary
+
+    stats = {"samples": 7, "turns": 9, "finish_reasons": {"length": 3, "stop": 6}, "dropped_turns": 2, "failed": 1,
+             "bad_input": {"prompt_too_long": 1, "malformed_json": 0},
+             "prompts": {"records": 12, "kept": 9, "duplicates_removed": 1, "bad_input": {"malformed_json": 2},
+                         "bad_input_examples": [{"kind": "malformed_json", "where": "p.jsonl:3:1", "message": "malformed JSON: x"}]}}
+    assert skip_summary(stats) == (
+        "7 samples from 9 prompts selected of 12 records; 2 bad prompt record(s) (malformed_json 2; first p.jsonl:3:1 "
+        "malformed JSON: x); 1 duplicate prompt(s); 1 prompt(s) longer than the context (target.max_model_len); "
+        "2 later turn(s) dropped (context full); 3 of 9 answer(s) cut at max_new_tokens (finish_reason length); "
+        "1 sample(s) failed")
+    assert skip_summary({"samples": 1, "prompts": {"records": 1, "kept": 1}}) == (
+        "1 samples from 1 prompts selected of 1 records; nothing skipped or truncated")
 
 
 def test_torn_last_line_dropped_and_regenerated(tmp_path):

@@ -24,7 +24,14 @@ from eagle3.rundir import SYNTHESIZE
 from eagle3.stage import StageRun, Stats
 from eagle3.synthesize.conversation import Session, run_batched
 from eagle3.synthesize.report import make_figures
-from eagle3.synthesize.summary import errors_path, overall_rate, read_timeline, summarize_samples, timeline_path
+from eagle3.synthesize.summary import (
+    errors_path,
+    overall_rate,
+    read_timeline,
+    skip_summary,
+    summarize_samples,
+    timeline_path,
+)
 
 __all__ = ["SynthesizeStats", "run", "make_backend"]
 
@@ -252,6 +259,7 @@ def run(params: Params, run_dir: str | Path) -> SynthesizeStats:
                 for name, fig in self_prompt_figures(run_dir).items():
                     st.figure(name, fig)
             st.finish(stats, log=True)
+            print(f"eagle3 synthesize: {skip_summary(stats.to_dict())}", flush=True)  # the console sees this line
     finally:
         store.close()
     return stats

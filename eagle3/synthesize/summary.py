@@ -14,7 +14,7 @@ THROUGHPUT_FILE = "throughput.jsonl"
 ERRORS_FILE = "errors.json"
 
 __all__ = ["THROUGHPUT_FILE", "ERRORS_FILE", "timeline_path", "errors_path", "percentile", "summarize_samples",
-           "read_timeline", "throughput_series", "overall_rate"]
+           "skip_summary", "read_timeline", "throughput_series", "overall_rate"]
 
 
 def timeline_path(run_dir: str | Path) -> Path:
@@ -74,6 +74,35 @@ def summarize_samples(samples: list[dict]) -> dict:
         "reasoning_capture_rate": round(sum(bool(m.get("reasoning")) for m in turns) / n_turns, 4) if n_turns else 0.0,
         "reasoning_char_share": round(r_chars / (r_chars + c_chars), 4) if (r_chars + c_chars) else 0.0,
     }
+
+
+def skip_summary(stats: dict) -> str:
+    """One console line on what stage 1 left out and why, from its ``stats.json`` dict: bad prompt
+    records by kind (with the first one's place), prompts longer than the context, later turns
+    dropped when the context filled, answers cut at ``max_new_tokens`` (finish reason ``length``),
+    failed samples. ``stats.json`` and the notebook hold the full lists."""
+    prompts = stats.get("prompts", {})
+    bad = {k: v for k, v in prompts.get("bad_input", {}).items() if v}
+    parts = []
+    if bad:
+        ex = (prompts.get("bad_input_examples") or [{}])[0]
+        first = f"; first {ex['where']} {ex['message']}" if ex else ""
+        kinds = ", ".join(f"{k} {v}" for k, v in bad.items())
+        parts.append(f"{sum(bad.values())} bad prompt record(s) ({kinds}{first})")
+    if prompts.get("duplicates_removed"):
+        parts.append(f"{prompts['duplicates_removed']} duplicate prompt(s)")
+    too_long = stats.get("bad_input", {}).get("prompt_too_long", 0)
+    if too_long:
+        parts.append(f"{too_long} prompt(s) longer than the context (target.max_model_len)")
+    if stats.get("dropped_turns"):
+        parts.append(f"{stats['dropped_turns']} later turn(s) dropped (context full)")
+    cut = stats.get("finish_reasons", {}).get("length", 0)
+    if cut:
+        parts.append(f"{cut} of {stats.get('turns', 0)} answer(s) cut at max_new_tokens (finish_reason length)")
+    if stats.get("failed"):
+        parts.append(f"{stats['failed']} sample(s) failed")
+    head = f"{stats.get('samples', 0)} samples from {prompts.get('kept', 0)} prompts selected of {prompts.get('records', 0)} records"
+    return f"{head}; " + ("; ".join(parts) if parts else "nothing skipped or truncated")
 
 
 def read_timeline(path: Path) -> list[dict]:
