@@ -92,6 +92,7 @@ def supervised_text(tok, row) -> str:
 def test_smollm2_two_turn_mask_exact_positions(tok, embedded_target):
     r = LossMaskRenderer(tok, stop_token_ids(tok, embedded_target.path))
     assert r.stop_ids == {2}  # <|im_end|>
+    assert r.empty_reasoning_block() is None  # ChatML renders no reasoning scaffold
     s = sample(msgs=TWO_TURNS)
     s["turn_usage"] = [{"completion_tokens": 3}, {"completion_tokens": 5}]  # the second disagrees
     rows, rep = rows_of([s], r, policy="explode")
@@ -141,6 +142,102 @@ def test_injected_empty_think_block_not_supervised(qwen_tok):
     # "\n\n" closes the prompt as one token, while the turn render tokenizes "\n\nHello" differently:
     # the row is the served prompt followed by the tokens of the generated text
     assert rep.boundary_retokenized_turns == 1
+
+
+# GLM-4.5-style: the generation prompt ends at the role header, an assistant turn always writes
+# "\n<think>{reasoning}</think>\n" before the answer (empty block when there is no reasoning).
+GLM_STYLE = """{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}
+{%- set rc = m.reasoning_content if m.reasoning_content is defined and m.reasoning_content is not none else '' -%}
+{{- '<|im_start|>assistant' + '\n<think>' + rc.strip() + '</think>\n' + m.content.strip() + '<|im_end|>\n' -}}
+{%- else -%}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' -}}{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant' -}}{%- endif -%}"""
+
+# Harmony-style (gpt-oss): the answer's channel header follows the generation prompt and the target
+# generates it; a reasoning goes into an analysis message before it. Not an empty reasoning block.
+HARMONY_STYLE = """{%- for m in messages -%}
+{%- if m.role == 'assistant' -%}
+{{- '<|im_start|>assistant' -}}
+{%- if m.reasoning_content is defined and m.reasoning_content -%}
+{{- '<|channel|>analysis<|message|>' + m.reasoning_content + '<|end|><|im_start|>assistant' -}}
+{%- endif -%}
+{{- '<|channel|>final<|message|>' + m.content + '<|im_end|>\n' -}}
+{%- else -%}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' -}}{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant' -}}{%- endif -%}"""
+
+
+def _with_template(embedded_target, template):
+    from transformers import AutoTokenizer
+
+    t = AutoTokenizer.from_pretrained(embedded_target.path)
+    t.chat_template = template
+    return t
+
+
+def test_template_injected_empty_think_block_is_not_generated_so_not_supervised(qwen_tok):
+    """Qwen3-style template, thinking mode (no block in the generation prompt), a turn without
+    reasoning: the template writes "<think>\n\n</think>\n\n" into the turn, the target never
+    generated it. The row is what the server saw: the generation prompt, then the answer."""
+    r = LossMaskRenderer(qwen_tok, {2})
+    assert r.empty_reasoning_block() == "<think>\n\n</think>\n\n"
+    assert r.empty_reasoning_block({"enable_thinking": False}) is None  # the block is in the prompt there
+    s = sample(msgs=TWO_TURNS[:2])
+    # what the served render holds: the full conversation render does contain the block
+    assert "<think>\n\n</think>\n\nHello!" in qwen_tok.apply_chat_template(TWO_TURNS[:2], tokenize=False)
+    rows, rep = rows_of([s], r)
+    row = rows[0]
+    P = qwen_tok.apply_chat_template(TWO_TURNS[:1], tokenize=True, return_dict=False, add_generation_prompt=True)
+    assert row.input_ids.tolist() == P + qwen_tok("Hello!<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    assert [qwen_tok.decode([t]) for t in row.input_ids[row.loss_mask.astype(bool)]] == ["Hello", "!", "<|im_end|>"]
+    assert np.flatnonzero(row.loss_mask).tolist() == [len(P), len(P) + 1, len(P) + 2]
+    assert rep.empty_reasoning_block_removed_turns == 1 and rep.supervised_tokens == 3
+    # two turns: each row is now what was served, so the conversation is history-stable: one row
+    rows, rep = rows_of([sample(msgs=TWO_TURNS)], r)
+    assert [x.id for x in rows] == ["s0"] and rep.history_rerendered_samples == 0
+    assert qwen_tok.decode(rows[0].input_ids) == ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+                                                  "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\nSee you.<|im_end|>\n")
+    assert supervised_text(qwen_tok, rows[0]) == "Hello!<|im_end|>See you.<|im_end|>"
+    assert rep.empty_reasoning_block_removed_turns == 2
+
+
+def test_empty_think_block_the_target_wrote_itself_is_kept(qwen_tok):
+    """Stage 1 recorded 13 completion tokens for the turn: the block (10 tokens) + "Hello!" + <|im_end|>;
+    the target wrote the empty block itself, so it stays supervised. 3 tokens: removed."""
+    r = LossMaskRenderer(qwen_tok, {2})
+    s = sample(msgs=TWO_TURNS[:2])
+    s["turn_usage"] = [{"prompt_tokens": 11, "completion_tokens": 13}]
+    rows, rep = rows_of([s], r)
+    assert supervised_text(qwen_tok, rows[0]) == "<think>\n\n</think>\n\nHello!<|im_end|>"
+    assert (rep.empty_reasoning_block_kept_turns, rep.empty_reasoning_block_removed_turns) == (1, 0)
+    assert rep.turns_matching_completion_tokens == 1
+    s["turn_usage"] = [{"prompt_tokens": 11, "completion_tokens": 3}]
+    rows, rep = rows_of([s], r)
+    assert supervised_text(qwen_tok, rows[0]) == "Hello!<|im_end|>"
+    assert (rep.empty_reasoning_block_kept_turns, rep.empty_reasoning_block_removed_turns) == (0, 1)
+    assert rep.turns_matching_completion_tokens == 1
+
+
+def test_glm_style_block_removed_and_harmony_channel_header_kept(embedded_target):
+    glm = _with_template(embedded_target, GLM_STYLE)
+    r = LossMaskRenderer(glm, {2})
+    assert r.empty_reasoning_block() == "\n<think></think>\n"
+    rows, rep = rows_of([sample(msgs=TWO_TURNS[:2])], r)
+    assert glm.decode(rows[0].input_ids) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistantHello!<|im_end|>\n"
+    assert supervised_text(glm, rows[0]) == "Hello!<|im_end|>" and rep.empty_reasoning_block_removed_turns == 1
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!", "reasoning": "Greet."}]
+    rows, rep = rows_of([sample(msgs=msgs)], r)  # a reasoning is the target's: supervised with its tags
+    assert supervised_text(glm, rows[0]) == "\n<think>Greet.</think>\nHello!<|im_end|>"
+    assert rep.empty_reasoning_block_removed_turns == 0
+    # Harmony: "<|channel|>final<|message|>" is not a reasoning scaffold (the analysis message is), and
+    # the target generates it: it stays supervised
+    harmony = _with_template(embedded_target, HARMONY_STYLE)
+    r = LossMaskRenderer(harmony, {2})
+    assert r.empty_reasoning_block() is None
+    rows, rep = rows_of([sample(msgs=TWO_TURNS[:2])], r)
+    assert supervised_text(harmony, rows[0]) == "<|channel|>final<|message|>Hello!<|im_end|>"
+    assert rep.empty_reasoning_block_removed_turns == 0
 
 
 def test_reasoning_present_is_supervised(qwen_tok):

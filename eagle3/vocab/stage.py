@@ -67,11 +67,12 @@ def tokenizer_hash(model_dir: str | Path, tokenizer=None) -> str:
 
 
 def corpus_hash(samples: list[dict], settings: dict) -> str:
-    """sha256 (16 hex) of the samples (ids, sources, messages, finish reasons, template settings)
+    """sha256 (16 hex) of the samples (ids, sources, messages, finish reasons, turn usage, template settings)
     plus the stage settings that change which tokens are supervised (``settings``)."""
     h = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     for s in samples:
-        keep = {k: s.get(k) for k in ("id", "source", "messages", "finish_reasons")}
+        # turn_usage: its completion counts decide whether an empty reasoning block was generated
+        keep = {k: s.get(k) for k in ("id", "source", "messages", "finish_reasons", "turn_usage")}
         st = s.get("settings") or {}
         keep["template"] = {k: st.get(k) for k in ("chat_template_kwargs", "enable_thinking")}
         h.update(json.dumps(keep, sort_keys=True, ensure_ascii=False).encode() + b"\n")
@@ -247,7 +248,7 @@ def run(params: Params, run_dir: str | Path) -> VocabStats:
         "multi_turn_policy": params.vocab.multi_turn_policy,
         "history_reasoning": params.vocab.history_reasoning,
         "template_kwargs": template_kwargs(params),
-        "format": 2,  # bump when tokenization or its report changes: earlier splits are redone
+        "format": 3,  # bump when tokenization or its report changes: earlier splits are redone
     }
     with StageRun(params, run_dir, VOCAB, total=len(all_samples), unit="samples") as st:
         reports: dict[str, dict] = {}
