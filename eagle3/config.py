@@ -235,7 +235,12 @@ class ExtractParams(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="storage dtype of hidden states ('auto' = the target's compute dtype)"
     )
-    token_budget: int = Field(8192, ge=1, description="padded tokens per forward batch")
+    token_budget: int = Field(8192, ge=1, description="tokens per forward batch (padding included when padded)")
+    batching: Literal["auto", "packed", "padded"] = Field(
+        "auto", description="packed: a batch's samples back to back in one row, document-causal attention, no "
+        "padding; padded: right-padded rows with an attention mask; auto: packed unless the target uses "
+        "sliding-window attention"
+    )
     shard_size: int = Field(2000, ge=1, description="samples per row shard folder")
     disk_margin: float = Field(1.2, ge=1.0, description="required free space = projection x margin")
     calibration_batches: int = Field(1, ge=0, description="batches timed for the preflight time projection")

@@ -12,9 +12,13 @@ Layer-id convention (docs/DESIGN.md "Conventions that must match the engines"; v
 
 Modes:
 
-* :class:`PrefillCapture` (alias :data:`HiddenStateCapture`): one right-padded batch, no KV cache,
-  the forward stopped at the last needed layer (final norm and LM head never run); returns
-  ``[batch, seq, n_aux + 1, hidden]`` — Stage 3 (extract) and online training;
+* :class:`PrefillCapture` (alias :data:`HiddenStateCapture`): one batch, no KV cache, the forward
+  stopped at the last needed layer (final norm and LM head never run) — Stage 3 (extract) and online
+  training. Two layouts: :meth:`PrefillCapture.capture_packed` (the default: the samples
+  concatenated into one row with per-sample position ids and a document-causal attention, so no
+  compute goes to padding; returns ``[tokens, n_aux + 1, hidden]``) and
+  :meth:`PrefillCapture.capture` (right-padded ``[batch, seq]`` with an attention mask; returns
+  ``[batch, seq, n_aux + 1, hidden]``);
 * :class:`CachedCapture`: a full forward over new tokens with a transformers KV cache; returns the
   target's logits and the concatenated aux states ``[q, n_aux * hidden]`` — offline decoding in
   Stage 5 (evaluate).
@@ -31,6 +35,8 @@ from typing import Any
 import torch
 
 __all__ = [
+    "PACKED_ATTENTION",
+    "packed_attention_kernel",
     "default_aux_layer_ids",
     "resolve_layer_ids",
     "text_config",
@@ -120,6 +126,138 @@ def decoder_layers(model, error: type[Exception] = ValueError) -> tuple[torch.nn
     return dec, layers
 
 
+# ----------------------------------------------------------------------------------------------
+# Packed (unpadded) prefill: document-causal attention through transformers' attention interface
+# ----------------------------------------------------------------------------------------------
+
+PACKED_ATTENTION = "eagle3_packed"
+"""The name under which :func:`_packed_attention` is registered in transformers' ``AttentionInterface``
+(and a mask function returning None in ``AttentionMaskInterface``): the documented way to plug an
+attention kernel into a transformers model (``model.config._attn_implementation`` selects it)."""
+
+
+def packed_attention_kernel(device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel that runs packed attention on ``device`` / ``dtype``.
+
+    * ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (flash attention over
+      ``cu_seqlens``, one launch per layer): CUDA with float16/bfloat16 and a torch that has it;
+    * ``"sdpa"``: one ``scaled_dot_product_attention(is_causal=True)`` per sample, no mask (SDPA's
+      fastest kernel for the device): everything else (CPU, float32).
+
+    Both give each sample exactly its own causal attention; the linear layers run over the packed
+    row either way.
+    """
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        try:
+            from torch.nn.attention.varlen import varlen_attn  # noqa: F401 - availability check (torch >= 2.9)
+        except ImportError:
+            return "sdpa"
+        return "varlen"
+    return "sdpa"
+
+
+class _Packing:
+    """What the packed attention needs, passed to every layer through the forward's kwargs.
+
+    Attributes:
+        bounds: ``[(start, end), ...]`` per sample in the packed row (host ints: no sync per layer).
+        cu_seqlens: int32 ``[n + 1]`` on the device (varlen kernel). max_len: longest sample.
+        kernel: ``"varlen"`` or ``"sdpa"`` (:func:`packed_attention_kernel`).
+    """
+
+    def __init__(self, lengths: Sequence[int], device: torch.device, kernel: str) -> None:
+        ends = [0]
+        for n in lengths:
+            ends.append(ends[-1] + int(n))
+        self.bounds = list(zip(ends[:-1], ends[1:]))
+        self.max_len = max(int(n) for n in lengths)
+        self.kernel = kernel
+        self.cu_seqlens = (torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
+                           if kernel == "varlen" else None)
+
+
+def _varlen_call():
+    """``varlen_attn`` with causal masking, across its two signatures (``is_causal=`` in torch 2.9-2.10,
+    ``window_size=(-1, 0)`` later) and with or without ``enable_gqa`` (the flash kernel takes fewer
+    KV heads natively; newer torch asks for the flag)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    names = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in names else {"is_causal": True}
+    gqa = "enable_gqa" in names
+
+    def call(q, k, v, cu, max_len, scale):
+        kw = dict(causal, scale=scale)
+        if gqa:
+            kw["enable_gqa"] = q.shape[1] != k.shape[1]
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kw)
+
+    return call
+
+
+_VARLEN = None
+
+
+def _packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      eagle3_packing: _Packing | None = None, **kwargs):
+    """transformers attention function for one packed row: each sample attends causally to itself only.
+
+    Args:
+        query: ``[1, heads, tokens, head_dim]``; key/value: ``[1, kv_heads, tokens, head_dim]``
+            (after RoPE with per-sample position ids).
+        attention_mask: ignored (None: the mask function registered beside this one builds none).
+        eagle3_packing: the sample boundaries (:class:`_Packing`).
+
+    Returns:
+        ``(out [1, tokens, heads, head_dim], None)`` as transformers' own attention functions.
+
+    Raises:
+        RuntimeError: called without ``eagle3_packing`` (the model was used outside
+            :meth:`PrefillCapture.capture_packed` while switched to this implementation).
+    """
+    global _VARLEN
+    p = eagle3_packing
+    if p is None:
+        raise RuntimeError(f"{PACKED_ATTENTION} attention called without sample boundaries")
+    if p.kernel == "varlen":
+        if _VARLEN is None:
+            _VARLEN = _varlen_call()
+        # [1, H, T, D] -> [T, H, D]: a view (the projections were laid out [T, H, D] before the transpose)
+        out = _VARLEN(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                      p.cu_seqlens, p.max_len, scaling)
+        return out.unsqueeze(0), None
+    gqa = query.shape[1] != key.shape[1]
+    out = torch.empty(query.shape[0], query.shape[2], query.shape[1], value.shape[-1], dtype=query.dtype,
+                      device=query.device)
+    for s, e in p.bounds:
+        o = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling, enable_gqa=gqa)
+        out[:, s:e] = o.transpose(1, 2)
+    return out, None
+
+
+def _no_mask(*args, **kwargs):
+    """The mask function of :data:`PACKED_ATTENTION`: the attention itself keeps samples apart."""
+    return None
+
+
+_REGISTERED = False
+
+
+def _register_packed_attention() -> None:
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
+    AttentionMaskInterface.register(PACKED_ATTENTION, _no_mask)
+    _REGISTERED = True
+
+
 class _StopForward(Exception):
     """Raised by the prefill hook on the last needed layer: nothing after it (final norm, LM head) runs."""
 
@@ -158,7 +296,7 @@ class PrefillCapture(_LayerHooks):
     """Prefill-only forward of the target's decoder that keeps only the stored layers.
 
     Forward hooks on decoder layers ``k - 1`` (aux id ``k``) and ``N - 1`` (id ``N``, before the final
-    norm) copy their outputs into one buffer ``[batch, seq, n_aux + 1, hidden]`` in the storage
+    norm) copy their outputs into one buffer ``[batch, seq, n_aux + 1, hidden]`` (packed: batch 1) in the storage
     dtype; the hook on the last needed layer stops the forward, so the final norm and the LM head
     never run. No KV cache (``use_cache=False``), under ``torch.inference_mode()``.
 
@@ -169,7 +307,8 @@ class PrefillCapture(_LayerHooks):
         error: the exception class raised (the calling stage's).
 
     Attributes:
-        aux_layer_ids, stored_layers (aux + [N]), num_hidden_layers (N), hidden_size (H), device.
+        aux_layer_ids, stored_layers (aux + [N]), num_hidden_layers (N), hidden_size (H), device,
+        compute_dtype, packed_kernel (:func:`packed_attention_kernel`: what :meth:`capture_packed` runs).
 
     Raises:
         error: the config's ``num_hidden_layers`` disagrees with the model's decoder layers; a
@@ -183,6 +322,8 @@ class PrefillCapture(_LayerHooks):
         self.stored_layers = [*self.aux_layer_ids, self.num_hidden_layers]
         self.storage_dtype = storage_dtype
         self.device = next(model.parameters()).device
+        self.compute_dtype = next(model.parameters()).dtype
+        self.packed_kernel = packed_attention_kernel(self.device, self.compute_dtype)
         self._buf: torch.Tensor | None = None
         last_needed = max(self.stored_layers)
         for slot, k in enumerate(self.stored_layers):
@@ -205,6 +346,81 @@ class PrefillCapture(_LayerHooks):
         self._buf[:, :, slot].copy_(h)
         if last:
             raise _StopForward
+
+    def packing_problem(self) -> str | None:
+        """Why this target cannot run packed (None when it can).
+
+        Packed attention is plain causal attention within each sample; a layer with a sliding window
+        or without causal attention would need more than that.
+        """
+        for i, layer in enumerate(self.layers):
+            attn = getattr(layer, "self_attn", None)
+            if attn is None:
+                return f"decoder layer {i} has no self_attn module"
+            if getattr(attn, "sliding_window", None):
+                return f"decoder layer {i} uses sliding-window attention ({attn.sliding_window})"
+            if getattr(attn, "is_causal", True) is False:
+                return f"decoder layer {i} attention is not causal"
+        return None
+
+    def _configs(self) -> list:
+        """The config objects whose ``_attn_implementation`` the attention modules read."""
+        seen: dict[int, Any] = {id(self.decoder.config): self.decoder.config}
+        for layer in self.layers:
+            cfg = getattr(getattr(layer, "self_attn", None), "config", None)
+            if cfg is not None:
+                seen.setdefault(id(cfg), cfg)
+        return list(seen.values())
+
+    @torch.inference_mode()
+    def capture_packed(self, input_ids: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+        """Run several samples packed into one row (no padding) and return their stored layers.
+
+        The samples are concatenated; each gets its own position ids ``0..len-1`` (RoPE as if alone)
+        and attends causally to its own tokens only, through :data:`PACKED_ATTENTION` (registered
+        in transformers' attention interface and selected for this call only). Every linear layer
+        runs over real tokens only. Per sample the result equals :meth:`capture` of that sample (up
+        to the rounding of other reduction shapes).
+
+        Args:
+            input_ids: int64 ``[tokens]`` (or ``[1, tokens]``) on ``self.device``: the samples back to back.
+            lengths: the samples' lengths (sum = tokens).
+
+        Returns:
+            torch.Tensor: ``[tokens, n_aux + 1, hidden]`` in the storage dtype on ``self.device``;
+            sample ``i`` is rows ``sum(lengths[:i]) : sum(lengths[:i + 1])``.
+
+        Raises:
+            error: lengths that do not sum to the tokens; a target that cannot run packed
+                (:meth:`packing_problem`).
+        """
+        ids = input_ids.reshape(1, -1)
+        t = ids.shape[1]
+        if sum(int(n) for n in lengths) != t or min(int(n) for n in lengths) < 1:
+            raise self.error(f"capture_packed: lengths {list(lengths)[:8]}... do not split {t} tokens")
+        why = self.packing_problem()
+        if why:
+            raise self.error(f"this target cannot run packed: {why}; use extract.batching: padded")
+        _register_packed_attention()
+        packing = _Packing(lengths, ids.device, self.packed_kernel)
+        pos = torch.cat([torch.arange(int(n)) for n in lengths]).unsqueeze(0).to(ids.device, non_blocking=True)
+        cfgs = self._configs()
+        before = [c._attn_implementation for c in cfgs]
+        self._buf = torch.empty(1, t, self.num_slots, self.hidden_size, dtype=self.storage_dtype, device=ids.device)
+        try:
+            for c in cfgs:
+                c._attn_implementation = PACKED_ATTENTION
+            self.decoder(input_ids=ids, position_ids=pos, attention_mask=None, use_cache=False,
+                         eagle3_packing=packing)
+        except _StopForward:
+            pass
+        else:
+            raise self.error("the forward ended without reaching the last stored layer's hook")
+        finally:
+            for c, b in zip(cfgs, before):
+                c._attn_implementation = b
+            out, self._buf = self._buf, None
+        return out[0]
 
     @torch.inference_mode()
     def capture(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -185,6 +185,84 @@ def test_stored_slots_match_transformers_hidden_states(target_model, tok):
         model(input_ids=torch.tensor([seqs[0]]), use_cache=False)
 
 
+def test_plan_batches_packed_counts_real_tokens():
+    # packed: sum of lengths <= budget (no padding), still longest first and deterministic
+    assert plan_batches([5, 9, 3, 9, 1], 18, packed=True) == [[1, 3], [0, 2, 4]]
+    assert plan_batches([5, 9, 3, 9, 1], 14, packed=True) == [[1], [3, 0], [2, 4]]
+    assert plan_batches([50, 2, 2], 10, packed=True) == [[0], [1, 2]]
+    plan = plan_batches(list(range(1, 40)), 64, packed=True)
+    assert sorted(r for b in plan for r in b) == list(range(39))
+    assert all(len(b) == 1 or sum(b) + len(b) <= 64 for b in plan)  # lengths are index + 1
+    # lengths 10..40 under 128 tokens: packing fills batches the padded plan cannot
+    lens = [10 + (7 * i) % 31 for i in range(40)]
+    packed, padded = plan_batches(lens, 128, packed=True), plan_batches(lens, 128)
+    assert len(packed) < len(padded)
+
+
+def test_resolve_batching_follows_the_attention_of_the_config():
+    from types import SimpleNamespace as NS
+
+    from eagle3.extract.core import resolve_batching
+
+    assert resolve_batching("auto", NS(sliding_window=None)) == "packed"
+    assert resolve_batching("auto", NS(sliding_window=4096, use_sliding_window=False)) == "packed"  # Qwen2-style off
+    assert resolve_batching("auto", NS(sliding_window=4096)) == "padded"  # Mistral-style on
+    assert resolve_batching("auto", NS(layer_types=["sliding_attention", "full_attention"])) == "padded"
+    assert resolve_batching("padded", NS()) == "padded" and resolve_batching("packed", NS()) == "packed"
+
+
+def test_packed_capture_equals_the_padded_batch_and_each_sample_alone(target_model, tok):
+    """Issue 14: the packed row (no padding, per-sample positions, document-causal attention)
+    stores per sample what the right-padded masked batch stores, within bf16 rounding."""
+    from _extract_fixtures import conversations, tokenize
+
+    from eagle3.contracts.tokenized import TokenizedSplit
+    from eagle3.extract.core import forward_batch
+
+    model, _ = target_model
+    seqs = [tokenize(tok, c)[0][:L] for c, L in zip(conversations(4, seed=3), (61, 17, 40, 1))]
+    rows = TokenizedSplit.from_lists([f"s{i}" for i in range(4)], seqs, source="test")
+    batch = [0, 1, 2, 3]
+    cap = PrefillCapture(model, None, torch.float32)
+    cap16 = PrefillCapture(model, None, torch.bfloat16)
+    try:
+        assert cap.packed_kernel == "sdpa" and cap.packing_problem() is None
+        packed = forward_batch(cap, rows, batch, packed=True)
+        padded = forward_batch(cap, rows, batch, packed=False)
+        assert packed.hs.shape == (sum(len(s) for s in seqs), 4, 576) and padded.hs.shape == (4, 61, 4, 576)
+        assert packed.finite.tolist() == padded.finite.tolist() == [True] * 4
+        for j, s in enumerate(seqs):
+            alone = cap.capture(torch.tensor([s]))[0]
+            a, b = packed.sample(j), padded.sample(j)
+            assert a.shape == b.shape == alone.shape == (len(s), 4, 576)
+            torch.testing.assert_close(a, alone, rtol=1e-4, atol=1e-4)  # float32: other reduction shapes only
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            # what the stage stores (bf16): equal to the padded path's bf16 within one bf16 rounding step
+            a16, b16 = cap16.capture_packed(torch.tensor(s), [len(s)]), forward_batch(cap16, rows, batch, packed=False).sample(j)
+            torch.testing.assert_close(a16.float(), b16.float(), rtol=2 ** -7, atol=1e-2)
+        p16 = forward_batch(cap16, rows, batch, packed=True)
+        for j in range(4):
+            torch.testing.assert_close(p16.sample(j).float(), padded.sample(j).to(torch.bfloat16).float(),
+                                       rtol=2 ** -7, atol=1e-2)
+        # the model is back on its own attention after the packed call
+        assert model.config._attn_implementation == "sdpa"
+        with pytest.raises(ValueError, match="do not split"):
+            cap.capture_packed(torch.tensor(seqs[0]), [10, 10])
+    finally:
+        cap.close()
+        cap16.close()
+
+
+def test_packed_finite_flags_name_the_bad_sample():
+    from eagle3.extract.core import finite_flags_packed
+
+    hs = torch.zeros(10, 2, 3)
+    hs[6, 1, 2] = float("nan")
+    assert finite_flags_packed(hs, [3, 2, 4, 1]).tolist() == [True, True, False, True]
+    hs[0, 0, 0] = float("inf")
+    assert finite_flags_packed(hs, [3, 2, 4, 1]).tolist() == [False, True, False, True]
+
+
 def test_layer_count_disagreeing_with_the_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 

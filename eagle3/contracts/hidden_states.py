@@ -90,6 +90,40 @@ class NonFiniteError(ExtractError):
 # ----------------------------------------------------------------------------------------------
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
+SCALES = "hidden_scales"
+"""The tensor beside an fp8 ``hidden_states``: float32 ``[seq, n_aux + 1]``, one scale per token and
+layer slot; the value is ``hidden_states.float() * hidden_scales[..., None]``."""
+
+
+def quantize_fp8(hs: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled float8_e4m3fn of ``hs [..., hidden]``: ``(q [..., hidden] fp8, scales float32)``.
+
+    The scale of each vector (``block=None``: the whole ``hidden`` of one token and slot; else each run
+    of ``block`` channels) is its absolute maximum / 448 (e4m3's largest finite value), so the largest
+    element maps to +-448 and nothing saturates. An all-zero vector gets scale 1 (its codes are 0).
+
+    Returns:
+        tuple: ``q`` and ``scales`` of shape ``[...]`` (per token) or ``[..., hidden // block]``.
+    """
+    x = hs.float()
+    if block is not None:
+        x = x.unflatten(-1, (-1, block))
+    amax = x.abs().amax(dim=-1)
+    scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (x / scales.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return (q.flatten(-2) if block is not None else q), scales
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8`: ``[..., hidden]`` in ``dtype`` (the scales' shape tells the block)."""
+    x = q.float()
+    if scales.shape == q.shape[:-1]:
+        return (x * scales.unsqueeze(-1)).to(dtype)
+    return (x.unflatten(-1, (scales.shape[-1], -1)) * scales.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
 def storage_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
     """Map ``extract.dtype`` to a torch dtype ('auto' = the target's compute dtype)."""
     if name == "auto":

@@ -9,23 +9,53 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from eagle3.contracts.hidden_states import NonFiniteError, SampleWriter, first_non_finite, sample_relpath
 from eagle3.contracts.tokenized import TokenizedSplit
 from eagle3.hooks import PrefillCapture
 
-__all__ = ["plan_batches", "pad_batch", "finite_flags", "to_host", "extract_batches"]
+__all__ = ["BATCHINGS", "resolve_batching", "plan_batches", "batch_cost", "pad_batch", "pack_batch", "finite_flags",
+           "finite_flags_packed", "CapturedBatch", "forward_batch", "to_host", "extract_batches"]
+
+BATCHINGS = ("packed", "padded")
+"""The two batch layouts. ``packed``: a batch's samples back to back in one row, per-sample position ids,
+document-causal attention (:meth:`eagle3.hooks.PrefillCapture.capture_packed`): no compute on padding
+and no mask. ``padded``: right-padded rows with an attention mask (the layout before issue 14; kept
+as the reference the packed states are tested against, and for targets that cannot run packed)."""
 
 
-def plan_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
-    """Group sample indices into batches of at most ``token_budget`` padded tokens.
+def resolve_batching(requested: str, config) -> str:
+    """``extract.batching`` for a target config: ``auto`` is ``packed`` unless the config asks for
+    sliding-window attention (``sliding_window`` with ``use_sliding_window`` not False, or a
+    ``layer_types`` entry naming it), which the packed attention does not implement.
 
-    Samples are sorted by length, longest first (ties by index), and cut greedily so that
-    ``len(batch) * max_len(batch) <= token_budget``; a sample longer than the budget gets a batch of
-    its own. Longest-first makes the first batches the heaviest: an out-of-memory shows at once and
-    the calibration projects conservatively. Deterministic: the same lengths give the same plan.
+    Args:
+        requested: ``auto``, ``packed`` or ``padded``. config: the target's text config.
+
+    Returns:
+        str: ``packed`` or ``padded`` (an explicit choice is returned as it is; a target that cannot
+        run packed then fails in :meth:`eagle3.hooks.PrefillCapture.capture_packed` with the reason).
+    """
+    if requested != "auto":
+        return requested
+    sliding = bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False
+    sliding = sliding or any("sliding" in str(t) for t in (getattr(config, "layer_types", None) or ()))
+    return "padded" if sliding else "packed"
+
+
+def plan_batches(lengths: Sequence[int], token_budget: int, packed: bool = False) -> list[list[int]]:
+    """Group sample indices into batches of at most ``token_budget`` tokens.
+
+    Samples are sorted by length, longest first (ties by index), and cut greedily: padded batches
+    keep ``len(batch) * max_len(batch) <= token_budget`` (the padded tokens), packed ones
+    ``sum(lengths) <= token_budget`` (the real tokens: nothing is padded). A sample longer than the
+    budget gets a batch of its own. Longest-first makes the first batches the heaviest: an
+    out-of-memory shows at once and the calibration projects conservatively. Deterministic: the
+    same lengths give the same plan.
 
     Returns:
         list[list[int]]: indices into ``lengths``; each batch's first index is its longest sample.
@@ -33,18 +63,26 @@ def plan_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
     order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
     batches: list[list[int]] = []
     cur: list[int] = []
-    cur_max = 0
+    cur_max = cur_sum = 0
     for i in order:
         length = int(lengths[i])
         m = max(cur_max, length)
-        if cur and m * (len(cur) + 1) > token_budget:
+        cost = cur_sum + length if packed else m * (len(cur) + 1)
+        if cur and cost > token_budget:
             batches.append(cur)
-            cur, m = [], length
+            cur, m, cur_sum = [], length, 0
         cur.append(i)
         cur_max = m
+        cur_sum += length
     if cur:
         batches.append(cur)
     return batches
+
+
+def batch_cost(lengths: Sequence[int], batch: Sequence[int], packed: bool) -> int:
+    """Tokens a batch computes: its real tokens when packed, ``len(batch) x longest`` when padded."""
+    lens = [int(lengths[r]) for r in batch]
+    return sum(lens) if packed else len(lens) * max(lens)
 
 
 def pad_batch(rows: TokenizedSplit, batch: Sequence[int], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, list[int]]:
@@ -62,38 +100,93 @@ def pad_batch(rows: TokenizedSplit, batch: Sequence[int], pad_id: int = 0) -> tu
     return ids, (None if min(lens) == t else mask), lens
 
 
-
-# ----------------------------------------------------------------------------------------------
-# Input rows (Stage 2's tokenized parquet)
-# ----------------------------------------------------------------------------------------------
-
-
-# ----------------------------------------------------------------------------------------------
-# The extraction loop (used by the stage, online mode and the benchmark)
-# ----------------------------------------------------------------------------------------------
+def pack_batch(rows: TokenizedSplit, batch: Sequence[int]) -> tuple[torch.Tensor, list[int]]:
+    """``(input_ids [sum(lengths)] int64 on CPU, lengths)``: the batch's samples back to back."""
+    lens = [int(rows.lengths[r]) for r in batch]
+    return torch.from_numpy(np.concatenate([rows.tokens(r) for r in batch]).astype(np.int64, copy=False)), lens
 
 
 def finite_flags(hs: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """bool ``[B]`` on ``hs``'s device: sample ``b`` has no NaN/Inf in its real (unpadded) tokens."""
+    """bool ``[B]`` on ``hs``'s device: sample ``b`` of a padded ``hs [B, T, ...]`` has no NaN/Inf in
+    its real (unpadded) tokens."""
     fin = torch.isfinite(hs).flatten(2).all(-1)  # [B, T]
     if mask is not None:
         fin = fin | (mask == 0)
     return fin.all(-1)
 
 
-def to_host(hs: torch.Tensor, mask: torch.Tensor | None, lens: Sequence[int]):
-    """Start copying a captured batch to the host.
+def finite_flags_packed(hs: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """bool ``[n]`` on ``hs``'s device: sample ``i`` of a packed ``hs [tokens, ...]`` has no NaN/Inf.
+
+    One reduction over the whole row and a cumulative count of bad tokens read at the sample
+    boundaries (no per-sample kernel launch, no host sync).
+    """
+    bad = (~torch.isfinite(hs).flatten(1).all(-1)).to(torch.int32)  # [tokens]
+    csum = torch.nn.functional.pad(bad.cumsum(0), (1, 0))
+    ends = torch.tensor(np.cumsum([0, *lengths]), device=hs.device)
+    return (csum[ends[1:]] - csum[ends[:-1]]) == 0
+
+
+@dataclass
+class CapturedBatch:
+    """One batch through the hooked target.
+
+    Attributes:
+        hs: packed ``[tokens, slots, hidden]`` or padded ``[B, T, slots, hidden]`` (storage dtype, device).
+        finite: bool ``[B]`` (device): each sample's states are all finite.
+        lengths: the samples' lengths. offsets: packed start of each sample (None when padded).
+        mask: the padded batch's attention mask (None when packed or unpadded).
+    """
+
+    hs: torch.Tensor
+    finite: torch.Tensor
+    lengths: list[int]
+    offsets: list[int] | None
+    mask: torch.Tensor | None = None
+
+    def sample(self, j: int, hs: torch.Tensor | None = None) -> torch.Tensor:
+        """Sample ``j``'s ``[len, slots, hidden]`` (a view) of ``hs`` (default ``self.hs``; e.g. the host copy)."""
+        t = self.hs if hs is None else hs
+        if self.offsets is None:
+            return t[j, : self.lengths[j]]
+        return t[self.offsets[j]: self.offsets[j] + self.lengths[j]]
+
+
+def forward_batch(capture: PrefillCapture, rows: TokenizedSplit, batch: Sequence[int], *, packed: bool,
+                  pad_id: int = 0) -> CapturedBatch:
+    """Run the rows ``batch`` through ``capture`` in the chosen layout (:data:`BATCHINGS`).
 
     Args:
-        hs: ``[B, T, slots, hidden]`` from :meth:`eagle3.hooks.PrefillCapture.capture`.
-        mask: ``[B, T]`` attention mask or None. lens: true lengths.
+        capture: the hooked target. rows: the tokenized samples. batch: row indices.
+        packed: one packed row (:meth:`PrefillCapture.capture_packed`) or a right-padded batch.
+        pad_id: the padding token (padded layout only; masked out, so any id works).
+
+    Returns:
+        CapturedBatch: the states on the device and per-sample finite flags (nothing synchronised).
+    """
+    dev = capture.device
+    if packed:
+        ids, lens = pack_batch(rows, batch)
+        hs = capture.capture_packed(ids.to(dev, non_blocking=True), lens)
+        offs = np.cumsum([0, *lens[:-1]]).tolist()
+        return CapturedBatch(hs, finite_flags_packed(hs, lens), lens, offs)
+    ids, mask, lens = pad_batch(rows, batch, pad_id)
+    mask = mask.to(dev, non_blocking=True) if mask is not None else None
+    hs = capture.capture(ids.to(dev, non_blocking=True), mask)
+    return CapturedBatch(hs, finite_flags(hs, mask), lens, None, mask)
+
+
+def to_host(hs: torch.Tensor, fin: torch.Tensor):
+    """Start copying a captured batch and its finite flags to the host.
+
+    Args:
+        hs: the captured states (any layout). fin: bool ``[B]`` flags (:func:`finite_flags`).
 
     Returns:
         tuple: ``(hs_host, finite, ready)``: on CUDA a pinned host tensor and a bool ``[B]`` flag tensor
         being filled asynchronously, and the CUDA event that completes them (``ready.synchronize()``
         before reading; the writer threads do); on CPU the inputs themselves and ``ready = None``.
     """
-    fin = finite_flags(hs, mask)
     if hs.device.type != "cuda":
         return hs, fin, None
     host = torch.empty(hs.shape, dtype=hs.dtype, pin_memory=True)
@@ -107,7 +200,8 @@ def to_host(hs: torch.Tensor, mask: torch.Tensor | None, lens: Sequence[int]):
 
 def extract_batches(capture: PrefillCapture, rows: TokenizedSplit, batches: Sequence[Sequence[int]],
                     writer: SampleWriter | None, *, shard_size: int, skip: set[int] | frozenset = frozenset(),
-                    pad_id: int = 0, on_batch: Callable[[int, int, int], None] | None = None) -> dict:
+                    pad_id: int = 0, on_batch: Callable[[int, int, int], None] | None = None,
+                    packed: bool = False) -> dict:
     """Run ``batches`` through ``capture`` and queue every sample not in ``skip`` on ``writer``.
 
     A batch is always computed whole (even when some of its rows are done) so that a resumed run
@@ -121,10 +215,11 @@ def extract_batches(capture: PrefillCapture, rows: TokenizedSplit, batches: Sequ
         shard_size: rows per ``rows_*`` folder.
         skip: rows whose files are already done.
         on_batch: ``on_batch(new_samples, new_tokens, computed_tokens)`` after each batch.
+        packed: the batch layout (:data:`BATCHINGS`); must match how ``batches`` were planned.
 
     Returns:
-        dict: ``samples``, ``tokens`` (new), ``computed_tokens``, ``seconds`` (loop wall time,
-        the writer drained).
+        dict: ``samples``, ``tokens`` (new), ``computed_tokens`` (padding included), ``seconds``
+        (loop wall time, the writer drained).
 
     Raises:
         NonFiniteError / ExtractError: from the writer (NaN/Inf sample, disk full).
@@ -133,11 +228,9 @@ def extract_batches(capture: PrefillCapture, rows: TokenizedSplit, batches: Sequ
     new_samples = new_tokens = computed = 0
     dev = capture.device
     for batch in batches:
-        ids, mask, lens = pad_batch(rows, batch, pad_id)
-        ids = ids.to(dev, non_blocking=True)
-        mask = mask.to(dev, non_blocking=True) if mask is not None else None
-        hs = capture.capture(ids, mask)
-        hs_host, fin, ready = to_host(hs, mask, lens)
+        cb = forward_batch(capture, rows, batch, packed=packed, pad_id=pad_id)
+        lens = cb.lengths
+        hs_host, fin, ready = to_host(cb.hs, cb.finite)
         n_new = t_new = 0
         for j, r in enumerate(batch):
             if r in skip:
@@ -147,20 +240,21 @@ def extract_batches(capture: PrefillCapture, rows: TokenizedSplit, batches: Sequ
             if writer is None:
                 if ready is None and not bool(fin[j]):
                     raise NonFiniteError(f"non-finite hidden states in sample id {rows.ids[r]} (row {r}): "
-                                         f"{first_non_finite(hs_host[j, : lens[j]], capture.stored_layers)}")
+                                         f"{first_non_finite(cb.sample(j, hs_host), capture.stored_layers)}")
                 continue
             tensors = {"token_ids": torch.from_numpy(rows.tokens(r).copy()),
                        "loss_mask": torch.from_numpy(rows.mask(r).copy()),
-                       "hidden_states": hs_host[j, : lens[j]]}
+                       "hidden_states": cb.sample(j, hs_host)}
             writer.submit({"row": r, "id": rows.ids[r], "file": sample_relpath(r, shard_size)}, tensors,
                           finite=fin[j], ready=ready)
         if ready is not None and writer is None:
             ready.synchronize()
+        cost = sum(lens) if packed else len(lens) * max(lens)
         new_samples += n_new
         new_tokens += t_new
-        computed += sum(lens)
+        computed += cost
         if on_batch is not None:
-            on_batch(n_new, t_new, sum(lens))
+            on_batch(n_new, t_new, cost)
     if writer is not None:
         writer.close()
     elif dev.type == "cuda":

@@ -51,6 +51,8 @@ class ExtractStats(Stats):
     preflight_projected_seconds: float | None
     world_size: int
     verified: bool
+    batching: str = "padded"  # extract.batching as resolved (stats written before issue 14: padded)
+    attention_kernel: str | None = None  # packed: "varlen" (flash over cu_seqlens) or "sdpa" (one call per sample)
 
 
 def verify(run_dir: str | Path, *, check_hashes: bool = True, check_values: bool = True,
@@ -91,6 +93,8 @@ def _stats(params: Params, setup: Setup, pf: dict, loops: list[dict], redone: li
         writer_busy_s=round(sum(lp["writer_busy_s"] for lp in loops), 3),
         calibration_tokens_per_s=calib.get("tokens_per_s"),
         preflight_projected_seconds=calib.get("projected_seconds"), world_size=world, verified=verified,
+        batching=setup.batching if params.extract.backend == "transformers" else "vllm",
+        attention_kernel=next((lp["attention_kernel"] for lp in loops if lp.get("attention_kernel")), None),
     )
 
 

@@ -10,9 +10,9 @@ import torch
 from eagle3.config import Params
 from eagle3.contracts.hidden_states import NonFiniteError, first_non_finite, storage_dtype
 from eagle3.errors import ExtractError
-from eagle3.extract.core import finite_flags, pad_batch
+from eagle3.extract.core import forward_batch, resolve_batching
 from eagle3.extract.prepare import load_rows
-from eagle3.hooks import PrefillCapture
+from eagle3.hooks import PrefillCapture, text_config
 
 __all__ = ["OnlineExtractor", "online_samples"]
 
@@ -37,10 +37,13 @@ class OnlineExtractor:
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
         self.capture = PrefillCapture(model, params.extract.aux_layer_ids, storage_dtype(params.extract.dtype, cdtype),
                                       error=ExtractError)
+        # the same layout as Stage 3 (extract.batching): packed rows, no padding, unless the target can't
+        self.packed = resolve_batching(params.extract.batching, text_config(model.config)) == "packed"
 
     @classmethod
     def get(cls, params: Params, device: str | None = None) -> OnlineExtractor:
-        key = (params.target.model_dump_json(), tuple(params.extract.aux_layer_ids or ()), params.extract.dtype, device)
+        key = (params.target.model_dump_json(), tuple(params.extract.aux_layer_ids or ()), params.extract.dtype,
+               params.extract.batching, device)
         if key not in _ONLINE:
             _ONLINE.clear()  # one target in memory at a time
             _ONLINE[key] = cls(params, device)
@@ -53,7 +56,8 @@ def online_samples(params: Params, run_dir: str | Path, rows: Iterable[int] | No
     """Yield the same per-sample dicts as :class:`eagle3.contracts.hidden_states.HiddenStatesDataset`, straight from the target.
 
     Rows are taken in the given order, grouped into consecutive batches of at most
-    ``extract.token_budget`` padded tokens; nothing is written to disk.
+    ``extract.token_budget`` tokens in Stage 3's layout (``extract.batching``: packed rows without
+    padding by default); nothing is written to disk.
 
     Args:
         params: the run's params.
@@ -75,21 +79,24 @@ def online_samples(params: Params, run_dir: str | Path, rows: Iterable[int] | No
     ex = extractor or OnlineExtractor.get(params, device)
     order = list(range(len(data))) if rows is None else [int(r) for r in rows]
     budget = params.extract.token_budget
+    lengths = data.lengths
     i = 0
     while i < len(order):
-        batch, m = [order[i]], int(data.lengths[order[i]])
+        # consecutive rows up to the budget: real tokens when packed, len x longest when padded
+        batch, m, tot = [order[i]], int(lengths[order[i]]), int(lengths[order[i]])
         i += 1
-        while i < len(order) and max(m, int(data.lengths[order[i]])) * (len(batch) + 1) <= budget:
-            m = max(m, int(data.lengths[order[i]]))
+        while i < len(order):
+            n = int(lengths[order[i]])
+            cost = tot + n if ex.packed else max(m, n) * (len(batch) + 1)
+            if cost > budget:
+                break
             batch.append(order[i])
+            m, tot = max(m, n), tot + n
             i += 1
-        ids, mask, lens = pad_batch(data, batch, ex.pad_id)
-        dev = ex.capture.device
-        mask_d = mask.to(dev) if mask is not None else None
-        hs = ex.capture.capture(ids.to(dev), mask_d)
-        fin = finite_flags(hs, mask_d).tolist()
+        cb = forward_batch(ex.capture, data, batch, packed=ex.packed, pad_id=ex.pad_id)
+        fin = cb.finite.tolist()  # host sync: one per batch
         for j, r in enumerate(batch):
-            h = hs[j, : lens[j]]
+            h = cb.sample(j)
             if not fin[j]:
                 raise NonFiniteError(f"non-finite hidden states in sample id {data.ids[r]} (row {r}): "
                                      f"{first_non_finite(h.cpu(), ex.capture.stored_layers)}")

@@ -22,7 +22,7 @@ from eagle3.contracts import tokenized
 from eagle3.contracts.tokenized import TokenizedSplit
 from eagle3.distributed import DistContext
 from eagle3.errors import ExtractError, VocabError
-from eagle3.extract.core import plan_batches
+from eagle3.extract.core import batch_cost, plan_batches, resolve_batching
 from eagle3.hooks import resolve_layer_ids, text_config
 from eagle3.io import atomic_write_json, atomic_write_text, free_bytes, read_json
 from eagle3.rundir import EXTRACT, RunDir
@@ -78,6 +78,12 @@ class Setup:
     cdtype: torch.dtype
     target_path: Path
     plan: list[list[int]]
+    batching: str = "packed"
+
+    @property
+    def packed(self) -> bool:
+        """The batches are packed rows (:data:`eagle3.extract.core.BATCHINGS`)."""
+        return self.batching == "packed"
 
 
 def _meta(params: Params, rows: TokenizedSplit, aux: list[int], n_layers: int, hidden: int,
@@ -123,9 +129,11 @@ def build_setup(params: Params, run_dir: Path) -> Setup:
     aux = resolve_layer_ids(ep.aux_layer_ids, n_layers, error=ExtractError)
     cdtype = torch_dtype(params.target.dtype, resolved.path)
     sdtype = hs.storage_dtype(ep.dtype, cdtype)
+    batching = resolve_batching(ep.batching, cfg)
     meta = _meta(params, rows, aux, n_layers, hidden, sdtype, cdtype, resolved)
+    meta["batching"] = batching
     return Setup(rows, meta, aux, meta["stored_layers"], n_layers, hidden, sdtype, cdtype, resolved.path,
-                 plan_batches(rows.lengths, ep.token_budget))
+                 plan_batches(rows.lengths, ep.token_budget, packed=batching == "packed"), batching)
 
 
 def _check_meta(sd: Path, meta: dict) -> None:
@@ -235,7 +243,7 @@ def _preflight_dict(params: Params, setup: Setup, sd: Path, done_rows: int, done
     todo_bytes = todo_tokens * (bpt + 9) + todo_samples * HEADER_BYTES_ESTIMATE
     free = free_bytes(sd)
     required = int(todo_bytes * ep.disk_margin)
-    padded = sum(len(b) * int(setup.rows.lengths[b[0]]) for b in setup.plan)
+    padded = sum(batch_cost(setup.rows.lengths, b, setup.packed) for b in setup.plan)
     rows = setup.rows
     elem = hs.DTYPE_BYTES[setup.sdtype]
     return {
@@ -251,7 +259,7 @@ def _preflight_dict(params: Params, setup: Setup, sd: Path, done_rows: int, done
         "done_samples": done_rows, "done_tokens": done_tokens, "done_bytes": done_bytes,
         "todo_samples": todo_samples, "todo_tokens": todo_tokens, "todo_bytes": todo_bytes,
         "disk_margin": ep.disk_margin, "required_free_bytes": required, "free_bytes": free,
-        "fits": required <= free, "output_dir": str(sd), "token_budget": ep.token_budget,
+        "fits": required <= free, "output_dir": str(sd), "token_budget": ep.token_budget, "batching": setup.batching,
         "num_batches": len(setup.plan),
         "padding_efficiency": round(total["tokens"] / padded, 4) if padded else 1.0,
         "world_size": world, "backend": ep.backend, "projected_seconds": None, "calibration": None,

@@ -22,7 +22,7 @@ from eagle3.config import Params, dump_params
 from eagle3.contracts.hidden_states import SampleWriter
 from eagle3.distributed import DistContext, in_torchrun, launch_torchrun
 from eagle3.errors import ExtractError
-from eagle3.extract.core import extract_batches
+from eagle3.extract.core import batch_cost, extract_batches
 from eagle3.extract.finalize import ExtractStats, finalize
 from eagle3.extract.prepare import Prepared, extract_dir, prepare
 from eagle3.extract.progress import make_progress
@@ -154,9 +154,10 @@ def _extract_share(params: Params, sd: Path, prep: Prepared, dist: DistContext, 
         calib.batch_done(computed)
 
     loop = extract_batches(capture, prep.setup.rows, todo, writer, shard_size=params.extract.shard_size,
-                           skip=set(prep.valid), pad_id=pad_id, on_batch=on_batch)
+                           skip=set(prep.valid), pad_id=pad_id, on_batch=on_batch, packed=prep.setup.packed)
     capture.close()
     del model
+    loop["attention_kernel"] = capture.packed_kernel if prep.setup.packed else "sdpa (padded, masked)"
     return loop
 
 
@@ -169,7 +170,7 @@ def _run_transformers(params: Params, run_dir: Path, sd: Path, write_fn) -> dict
     loop: dict = {"samples": 0, "tokens": 0, "computed_tokens": 0, "seconds": 0.0}
     writer = None
     calib = _Calibration(sd, prep.pf, ep.calibration_batches,
-                         sum(len(b) * int(rows.lengths[b[0]]) for b in todo), dist.main)
+                         sum(batch_cost(rows.lengths, b, prep.setup.packed) for b in todo), dist.main)
 
     def progress(_: Path):
         return make_progress(sd, dist, prep, lambda: writer.bytes_written if writer is not None else 0)
@@ -190,7 +191,8 @@ def _run_transformers(params: Params, run_dir: Path, sd: Path, write_fn) -> dict
             raise
         mine = {"samples": loop["samples"], "tokens": loop["tokens"], "computed_tokens": loop["computed_tokens"],
                 "seconds": loop["seconds"], "bytes_written": writer.bytes_written if writer is not None else 0,
-                "writer_busy_s": writer.busy_s if writer is not None else 0.0, "calibration": calib.result or None}
+                "writer_busy_s": writer.busy_s if writer is not None else 0.0, "calibration": calib.result or None,
+                "attention_kernel": loop.get("attention_kernel")}
         loops = dist.gather(mine)
         dist.barrier()
         if not dist.main:
