@@ -26,6 +26,7 @@ __all__ = [
     "atomic_path",
     "read_json",
     "Progress",
+    "window_rates",
     "write_stats",
     "dir_bytes",
     "free_bytes",
@@ -301,3 +302,34 @@ def free_bytes(path: str | Path) -> int:
     while not p.exists():
         p = p.parent
     return shutil.disk_usage(p).free
+
+
+def window_rates(points: list[tuple[float, float]], min_window_s: float) -> list[tuple[float, float, float]]:
+    """Rates of a cumulative counter over windows of at least ``min_window_s`` seconds.
+
+    A rate between two progress points a few milliseconds apart (a batch written just after a
+    heartbeat) is a huge number that flattens a throughput plot; here every window spans at least
+    ``min_window_s``, except a whole series shorter than that. Points with the same time are never
+    split, and a short remainder at the end is merged into the window before it.
+
+    Args:
+        points: ``(t, total)`` pairs, ``t`` in seconds (ascending), ``total`` cumulative (tokens, samples).
+        min_window_s: the shortest window in seconds (e.g. 1/30 of the run, or a few heartbeats).
+
+    Returns:
+        ``[(t_from, t_to, rate per second), ...]``; empty for fewer than two points or no elapsed time.
+    """
+    wins: list[tuple[float, float, float, float]] = []  # (t_from, total_from, t_to, total_to)
+    if len(points) < 2:
+        return []
+    (t_prev, c_prev), last = points[0], len(points) - 1
+    for i in range(1, len(points)):
+        t, c = points[i]
+        if i < last and (t - t_prev < min_window_s or points[i + 1][0] <= t):
+            continue
+        if i == last and t - t_prev < min_window_s and wins:  # a short remainder joins the window before it
+            t_prev, c_prev, _, _ = wins.pop()
+        if t > t_prev:
+            wins.append((t_prev, c_prev, t, c))
+        t_prev, c_prev = t, c
+    return [(a, b, (cb - ca) / (b - a)) for a, ca, b, cb in wins]

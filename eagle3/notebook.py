@@ -7,7 +7,7 @@ from pathlib import Path
 from eagle3.config import Params, load_params
 from eagle3.rundir import prepare_run_dir, project_root, resolve_run_dir
 
-__all__ = ["setup", "show_table"]
+__all__ = ["setup", "show_table", "run_dir_note"]
 
 
 def setup(params_file: str | None, run_dir: str | None = None, overrides: list[str] | None = None) -> tuple[Params, Path]:
@@ -29,11 +29,43 @@ def setup(params_file: str | None, run_dir: str | None = None, overrides: list[s
             pf = alt
     params = load_params(pf, overrides or None)
     rd = Path(run_dir) if run_dir else resolve_run_dir(params)
-    return params, prepare_run_dir(params, rd)
+    rd = prepare_run_dir(params, rd)
+    _say_which_run(rd, chosen=bool(run_dir))
+    return params, rd
 
 
-def show_table(rows: dict | list, title: str | None = None):
-    """Display a dict (key -> value) or a list of dicts as an HTML table in a notebook."""
+def run_dir_note(run_dir: str | Path, chosen: bool) -> str:
+    """One Markdown line on which run directory a notebook opened and what it will do there.
+
+    A notebook opened in JupyterLab with the default ``run_dir = None`` lands in
+    ``outputs/<run.name>``, which may be a finished run made by ``make run``: the line says so, and
+    that its complete stages are read, not redone or rewritten (issue 16).
+    """
+    from eagle3.rundir import STAGES, stage_complete
+
+    done = [s for s in STAGES if stage_complete(run_dir, s)]
+    how = ("set in the parameters cell" if chosen else
+           "the default `outputs/<run.name>` of the params file; set `run_dir` in the parameters cell to open another run")
+    if done:
+        state = (f"an existing run, stages {', '.join(map(str, done))} complete: their results are read "
+                 "from disk, nothing finished is recomputed or rewritten")
+    else:
+        state = "no stage complete yet: this notebook runs its stage here"
+    return f"**Run directory** `{Path(run_dir).resolve()}` ({how}): {state}."
+
+
+def _say_which_run(run_dir: Path, chosen: bool) -> None:
+    from IPython.display import Markdown, display
+
+    display(Markdown(run_dir_note(run_dir, chosen)))
+
+
+def show_table(rows: dict | list, title: str | None = None) -> None:
+    """Display a dict (key -> value) or a list of dicts as an HTML table in a notebook.
+
+    Returns None, so that a call left as a cell's last line does not show the table a second time
+    (as the cell's result).
+    """
     import pandas as pd
     from IPython.display import Markdown, display
 
@@ -41,4 +73,3 @@ def show_table(rows: dict | list, title: str | None = None):
     if title:
         display(Markdown(f"**{title}**"))
     display(df)
-    return df

@@ -13,7 +13,8 @@ from eagle3.errors import ParamsError, RunnerError, StageFailed
 from eagle3.io import format_bytes, read_json
 from eagle3.rundir import NOTEBOOKS, STAGES, notebooks_dir, prepare_run_dir, resolve_run_dir, stage_complete
 
-__all__ = ["parse_stages", "run_pipeline", "StageFailed", "status_rows", "format_status", "render_report"]
+__all__ = ["parse_stages", "run_pipeline", "StageFailed", "status_rows", "format_status", "render_report",
+           "static_widgets"]
 
 KERNEL = "eagle3"
 
@@ -179,6 +180,44 @@ def offline_html(body: str) -> str:
     return _REMOTE_SCRIPT.sub("", body)
 
 
+_WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def _final_bar_html(model_id: str, state: dict) -> str | None:
+    """The last state of a tqdm notebook bar (HBox of HTML, FloatProgress, HTML) as static HTML."""
+    box = state.get(model_id, {})
+    kids = [state.get(str(c).removeprefix("IPY_MODEL_"), {}) for c in box.get("state", {}).get("children", [])]
+    if box.get("model_name") != "HBoxModel" or [k.get("model_name") for k in kids] != [
+            "HTMLModel", "FloatProgressModel", "HTMLModel"]:
+        return None
+    pre, bar, post = (k.get("state", {}) for k in kids)
+    value, top = bar.get("value") or 0, bar.get("max") or 0
+    return (f"<div class='eagle3-progress'><code>{pre.get('value', '')}</code> "
+            f"<progress value='{value}' max='{top}'></progress> <code>{post.get('value', '')}</code></div>")
+
+
+def static_widgets(nb) -> int:
+    """Replace each widget output of an executed notebook by static HTML, in place; returns how many.
+
+    The report renders without a widget manager, where nbconvert would fall back to the widget's
+    ``text/plain`` repr (a tqdm bar's *first* state, "0%"; ``VBox(children=...)``). A progress bar
+    becomes its last state (from the notebook's saved widget state); an output that carries its own
+    ``text/html`` (the vocab explorer's static block) keeps that; any other widget says where it runs.
+    """
+    state = (nb.metadata.get("widgets") or {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+    n = 0
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data") or {}
+            if _WIDGET_VIEW not in data:
+                continue
+            html_text = data.get("text/html") or _final_bar_html(data[_WIDGET_VIEW].get("model_id", ""), state) or (
+                "<p><em>(interactive widget: open this notebook in JupyterLab)</em></p>")
+            out["data"] = {"text/html": html_text}
+            n += 1
+    return n
+
+
 def render_report(run_dir: str | Path) -> Path:
     """Render the executed notebooks to HTML plus ``report/index.html`` (key numbers, figures, links).
 
@@ -205,7 +244,8 @@ def render_report(run_dir: str | Path) -> Path:
     for nb_path in executed:
         nb = nbformat.read(nb_path, as_version=4)
         # Widget state (tqdm bars, the vocab slider) would make nbconvert load the widget manager
-        # from a CDN; the report must render offline, so widgets fall back to their text output.
+        # from a CDN; the report must render offline, so widgets become static HTML first.
+        static_widgets(nb)
         nb.metadata.pop("widgets", None)
         # Each page gets its stage's title (nbconvert's default is "Notebook" for every page).
         stage = next((n for n, f in NOTEBOOKS.items() if f == nb_path.name), None)

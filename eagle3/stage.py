@@ -27,10 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from eagle3.io import Progress, write_stats
-from eagle3.rundir import STAGES, stage_dir
+from eagle3.io import Progress, read_json, write_stats
+from eagle3.rundir import STAGES, STATS_FILE, stage_dir
 
-__all__ = ["Stats", "StageRun"]
+__all__ = ["Stats", "StageRun", "completed_stats"]
 
 
 @dataclasses.dataclass
@@ -197,3 +197,14 @@ class StageRun:
         self._finished = True
         self.close("done" if complete else "failed")
         return out
+
+
+def completed_stats(run_dir: str | Path, stage: int, cls: type[Stats]) -> Stats | None:
+    """The ``cls`` of stage ``stage``'s ``stats.json`` when it says ``complete``, else None.
+
+    A stage that finds its work finished (its own check of its inputs) returns this instead of
+    entering a :class:`StageRun`, so that opening a finished run's notebook leaves ``stats.json``
+    and ``progress.json`` byte-identical (issue 16).
+    """
+    st = read_json(stage_dir(run_dir, stage, create=False) / STATS_FILE, None)
+    return cls.from_dict(st) if isinstance(st, dict) and st.get("complete") else None

@@ -152,8 +152,9 @@ def test_stage1_with_a_self_source(tmp_path, embedded_target):
         assert s["messages"][2]["role"] == "assistant" and s["finish_reasons"]
     on_disk = json.loads((run_dir / "01_synthesize" / "stats.json").read_text())
     assert on_disk["prompts"]["self_prompt"][0]["filtered"] == sp["filtered"]
-    again = synthesize_run(params, run_dir)
-    assert again.resumed_from == 3 and again.generated_this_session == 0
+    progress = (run_dir / "01_synthesize" / "progress.json").read_bytes()
+    again = synthesize_run(params, run_dir)  # finished: returned as it is, nothing rewritten (issue 16)
+    assert again == stats and (run_dir / "01_synthesize" / "progress.json").read_bytes() == progress
     assert [json.loads(x) for x in (run_dir / "01_synthesize" / "samples.jsonl").read_text().splitlines()] == samples
 
 

@@ -334,10 +334,14 @@ def test_torn_last_line_dropped_and_regenerated(tmp_path):
         assert len(srv.requests) - n0 == 1
     assert stats2["torn_lines_dropped"] == 1 and stats2["resumed_from"] == 3 and stats2["generated_this_session"] == 1
     assert path.read_bytes() == good
-    # a complete run re-run does no work at all
+    assert stats2["tokens_per_s"] > 0  # over both sessions
+    # a complete run re-run does no work at all and rewrites nothing (issue 16: a notebook opened on a
+    # finished run leaves its records as they were)
+    sd = RunDir(rd).stage(SYNTHESIZE)
+    before = {f.name: f.read_bytes() for f in sorted(sd.iterdir()) if f.is_file()}
     stats3 = run(params, rd)
-    assert stats3["generated_this_session"] == 0 and path.read_bytes() == good
-    assert stats3["tokens_per_s_this_session"] is None and stats3["tokens_per_s"] > 0  # over both sessions
+    assert stats3 == stats2 and path.read_bytes() == good
+    assert {f.name: f.read_bytes() for f in sorted(sd.iterdir()) if f.is_file()} == before
 
 
 def test_corrupt_middle_line_is_reported(tmp_path):

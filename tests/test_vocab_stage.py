@@ -113,7 +113,16 @@ def test_run_end_to_end_and_resume(tmp_path):
     assert ex.chosen_size == 16 and ex.summary(16)["heldout_oov_rate"] == st["heldout_oov_rate"]
     assert ex.summary(49152)["heldout_oov_rate"] == 0.0 and ex.summary(49152)["heldout_coverage"] == 1.0
 
-    # resume: nothing re-tokenized, same outputs, the mapping comes from the cache
+    # a finished stage with the same inputs is returned as it is: no file rewritten (issue 16)
+    files = {f.name: (f.stat().st_mtime_ns, f.read_bytes()) for f in sorted(d.iterdir()) if f.is_file()}
+    assert run(_params(tmp_path, "vocab.draft_vocab_size=16"), rd) == st
+    assert {f.name: (f.stat().st_mtime_ns, f.read_bytes()) for f in sorted(d.iterdir()) if f.is_file()} == files
+    # ... but another size rule on the same files is a new computation
+    assert run(_params(tmp_path, "vocab.draft_vocab_size=24"), rd)["draft_vocab_size"] == 24
+
+    # resume of an unfinished stage: nothing re-tokenized, same outputs, the mapping comes from the cache
+    run(_params(tmp_path, "vocab.draft_vocab_size=16"), rd)
+    (d / "stats.json").unlink()
     mtime = (d / "train.parquet").stat().st_mtime_ns
     blob = (d / "vocab_mapping.safetensors").read_bytes()
     st2 = run(_params(tmp_path, "vocab.draft_vocab_size=16"), rd)

@@ -23,12 +23,13 @@ import torch
 from matplotlib.figure import Figure
 
 from eagle3.contracts import hidden_states as hsc
-from eagle3.io import read_json
+from eagle3.io import read_json, window_rates
 from eagle3.rundir import EXTRACT, RunDir
 
 __all__ = [
     "preflight_rows",
     "timeline",
+    "throughput_windows",
     "fig_throughput",
     "fig_bytes_per_token",
     "layer_norms",
@@ -79,9 +80,27 @@ def timeline(run_dir: str | Path) -> list[dict]:
     return out
 
 
+def throughput_windows(points: list[dict], min_window_s: float = 2.0) -> list[tuple[float, float, float]]:
+    """Tokens/s of ``timeline.jsonl`` points over windows of at least ``max(min_window_s, span/30)``
+    seconds (:func:`eagle3.io.window_rates`), per run: a resumed run (its ``elapsed_s`` restarts)
+    starts new windows. Returns ``[(t_from, t_to, tokens_per_s)]`` in the points' unix seconds."""
+    runs: list[list[dict]] = []
+    for p in points:
+        if not runs or p.get("elapsed_s", 0) < runs[-1][-1].get("elapsed_s", 0) or p["tokens"] < runs[-1][-1]["tokens"]:
+            runs.append([])
+        runs[-1].append(p)
+    out: list[tuple[float, float, float]] = []
+    for r in runs:
+        span = r[-1]["t"] - r[0]["t"]
+        out += window_rates([(p["t"], float(p["tokens"])) for p in r], max(min_window_s, span / 30))
+    return out
+
+
 def fig_throughput(run_dir: str | Path):
     """Tokens done over wall time (left; the slope is the throughput) and tokens/s (right: the running
-    average of each run as ``progress.json`` reports it, and the rate between progress points)."""
+    average of each run as ``progress.json`` reports it, and the rate over windows of at least 2 s or
+    1/30 of the run, :func:`throughput_windows`, so that two progress points a few ms apart do not
+    make an outlier that flattens the plot)."""
     pts = [p for p in timeline(run_dir) if p.get("tokens") is not None]
     fig = Figure(figsize=(10, 3.2))
     ax = fig.subplots(1, 2)
@@ -91,11 +110,10 @@ def fig_throughput(run_dir: str | Path):
         tok = np.array([p["tokens"] for p in pts], dtype=float)
         ax[0].plot(t, tok, marker=".")
         ax[1].plot(t, [p.get("tokens_per_s") or 0.0 for p in pts], marker=".", label="running average")
-        dt = np.diff(t)
-        ok = dt > 0
-        if ok.any():
-            ax[1].scatter(t[1:][ok], np.diff(tok)[ok] / dt[ok], s=10, color="C1", alpha=0.6,
-                          label="between progress points")
+        for i, (a, b, rate) in enumerate(throughput_windows(pts)):
+            ax[1].plot([a - t0, b - t0], [rate, rate], color="C1", lw=2,
+                       label="over windows of >= 2 s" if i == 0 else None)
+        ax[1].set_ylim(bottom=0)
         ax[1].legend(fontsize=8)
     ax[0].set(xlabel="wall time (s)", ylabel="tokens done", title="progress")
     ax[1].set(xlabel="wall time (s)", ylabel="tokens / s", title="extraction throughput")

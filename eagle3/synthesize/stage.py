@@ -21,7 +21,7 @@ from eagle3.errors import SynthesisError
 from eagle3.io import atomic_write_json
 from eagle3.prompts import LoadReport, Prompt, load_prompts
 from eagle3.rundir import SYNTHESIZE
-from eagle3.stage import StageRun, Stats
+from eagle3.stage import StageRun, Stats, completed_stats
 from eagle3.synthesize.conversation import Session, run_batched
 from eagle3.synthesize.report import make_figures
 from eagle3.synthesize.summary import (
@@ -232,6 +232,11 @@ def run(params: Params, run_dir: str | Path) -> SynthesizeStats:
     prompts, report = load_prompts(syn)
     ids = [p.id for p in prompts]
     store = SampleStore(samples_path(run_dir))
+    finished = completed_stats(run_dir, SYNTHESIZE, SynthesizeStats)
+    if finished is not None and set(store.done) == set(ids):
+        # nothing to generate: a finished stage is returned as it is, no file rewritten (issue 16)
+        store.close()
+        return finished
     try:
         resumed_from = sum(1 for i in ids if i in store.done)
         with StageRun(params, run_dir, SYNTHESIZE, total=len(prompts), unit="samples", done=resumed_from,

@@ -10,6 +10,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from eagle3.io import window_rates
+
 THROUGHPUT_FILE = "throughput.jsonl"
 ERRORS_FILE = "errors.json"
 
@@ -128,8 +130,9 @@ def throughput_series(events: list[dict]) -> list[tuple[tuple[float, float], flo
     Events are ``{"t", "session_start": true}`` (written when a session starts generating) and
     ``{"t", "id", "completion_tokens"}`` (one per sample written). Within each session, writes are
     grouped until a group spans at least 1/30 of the session (batched backends write a whole batch
-    at once); a group's rate is its tokens over the time since the previous group ended (the session
-    start for the first). Returns ``[((t_from, t_to), tokens_per_s), ...]`` in unix seconds.
+    at once; :func:`eagle3.io.window_rates`, which also merges a short last group into the one
+    before it); a group's rate is its tokens over the time since the previous group ended (the
+    session start for the first). Returns ``[((t_from, t_to), tokens_per_s), ...]`` in unix seconds.
     """
     out: list[tuple[tuple[float, float], float]] = []
     sessions: list[list[dict]] = []
@@ -143,15 +146,12 @@ def throughput_series(events: list[dict]) -> list[tuple[tuple[float, float], flo
         writes = [e for e in sess if "completion_tokens" in e]
         if not writes:
             continue
-        min_span = (writes[-1]["t"] - start) / 30
-        prev, tokens = start, 0
-        for i, e in enumerate(writes):
-            tokens += e["completion_tokens"]
-            last = i == len(writes) - 1
-            if (e["t"] - prev >= min_span and (last or writes[i + 1]["t"] > e["t"])) or last:
-                if e["t"] > prev:
-                    out.append(((prev, e["t"]), tokens / (e["t"] - prev)))
-                prev, tokens = e["t"], 0
+        points, total = [(start, 0)], 0
+        for e in writes:
+            total += e["completion_tokens"]
+            points.append((e["t"], total))
+        # windows of >= 1/30 of the session; the last short one merged (no rate over a near-zero interval)
+        out += [((a, b), rate) for a, b, rate in window_rates(points, (writes[-1]["t"] - start) / 30)]
     return out
 
 

@@ -240,7 +240,8 @@ class CoverageExplorer:
         """An ipywidgets control over the draft vocab size - a log-scale slider (base 2, ``step`` in
         log2 units: every useful size of a small corpus gets room) plus an exact entry - updating the
         coverage, the masked tokens lost, the top lost tokens (decoded, with their mass) and the
-        coverage by prompt source."""
+        coverage by prompt source. Its display bundle also carries ``text/html``: the same block at the
+        starting size, shown where widgets cannot run (the rendered report)."""
         import math
 
         import ipywidgets as w
@@ -262,7 +263,20 @@ class CoverageExplorer:
 
         slider.observe(from_slider, names="value")
         box.observe(from_box, names="value")
-        return w.VBox([w.HBox([slider, box]), out])
+        static = (f"<p><em>Static view at the chosen draft vocab size {start:,}: the slider needs a live kernel "
+                  f"(open this notebook in JupyterLab).</em></p>" + self.render_html(start))
+
+        class Explorer(w.VBox):
+            # the widget, plus a text/html rendering of its starting state: JupyterLab shows the widget
+            # (its renderer outranks text/html); the HTML report and viewers without a widget manager
+            # show the static block instead of the widget's repr (issue 16)
+            def _repr_mimebundle_(self, **kwargs):
+                bundle = super()._repr_mimebundle_(**kwargs)
+                if isinstance(bundle, tuple):
+                    bundle = bundle[0]
+                return {**(bundle or {}), "text/html": static}
+
+        return Explorer([w.HBox([slider, box]), out])
 
 
 def report_table(stats: dict):

@@ -27,7 +27,7 @@ from eagle3.contracts.vocab_mapping import write_mapping
 from eagle3.errors import VocabError
 from eagle3.io import atomic_write_json, read_json
 from eagle3.rundir import VOCAB
-from eagle3.stage import StageRun, Stats
+from eagle3.stage import StageRun, Stats, completed_stats
 from eagle3.vocab.mapping import (
     COMMON_SIZES,
     Coverage,
@@ -155,6 +155,11 @@ class VocabStats(Stats):
         """The ``stats.json`` dict: ``coverage_at_<n>k`` of sizes above the target vocab left out."""
         return {k: v for k, v in super().to_dict().items() if not (k.startswith("coverage_at_") and v is None)}
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> VocabStats:
+        """From a ``stats.json`` dict; the ``coverage_at_<n>k`` keys :meth:`to_dict` left out are None."""
+        return super().from_dict({**{f"coverage_at_{s // 1024}k": None for s in COMMON_SIZES}, **d})
+
 
 def _tokenize_split(params, run_dir, split, samples, renderer, hashes, prog) -> dict:
     """Tokenize one split unless its files and ``tokenize_meta.json`` already match ``hashes``."""
@@ -250,11 +255,13 @@ def run(params: Params, run_dir: str | Path) -> VocabStats:
         "template_kwargs": template_kwargs(params),
         "format": 3,  # bump when tokenization or its report changes: earlier splits are redone
     }
+    hashes = {split: corpus_hash(by_split[split], settings) for split in SPLITS}
+    finished = _finished(params, run_dir, hashes, tok_hash)
+    if finished is not None:
+        return finished
     with StageRun(params, run_dir, VOCAB, total=len(all_samples), unit="samples") as st:
         reports: dict[str, dict] = {}
-        hashes: dict[str, str] = {}
         for split in SPLITS:
-            hashes[split] = corpus_hash(by_split[split], settings)
             reports[split] = _tokenize_split(params, run_dir, split, by_split[split], renderer,
                                              {"corpus": hashes[split], "tokenizer": tok_hash}, st.progress)
         stats = VocabStats(**_count_and_map(params, run_dir, V, hashes["train"], tok_hash), **_split_stats(reports),
@@ -264,6 +271,34 @@ def run(params: Params, run_dir: str | Path) -> VocabStats:
         st.progress.extra.update(draft_vocab_size=stats.draft_vocab_size, coverage=stats.coverage)
         st.finish(stats, log=True)
     return stats
+
+
+def _finished(params: Params, run_dir: Path, hashes: dict[str, str], tok_hash: str) -> VocabStats | None:
+    """The stats of a complete stage 2 whose inputs are unchanged, else None (then it runs).
+
+    Unchanged: both splits tokenized from the same corpus and tokenizer hashes (``tokenize_meta.json``),
+    the mapping written, and the size rule giving the same draft vocab size on the stored counts.
+    Nothing is rewritten then: opening notebook 02 on a finished run leaves ``stats.json`` and
+    ``progress.json`` byte-identical (issue 16).
+    """
+    from eagle3.contracts.vocab_mapping import mapping_paths
+    from eagle3.vocab.mapping import read_counts
+
+    done = completed_stats(run_dir, VOCAB, VocabStats)
+    if done is None or not mapping_paths(run_dir)[1].exists():  # mapping.json (none written: run)
+        return None
+    meta = read_json(tokenized.split_path(run_dir, "train").parent / "tokenize_meta.json", {}) or {}
+    for split in SPLITS:
+        m = meta.get(split) or {}
+        if m.get("hashes") != {"corpus": hashes[split], "tokenizer": tok_hash} or not tokenized.split_complete(run_dir, split):
+            return None
+    try:
+        counts, _ = read_counts(run_dir)
+    except (VocabError, OSError, ValueError):  # counts missing or torn: the stage recomputes them
+        return None
+    if _pick_size(params, Coverage.from_counts(counts)) != (done.draft_vocab_size, done.draft_vocab_size_from):
+        return None
+    return done
 
 
 def _count_and_map(params: Params, run_dir: Path, V: int, c_hash: str, tok_hash: str) -> dict[str, Any]:
