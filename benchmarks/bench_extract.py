@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from eagle3.contracts.hidden_states import SampleWriter
+from eagle3.contracts.hidden_states import SampleWriter, capture_dtype
 from eagle3.contracts.tokenized import TokenizedSplit
 from eagle3.extract.core import batch_cost, extract_batches, forward_batch, pad_batch, plan_batches, to_host
 from eagle3.hooks import HiddenStateCapture, decoder_layers
@@ -157,14 +157,14 @@ def unpadded_forward(model, batches: list[torch.Tensor]) -> float:
     return time.perf_counter() - t0
 
 
-def capture_only(cap: HiddenStateCapture, rows: TokenizedSplit, batches, packed: bool) -> float:
+def capture_only(cap: HiddenStateCapture, rows: TokenizedSplit, batches, packed: bool, storage: torch.dtype) -> float:
     """Hooks, the finite check and the device-to-host copy in the stage's layout, nothing written."""
     dev = cap.device
     sync(dev)
     t0 = time.perf_counter()
     for b in batches:
-        cb = forward_batch(cap, rows, b, packed=packed)
-        _, fin, ready = to_host(cb.hs, cb.finite)
+        cb = forward_batch(cap, rows, b, packed=packed).quantize(storage)
+        _, fin, _, ready = to_host(cb.hs, cb.finite, cb.scales)
         if ready is not None:
             ready.synchronize()
         bool(fin.all())
@@ -184,12 +184,12 @@ def packed_check(cap: HiddenStateCapture, rows: TokenizedSplit, n: int = 4) -> f
 
 
 def extract_write(cap: HiddenStateCapture, rows: TokenizedSplit, batches, out: Path, threads: int,
-                  pending_mb: int, packed: bool) -> tuple[float, int, float]:
+                  pending_mb: int, packed: bool, storage: torch.dtype) -> tuple[float, int, float]:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     writer = SampleWriter(out, out / "journal.jsonl", cap.stored_layers, threads=threads,
                           max_pending_bytes=pending_mb << 20)
-    res = extract_batches(cap, rows, batches, writer, shard_size=2000, packed=packed)
+    res = extract_batches(cap, rows, batches, writer, shard_size=2000, packed=packed, storage=storage)
     return res["seconds"], writer.bytes_written, writer.busy_s
 
 
@@ -210,7 +210,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--writer-threads", type=int, default=None, help="default: cpu 1, cuda 8")
     ap.add_argument("--pending-mb", type=int, default=4096)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="storage dtype")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float8_e4m3fn"],
+                    help="storage dtype (float8_e4m3fn: scaled per token, quantized on the device)")
     ap.add_argument("--peak-flops", type=float, default=H200_PEAK_BF16)
     ap.add_argument("--out", default=None, help="folder for the written files (default: a temp folder)")
     ap.add_argument("--keep", action="store_true")
@@ -246,7 +247,7 @@ def main(argv=None) -> int:
     padded = sum(batch_cost(rows.lengths, b, False) for b in padded_plan)
     row_len = a.ceiling_len or max(64, int(round(tokens / n / 64)) * 64)
     ceiling = ceiling_batches(rows, row_len, budget)
-    cap = HiddenStateCapture(model, None, sdtype)
+    cap = HiddenStateCapture(model, None, capture_dtype(sdtype, next(model.parameters()).dtype))
     out_root = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="bench_extract_"))
     print(f"model: {name}; {params_layers / 1e9:.3f} B decoder-layer params; loaded in {load_s:.1f} s", flush=True)
     print(f"data: {n} samples, {tokens} tokens ({lo}-{hi} per sample); padded: {len(padded_plan)} batches of <= {budget} "
@@ -261,16 +262,16 @@ def main(argv=None) -> int:
     # warm-up: one batch of each pass (kernels, allocator, autotuning)
     unpadded_forward(model, ceiling[:1])
     plain_forward(model, rows, padded_plan[:1])
-    capture_only(cap, rows, plan[:1], packed)
-    extract_write(cap, rows, plan[:1], out_root / "warm", threads, a.pending_mb, packed)
+    capture_only(cap, rows, plan[:1], packed, sdtype)
+    extract_write(cap, rows, plan[:1], out_root / "warm", threads, a.pending_mb, packed, sdtype)
 
     best = {"ceiling": float("inf"), "plain": float("inf"), "capture": float("inf"), "extract": float("inf")}
     written, busy = 0, 0.0
     for r in range(a.repeats):
         best["ceiling"] = min(best["ceiling"], unpadded_forward(model, ceiling))
         best["plain"] = min(best["plain"], plain_forward(model, rows, padded_plan))
-        best["capture"] = min(best["capture"], capture_only(cap, rows, plan, packed))
-        s, written, busy_r = extract_write(cap, rows, plan, out_root / "run", threads, a.pending_mb, packed)
+        best["capture"] = min(best["capture"], capture_only(cap, rows, plan, packed, sdtype))
+        s, written, busy_r = extract_write(cap, rows, plan, out_root / "run", threads, a.pending_mb, packed, sdtype)
         if s < best["extract"]:
             best["extract"], busy = s, busy_r
         print(f"repeat {r + 1}: unpadded {best['ceiling']:.2f} s, padded {best['plain']:.2f} s, "

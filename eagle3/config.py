@@ -232,8 +232,9 @@ class VocabParams(_Section):
 class ExtractParams(_Section):
     backend: Literal["transformers", "vllm"] = "transformers"
     aux_layer_ids: list[int] | None = Field(None, description="default [2, N//2, N-3]")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "bfloat16", description="storage dtype of hidden states ('auto' = the target's compute dtype)"
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float8_e4m3fn"] = Field(
+        "bfloat16", description="storage dtype of hidden states ('auto' = the target's compute dtype; "
+        "float8_e4m3fn: half of bf16, one float32 scale per token and layer, dequantized by the readers)"
     )
     token_budget: int = Field(8192, ge=1, description="tokens per forward batch (padding included when padded)")
     batching: Literal["auto", "packed", "padded"] = Field(

@@ -263,6 +263,71 @@ def test_packed_finite_flags_name_the_bad_sample():
     assert finite_flags_packed(hs, [3, 2, 4, 1]).tolist() == [False, True, False, True]
 
 
+def test_fp8_quantization_per_token_and_slot():
+    from eagle3.contracts.hidden_states import FP8, SCALES, as_stored, quantize_fp8, read_states, storage_tensors
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 4, 576, generator=g) * torch.tensor([0.1, 3.0, 40.0, 900.0])[None, :, None]
+    x[2, 1] = 0.0  # an all-zero vector: scale 1, codes 0
+    x[5, 3, 17] = 5e4  # an outlier channel: its vector's scale follows it, the others' do not
+    q, sc = quantize_fp8(x)
+    assert q.dtype == FP8 and q.shape == x.shape and sc.dtype == torch.float32 and sc.shape == (7, 4, 1)
+    assert float(sc[2, 1, 0]) == 1.0 and not q[2, 1].float().any()
+    assert torch.equal(sc[..., 0], torch.where(x.abs().amax(-1) > 0, x.abs().amax(-1) / 448, 1.0))
+    back = read_states({"hidden_states": q, SCALES: sc}, torch.bfloat16)
+    assert set(back) == {"hidden_states"} and back["hidden_states"].dtype == torch.bfloat16
+    y = as_stored(x, FP8)
+    # e4m3: 3 mantissa bits, round to nearest: |error| <= 2^-4 |x| for normal codes (>= 2^-6 x scale)
+    normal = x.abs() >= 2 ** -6 * sc
+    assert ((y - x).abs() <= 2 ** -4 * x.abs() + 1e-6)[normal].all()
+    assert (y - x).abs().amax(-1).le(2 ** -9 * 448 * sc[..., 0] + 2 ** -4 * x.abs().amax(-1)).all()
+    assert float((y[5, 3, 17] - 5e4).abs()) == 0.0  # the maximum maps to 448 exactly
+    rel = ((y - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30))[x.norm(dim=-1) > 0]
+    assert float(rel.max()) < 0.04 and float(rel.mean()) < 0.03
+    assert set(storage_tensors(x, torch.bfloat16)) == {"hidden_states"}
+    assert torch.equal(as_stored(x, torch.bfloat16), x.to(torch.bfloat16).float())
+
+
+def test_fp8_storage_is_half_of_bf16_and_reads_back_close(ref, tmp_path, tok):
+    """extract.dtype: float8_e4m3fn: fp8 codes + float32 scales per token and slot; the projection
+    knows the size; every reader gets the dequantized values, within fp8 error of the bf16 run."""
+    from safetensors.torch import load_file
+
+    from eagle3.contracts.hidden_states import FP8, SCALES, to_training_item
+
+    params, rd = new_run(tmp_path, "fp8", tok, dtype="float8_e4m3fn")
+    stats = run(params, rd)
+    _, ref_rd, ref_stats = ref
+    sd = rd / EXTRACT_DIR
+    meta, pf = read_json(sd / "meta.json"), read_json(sd / "preflight.json")
+    assert meta["dtype"] == stats.dtype == "float8_e4m3fn" and SCALES in meta["layout"]
+    assert pf["bytes_per_token"] == stats.hidden_bytes_per_token == 4 * (576 + 4)
+    assert abs(stats.bytes / pf["projected_bytes"] - 1) < 0.01  # the preflight's projection
+    assert 0.50 < stats.bytes / ref_stats.bytes < 0.52  # half of bf16, plus the scales and headers
+    f = load_file(str(sd / "rows_000000-000004" / "000001.safetensors"))
+    n1 = len(load_rows(rd).tokens(1))
+    assert f["hidden_states"].dtype == FP8 and f["hidden_states"].shape == (n1, 4, 576)
+    assert f[SCALES].dtype == torch.float32 and f[SCALES].shape == (n1, 4, 1)
+    assert verify(rd)["problems"] == []
+    a, b = HiddenStatesDataset.from_run(rd), HiddenStatesDataset.from_run(ref_rd)
+    for i in range(N_ROWS):
+        x, y = a[i]["hidden_states"], b[i]["hidden_states"].float()
+        assert x.dtype == torch.float32 and SCALES not in a[i] and x.shape == y.shape
+        rel = (x - y).norm(dim=-1) / y.norm(dim=-1)  # [seq, slots]
+        assert float(rel.mean()) < 0.03 and float(rel.max()) < 0.06, (i, float(rel.mean()), float(rel.max()))
+    # training reads dequantize into the training dtype
+    refs = [r for r in a.refs][:2]
+    train = HiddenStatesDataset.for_training(refs, 3, 576, 49152, torch.bfloat16)
+    item = train[0]
+    assert item["hidden_states"].dtype == item["verifier_last_hidden_states"].dtype == torch.bfloat16
+    assert item["hidden_states"].shape == (refs[0].num_tokens, 3 * 576)
+    direct = to_training_item(a[0], 3, 576, 49152, "x")
+    torch.testing.assert_close(item["hidden_states"].float(), direct["hidden_states"], rtol=2 ** -7, atol=1e-3)
+    # online training with fp8 sees the values an fp8 file gives back
+    on = next(iter(online_samples(params, rd, [0])))
+    torch.testing.assert_close(on["hidden_states"].float(), a[0]["hidden_states"], rtol=0.07, atol=0.02)
+
+
 def test_layer_count_disagreeing_with_the_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -7,7 +7,9 @@ Layout (docs/DESIGN.md "Hidden-state files"; one folder per run, see :mod:`eagle
 * ``rows_000000-002000/<row:06d>.safetensors`` (:func:`sample_relpath`): ``token_ids`` int64 ``[seq]``,
   ``loss_mask`` int8 ``[seq]``, ``hidden_states`` ``[seq, n_aux + 1, hidden]`` in the storage dtype,
   slot ``i`` = layer id ``stored_layers[i]``, the last slot = layer N before the final norm
-  (:mod:`eagle3.hooks` for the convention); safetensors metadata ``{"id": <sample id>}`` only;
+  (:mod:`eagle3.hooks` for the convention); with ``float8_e4m3fn`` storage also ``hidden_states_scales``
+  float32 ``[seq, n_aux + 1, 1]`` (:func:`quantize_fp8`; readers dequantize, :func:`read_states`);
+  safetensors metadata ``{"id": <sample id>}`` only;
 * ``manifest.part-RRR.jsonl``: one journal per data-parallel rank while the stage runs, one JSON line
   per finished file (``row``, ``id``, ``num_tokens``, ``file``, ``bytes``, ``sha256``), appended by
   :class:`SampleWriter`;
@@ -49,7 +51,15 @@ __all__ = [
     "ROW_FILE_RE",
     "SHARD_DIR_RE",
     "MANIFEST_KEYS",
+    "FP8",
+    "SCALES",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "storage_tensors",
+    "as_stored",
+    "read_states",
     "storage_dtype",
+    "capture_dtype",
     "dtype_name",
     "bytes_per_token",
     "shard_name",
@@ -72,13 +82,14 @@ __all__ = [
     "verify_folder",
 ]
 
-DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2, torch.float8_e4m3fn: 1}
 ROW_FILE_RE = re.compile(r"^(\d{6,})\.safetensors$")
 SHARD_DIR_RE = re.compile(r"^rows_(\d{6,})-(\d{6,})$")
 MANIFEST = MANIFEST_FILE
 META = EXTRACT_META_FILE
 MANIFEST_KEYS = ("row", "id", "num_tokens", "file", "bytes", "sha256")
-_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I64": torch.int64, "I8": torch.int8}
+_ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn,
+              "I64": torch.int64, "I8": torch.int8}
 
 
 class NonFiniteError(ExtractError):
@@ -92,43 +103,74 @@ class NonFiniteError(ExtractError):
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
-SCALES = "hidden_scales"
-"""The tensor beside an fp8 ``hidden_states``: float32 ``[seq, n_aux + 1]``, one scale per token and
-layer slot; the value is ``hidden_states.float() * hidden_scales[..., None]``."""
+SCALES = "hidden_states_scales"
+"""The tensor beside an fp8 ``hidden_states``: float32 ``[seq, n_aux + 1, 1]``, one scale per token and
+layer slot; the value is ``hidden_states.float() * hidden_states_scales`` (broadcast over hidden), the
+key and the dequantization hs_connectors' ``FP8Transfer`` uses (its scales are per token, ``[seq, 1, 1]``)."""
 
 
-def quantize_fp8(hs: torch.Tensor, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scaled float8_e4m3fn of ``hs [..., hidden]``: ``(q [..., hidden] fp8, scales float32)``.
+def quantize_fp8(hs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled float8_e4m3fn of ``hs [..., hidden]``: ``(q [..., hidden] fp8, scales float32 [..., 1])``.
 
-    The scale of each vector (``block=None``: the whole ``hidden`` of one token and slot; else each run
-    of ``block`` channels) is its absolute maximum / 448 (e4m3's largest finite value), so the largest
-    element maps to +-448 and nothing saturates. An all-zero vector gets scale 1 (its codes are 0).
-
-    Returns:
-        tuple: ``q`` and ``scales`` of shape ``[...]`` (per token) or ``[..., hidden // block]``.
+    One scale per vector (a token's ``hidden`` channels in one layer slot): its absolute maximum / 448
+    (e4m3's largest finite value), so the largest element maps to +-448 and nothing saturates; an
+    all-zero vector gets scale 1. Per token and slot rather than per block of channels: on the
+    embedded model's states, blocks of 64 channels cut the relative error from 2.2% to 1.6% for 5.6%
+    more bytes (benchmarks/RESULTS.md, "fp8 hidden states").
     """
     x = hs.float()
-    if block is not None:
-        x = x.unflatten(-1, (-1, block))
-    amax = x.abs().amax(dim=-1)
+    amax = x.abs().amax(dim=-1, keepdim=True)
     scales = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (x / scales.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
-    return (q.flatten(-2) if block is not None else q), scales
+    return (x / scales).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scales
 
 
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of :func:`quantize_fp8`: ``[..., hidden]`` in ``dtype`` (the scales' shape tells the block)."""
-    x = q.float()
-    if scales.shape == q.shape[:-1]:
-        return (x * scales.unsqueeze(-1)).to(dtype)
-    return (x.unflatten(-1, (scales.shape[-1], -1)) * scales.unsqueeze(-1)).flatten(-2).to(dtype)
+    """Inverse of :func:`quantize_fp8`: ``q.float() * scales`` as ``dtype`` (shape of ``q``)."""
+    return (q.float() * scales).to(dtype)
+
+
+def storage_tensors(hs: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The file tensors that store ``hs [..., hidden]`` in ``dtype``: ``{"hidden_states": hs as dtype}``,
+    plus :data:`SCALES` for float8_e4m3fn (:func:`quantize_fp8`)."""
+    if dtype == FP8:
+        q, sc = quantize_fp8(hs)
+        return {"hidden_states": q, SCALES: sc}
+    return {"hidden_states": hs.to(dtype)}
+
+
+def as_stored(hs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 ``hs`` as a reader gets it back from ``dtype`` storage (rounding / quantization only)."""
+    t = storage_tensors(hs, dtype)
+    return dequantize_fp8(t["hidden_states"], t[SCALES]) if SCALES in t else t["hidden_states"].float()
+
+
+def read_states(sample: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """A loaded sample file with ``hidden_states`` as values: fp8 codes dequantized with their
+    :data:`SCALES` (removed) into ``dtype`` (default float32); other dtypes as stored (cast to
+    ``dtype`` when given). The one place a reader turns stored states into numbers."""
+    if SCALES in sample:
+        out = dict(sample)
+        out["hidden_states"] = dequantize_fp8(out["hidden_states"], out.pop(SCALES), dtype or torch.float32)
+        return out
+    if dtype is not None and sample.get("hidden_states") is not None and sample["hidden_states"].dtype != dtype:
+        out = dict(sample)
+        out["hidden_states"] = out["hidden_states"].to(dtype)
+        return out
+    return sample
 
 
 def storage_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
     """Map ``extract.dtype`` to a torch dtype ('auto' = the target's compute dtype)."""
     if name == "auto":
         return compute_dtype
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+            "float8_e4m3fn": torch.float8_e4m3fn}[name]
+
+
+def capture_dtype(storage: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the target's states are captured in before storage: the storage dtype itself, or for
+    fp8 the compute dtype (the scales are taken from the unrounded values, :func:`storage_tensors`)."""
+    return compute_dtype if storage == FP8 else storage
 
 
 def dtype_name(d: torch.dtype) -> str:
@@ -137,8 +179,9 @@ def dtype_name(d: torch.dtype) -> str:
 
 
 def bytes_per_token(num_slots: int, hidden_size: int, dtype: torch.dtype) -> int:
-    """Hidden-state bytes per token: ``num_slots x hidden_size x bytes per element`` (DESIGN "Scale")."""
-    return num_slots * hidden_size * DTYPE_BYTES[dtype]
+    """Hidden-state bytes per token: ``num_slots x hidden_size x bytes per element`` (DESIGN "Scale"),
+    plus ``num_slots x 4`` for fp8's float32 scales."""
+    return num_slots * (hidden_size * DTYPE_BYTES[dtype] + (4 if dtype == FP8 else 0))
 
 
 def shard_name(row: int, shard_size: int) -> str:
@@ -180,8 +223,8 @@ def check_sample_file(path: str | Path, tokens: np.ndarray | None, num_slots: in
 
     Checks: the safetensors header parses and covers the file exactly (safetensors' own validation),
     the three tensors exist with shapes ``[seq]``, ``[seq]``, ``[seq, num_slots, hidden_size]``, the
-    dtypes (int64, int8, ``dtype``), and that ``token_ids`` (and ``loss_mask``) equal the expected
-    ones.
+    dtypes (int64, int8, ``dtype``), for fp8 the float32 scales ``[seq, num_slots, 1]``, and that
+    ``token_ids`` (and ``loss_mask``) equal the expected ones.
 
     Returns:
         str | None: the first problem found, as a short reason.
@@ -203,6 +246,12 @@ def check_sample_file(path: str | Path, tokens: np.ndarray | None, num_slots: in
                 return f"hidden_states shape {shape} != {[seq, num_slots, hidden_size]}"
             if _ST_DTYPES.get(hs.get_dtype()) != dtype:
                 return f"hidden_states dtype {hs.get_dtype()} != {dtype}"
+            if dtype == FP8:
+                if SCALES not in keys:
+                    return f"fp8 hidden_states without {SCALES}"
+                sc = f.get_slice(SCALES)
+                if list(sc.get_shape()) != [seq, num_slots, 1] or sc.get_dtype() != "F32":
+                    return f"{SCALES} {sc.get_dtype()} {list(sc.get_shape())} != F32 {[seq, num_slots, 1]}"
             tok = f.get_tensor("token_ids")
             lm = f.get_tensor("loss_mask")
             if tok.dtype != torch.int64 or list(tok.shape) != [seq]:
@@ -534,8 +583,8 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
     :meth:`for_training` takes a subset of :class:`SampleRef` and yields speculators' training items.
 
     ``ds[i]`` -> raw: ``{"token_ids": int64 [seq], "loss_mask": int8 [seq], "hidden_states": [seq, n_aux + 1,
-    hidden] (meta dtype)}`` (``hidden_states[:, -1]`` is layer N before the final norm); training:
-    :func:`to_training_item`'s dict.
+    hidden] (meta dtype; fp8 files dequantized to float32)}`` (``hidden_states[:, -1]`` is layer N before the
+    final norm); training: :func:`to_training_item`'s dict.
 
     Attributes:
         dir: the stage folder. meta: ``meta.json``. refs: the samples. lengths: token counts.
@@ -570,12 +619,15 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
         return cls(RunDir(run_dir).stage(EXTRACT))
 
     @classmethod
-    def for_training(cls, refs: Sequence[SampleRef], n_aux: int, hidden_size: int, vocab_size: int) -> HiddenStatesDataset:
-        """The samples ``refs`` (their ``file`` set) as speculators' training items."""
+    def for_training(cls, refs: Sequence[SampleRef], n_aux: int, hidden_size: int, vocab_size: int,
+                     dtype: torch.dtype | None = None) -> HiddenStatesDataset:
+        """The samples ``refs`` (their ``file`` set) as speculators' training items; fp8 files are
+        dequantized into ``dtype`` (the training dtype; default float32), others keep their dtype."""
         self = cls.__new__(cls)
         self.dir, self.meta, self.entries = None, None, None
         self._set_refs(refs)
-        self._item = lambda s, where: to_training_item(s, n_aux, hidden_size, vocab_size, where)
+        self._item = lambda s, where: to_training_item(read_states(s, dtype if SCALES in s else None), n_aux,
+                                                       hidden_size, vocab_size, where)
         return self
 
     def __len__(self) -> int:
@@ -586,7 +638,7 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
 
         ref = self.refs[i]
         if self._item is None:
-            return load_file(str(ref.file))
+            return read_states(load_file(str(ref.file)))
         try:
             sample = load_file(str(ref.file))
         except FileNotFoundError:
@@ -619,7 +671,7 @@ def _check_entry(sd: Path, e: dict, rows, meta: dict, check_hashes: bool, check_
     if check_hashes and sha256_file(path) != e["sha256"]:
         return "sha256 differs from the manifest"
     if check_values:
-        hs = load_file(str(path))["hidden_states"]
+        hs = read_states(load_file(str(path)))["hidden_states"]
         if not bool(torch.isfinite(hs).all()):
             return "non-finite hidden states: " + first_non_finite(hs, meta["stored_layers"])
     return None

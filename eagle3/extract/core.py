@@ -14,7 +14,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from eagle3.contracts.hidden_states import NonFiniteError, SampleWriter, first_non_finite, sample_relpath
+from eagle3.contracts.hidden_states import (
+    SCALES,
+    NonFiniteError,
+    SampleWriter,
+    first_non_finite,
+    sample_relpath,
+    storage_tensors,
+)
 from eagle3.contracts.tokenized import TokenizedSplit
 from eagle3.hooks import PrefillCapture
 
@@ -133,9 +140,10 @@ class CapturedBatch:
 
     Attributes:
         hs: packed ``[tokens, slots, hidden]`` or padded ``[B, T, slots, hidden]`` (storage dtype, device).
-        finite: bool ``[B]`` (device): each sample's states are all finite.
+        finite: bool ``[B]`` (device): each sample's states are all finite (before any quantization).
         lengths: the samples' lengths. offsets: packed start of each sample (None when padded).
         mask: the padded batch's attention mask (None when packed or unpadded).
+        scales: fp8 storage: float32 ``[..., slots, 1]`` beside ``hs`` (same leading layout), else None.
     """
 
     hs: torch.Tensor
@@ -143,6 +151,15 @@ class CapturedBatch:
     lengths: list[int]
     offsets: list[int] | None
     mask: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+
+    def quantize(self, dtype: torch.dtype) -> CapturedBatch:
+        """The states as stored in ``dtype`` (:func:`eagle3.contracts.hidden_states.storage_tensors`:
+        a cast, or fp8 codes and their scales), on the device; ``finite`` stays that of the capture."""
+        if dtype == self.hs.dtype and self.scales is None:
+            return self
+        t = storage_tensors(self.hs, dtype)
+        return CapturedBatch(t["hidden_states"], self.finite, self.lengths, self.offsets, self.mask, t.get(SCALES))
 
     def sample(self, j: int, hs: torch.Tensor | None = None) -> torch.Tensor:
         """Sample ``j``'s ``[len, slots, hidden]`` (a view) of ``hs`` (default ``self.hs``; e.g. the host copy)."""
@@ -176,32 +193,33 @@ def forward_batch(capture: PrefillCapture, rows: TokenizedSplit, batch: Sequence
     return CapturedBatch(hs, finite_flags(hs, mask), lens, None, mask)
 
 
-def to_host(hs: torch.Tensor, fin: torch.Tensor):
-    """Start copying a captured batch and its finite flags to the host.
-
-    Args:
-        hs: the captured states (any layout). fin: bool ``[B]`` flags (:func:`finite_flags`).
+def to_host(*tensors: torch.Tensor | None):
+    """Start copying a captured batch's tensors (states, finite flags, fp8 scales; None passes) to the host.
 
     Returns:
-        tuple: ``(hs_host, finite, ready)``: on CUDA a pinned host tensor and a bool ``[B]`` flag tensor
-        being filled asynchronously, and the CUDA event that completes them (``ready.synchronize()``
-        before reading; the writer threads do); on CPU the inputs themselves and ``ready = None``.
+        tuple: ``(*host_tensors, ready)``: on CUDA pinned host tensors being filled asynchronously and
+        the CUDA event that completes them (``ready.synchronize()`` before reading; the writer threads
+        do); on CPU the inputs themselves and ``ready = None``.
     """
-    if hs.device.type != "cuda":
-        return hs, fin, None
-    host = torch.empty(hs.shape, dtype=hs.dtype, pin_memory=True)
-    host.copy_(hs, non_blocking=True)
-    fin_host = torch.empty(fin.shape, dtype=torch.bool, pin_memory=True)
-    fin_host.copy_(fin, non_blocking=True)
+    if all(t is None or t.device.type != "cuda" for t in tensors):
+        return (*tensors, None)
+    out = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        h.copy_(t, non_blocking=True)
+        out.append(h)
     ev = torch.cuda.Event()
     ev.record()
-    return host, fin_host, ev
+    return (*out, ev)
 
 
 def extract_batches(capture: PrefillCapture, rows: TokenizedSplit, batches: Sequence[Sequence[int]],
                     writer: SampleWriter | None, *, shard_size: int, skip: set[int] | frozenset = frozenset(),
                     pad_id: int = 0, on_batch: Callable[[int, int, int], None] | None = None,
-                    packed: bool = False) -> dict:
+                    packed: bool = False, storage: torch.dtype | None = None) -> dict:
     """Run ``batches`` through ``capture`` and queue every sample not in ``skip`` on ``writer``.
 
     A batch is always computed whole (even when some of its rows are done) so that a resumed run
@@ -216,6 +234,8 @@ def extract_batches(capture: PrefillCapture, rows: TokenizedSplit, batches: Sequ
         skip: rows whose files are already done.
         on_batch: ``on_batch(new_samples, new_tokens, computed_tokens)`` after each batch.
         packed: the batch layout (:data:`BATCHINGS`); must match how ``batches`` were planned.
+        storage: the files' dtype (default: the capture's); ``float8_e4m3fn`` quantizes on the device
+            with per-token scales (:func:`eagle3.contracts.hidden_states.quantize_fp8`).
 
     Returns:
         dict: ``samples``, ``tokens`` (new), ``computed_tokens`` (padding included), ``seconds``
@@ -227,10 +247,11 @@ def extract_batches(capture: PrefillCapture, rows: TokenizedSplit, batches: Sequ
     t0 = time.perf_counter()
     new_samples = new_tokens = computed = 0
     dev = capture.device
+    storage = storage or capture.storage_dtype
     for batch in batches:
-        cb = forward_batch(capture, rows, batch, packed=packed, pad_id=pad_id)
+        cb = forward_batch(capture, rows, batch, packed=packed, pad_id=pad_id).quantize(storage)
         lens = cb.lengths
-        hs_host, fin, ready = to_host(cb.hs, cb.finite)
+        hs_host, fin, sc_host, ready = to_host(cb.hs, cb.finite, cb.scales)  # fp8: half the bytes cross PCIe
         n_new = t_new = 0
         for j, r in enumerate(batch):
             if r in skip:
@@ -245,6 +266,8 @@ def extract_batches(capture: PrefillCapture, rows: TokenizedSplit, batches: Sequ
             tensors = {"token_ids": torch.from_numpy(rows.tokens(r).copy()),
                        "loss_mask": torch.from_numpy(rows.mask(r).copy()),
                        "hidden_states": cb.sample(j, hs_host)}
+            if sc_host is not None:
+                tensors[SCALES] = cb.sample(j, sc_host)
             writer.submit({"row": r, "id": rows.ids[r], "file": sample_relpath(r, shard_size)}, tensors,
                           finite=fin[j], ready=ready)
         if ready is not None and writer is None:

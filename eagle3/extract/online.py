@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from eagle3.config import Params
-from eagle3.contracts.hidden_states import NonFiniteError, first_non_finite, storage_dtype
+from eagle3.contracts.hidden_states import NonFiniteError, as_stored, capture_dtype, first_non_finite, storage_dtype
 from eagle3.errors import ExtractError
 from eagle3.extract.core import forward_batch, resolve_batching
 from eagle3.extract.prepare import load_rows
@@ -35,7 +35,8 @@ class OnlineExtractor:
         cdtype = next(model.parameters()).dtype
         self.model = model
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-        self.capture = PrefillCapture(model, params.extract.aux_layer_ids, storage_dtype(params.extract.dtype, cdtype),
+        self.storage = storage_dtype(params.extract.dtype, cdtype)
+        self.capture = PrefillCapture(model, params.extract.aux_layer_ids, capture_dtype(self.storage, cdtype),
                                       error=ExtractError)
         # the same layout as Stage 3 (extract.batching): packed rows, no padding, unless the target can't
         self.packed = resolve_batching(params.extract.batching, text_config(model.config)) == "packed"
@@ -69,7 +70,8 @@ def online_samples(params: Params, run_dir: str | Path, rows: Iterable[int] | No
 
     Yields:
         dict: ``token_ids`` int64 ``[seq]``, ``loss_mask`` int8 ``[seq]``, ``hidden_states``
-        ``[seq, n_aux + 1, hidden]`` in the storage dtype.
+        ``[seq, n_aux + 1, hidden]`` in the storage dtype (fp8: dequantized into the target's dtype,
+        the values an fp8 file gives back).
 
     Raises:
         ExtractError: bad inputs as in :func:`run`; NonFiniteError naming the sample id.
@@ -97,6 +99,8 @@ def online_samples(params: Params, run_dir: str | Path, rows: Iterable[int] | No
         fin = cb.finite.tolist()  # host sync: one per batch
         for j, r in enumerate(batch):
             h = cb.sample(j)
+            if ex.storage != h.dtype:  # fp8: the values training reads back from fp8 files (quantize + dequantize)
+                h = as_stored(h, ex.storage).to(h.dtype)
             if not fin[j]:
                 raise NonFiniteError(f"non-finite hidden states in sample id {data.ids[r]} (row {r}): "
                                      f"{first_non_finite(h.cpu(), ex.capture.stored_layers)}")

@@ -89,6 +89,10 @@ class Setup:
 def _meta(params: Params, rows: TokenizedSplit, aux: list[int], n_layers: int, hidden: int,
           sdtype: torch.dtype, cdtype: torch.dtype, resolved) -> dict:
     name = hs.dtype_name(sdtype)
+    layout = {"token_ids": "int64 [seq]", "loss_mask": "int8 [seq]",
+              "hidden_states": f"{name} [seq, {len(aux) + 1}, {hidden}]"}
+    if sdtype == hs.FP8:
+        layout[hs.SCALES] = f"float32 [seq, {len(aux) + 1}, 1] (value = hidden_states x scale)"
     return {
         "aux_layer_ids": aux,
         "num_hidden_layers": n_layers,
@@ -97,8 +101,7 @@ def _meta(params: Params, rows: TokenizedSplit, aux: list[int], n_layers: int, h
         "target": str(resolved.path),
         "verifier": resolved.name,
         "stored_layers": [*aux, n_layers],
-        "layout": {"token_ids": "int64 [seq]", "loss_mask": "int8 [seq]",
-                   "hidden_states": f"{name} [seq, {len(aux) + 1}, {hidden}]"},
+        "layout": layout,
         "convention": "slot i = layer id stored_layers[i]; id k < N = transformers hidden_states[k]; "
                       "id N = last decoder layer output before the final norm",
         "num_samples": len(rows),
@@ -254,7 +257,8 @@ def _preflight_dict(params: Params, setup: Setup, sd: Path, done_rows: int, done
         "hidden_size": setup.hidden, "dtype": hs.dtype_name(setup.sdtype), "bytes_per_element": elem,
         "bytes_per_token": bpt,
         "formula": f"tokens x (n_aux+1) x hidden x bytes = {total['tokens']} x {len(setup.stored)} x "
-                   f"{setup.hidden} x {elem}",
+                   f"{setup.hidden} x {elem}" + (f" (+ tokens x {len(setup.stored)} x 4 for the fp8 scales)"
+                                                 if setup.sdtype == hs.FP8 else ""),
         "projected_hidden_bytes": total["hidden_bytes"], "projected_bytes": total["bytes"],
         "done_samples": done_rows, "done_tokens": done_tokens, "done_bytes": done_bytes,
         "todo_samples": todo_samples, "todo_tokens": todo_tokens, "todo_bytes": todo_bytes,
@@ -272,12 +276,12 @@ def _refusal(pf: dict) -> str:
         f"Stage 3 preflight: not enough free disk in {pf['output_dir']}.\n"
         f"  samples {pf['samples']} ({pf['todo_samples']} to do), tokens {pf['tokens']} ({pf['todo_tokens']} to do)\n"
         f"  per token: {len(pf['stored_layers'])} layers x {pf['hidden_size']} hidden x {pf['bytes_per_element']} bytes "
-        f"= {pf['bytes_per_token']} bytes (+9 for token ids and loss mask)\n"
+        f"(+ scales for fp8) = {pf['bytes_per_token']} bytes (+9 for token ids and loss mask)\n"
         f"  to write: {_fmt_gib(pf['todo_bytes'])}; x margin {pf['disk_margin']} = {_fmt_gib(pf['required_free_bytes'])} "
         f"needed; free: {_fmt_gib(pf['free_bytes'])}\n"
         "Options: fewer samples (synthesize.limit or a smaller prompt set); a shorter vocab.max_seq_len; "
-        "a smaller storage dtype (extract.dtype: bfloat16 instead of float32; FP8 storage through the vLLM "
-        "backend's hs_connectors FP8HiddenStatesConnector where supported); fewer aux layers "
+        "a smaller storage dtype (extract.dtype: bfloat16 instead of float32, float8_e4m3fn for half of "
+        "bf16); fewer aux layers "
         "(extract.aux_layer_ids); online mode (train.online: true: the target runs beside training and "
         "nothing is stored); or a disk with more space (run.output_dir)."
     )

@@ -136,9 +136,11 @@ def fig_bytes_per_token(run_dir: str | Path):
         ax.scatter(n, b / n, s=8, label="stored file")
         ax.set_xscale("log")
     if meta:
-        bpe = {"float32": 4, "bfloat16": 2, "float16": 2}[meta["dtype"]]
-        per = len(meta["stored_layers"]) * meta["hidden_size"] * bpe
-        ax.axhline(per, color="k", ls="--", lw=1, label=f"(n_aux+1) x hidden x {bpe} = {per} B")
+        dt = getattr(torch, meta["dtype"])
+        bpe = hsc.DTYPE_BYTES[dt]
+        per = hsc.bytes_per_token(len(meta["stored_layers"]), meta["hidden_size"], dt)
+        scales = " + scales" if dt == hsc.FP8 else ""
+        ax.axhline(per, color="k", ls="--", lw=1, label=f"(n_aux+1) x hidden x {bpe}{scales} = {per} B")
         ax.axhline(per + 9, color="C1", ls=":", lw=1, label="+ token ids and loss mask")
     ax.set(xlabel="tokens in sample", ylabel="bytes / token", title="storage per token")
     ax.legend(fontsize=8)
@@ -203,8 +205,10 @@ def convention_check(params, run_dir: str | Path, n_samples: int = 2, model=None
     For each stored slot with id ``k < N``: ``max |stored - hidden_states[k]|``; for the last slot
     (id N): ``max |final_norm(stored) - hidden_states[N]|`` (transformers' last entry is after the
     norm), and ``max |stored - hidden_states[N]|`` for contrast (large: the pre-norm state is not
-    what ``hidden_states[N]`` holds). Differences are measured in float32 after casting the reference
-    to the storage dtype, so bfloat16 storage shows only rounding.
+    what ``hidden_states[N]`` holds). Differences are measured in float32 after storing the reference
+    in the storage dtype (:func:`eagle3.contracts.hidden_states.as_stored`), so bfloat16 storage shows
+    only rounding (fp8: the quantization of the reference, but the stored values came from unrounded
+    layers and can land one fp8 step away).
 
     Args:
         params: the run's params (target). run_dir: the run directory.
@@ -237,11 +241,11 @@ def convention_check(params, run_dir: str | Path, n_samples: int = 2, model=None
         got = item["hidden_states"].float()
         for s, k in enumerate(stored):
             if k < n:
-                ref = hsl[k][0].to(dtype).float().cpu()
+                ref = hsc.as_stored(hsl[k][0], dtype).cpu()
                 pairs = [(f"hidden_states[{k}]", got[:, s], ref)]
             else:
-                ref = hsl[n][0].to(dtype).float().cpu()
-                normed = dec.norm(got[:, s].to(dev, next(model.parameters()).dtype)).to(dtype).float().cpu()
+                ref = hsc.as_stored(hsl[n][0], dtype).cpu()
+                normed = hsc.as_stored(dec.norm(got[:, s].to(dev, next(model.parameters()).dtype)), dtype).cpu()
                 pairs = [("final_norm(slot) vs hidden_states[N]", normed, ref),
                          ("slot vs hidden_states[N] (contrast)", got[:, s], ref)]
             for name, a, b in pairs:

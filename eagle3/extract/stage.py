@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from eagle3.config import Params, dump_params
-from eagle3.contracts.hidden_states import SampleWriter
+from eagle3.contracts.hidden_states import SampleWriter, capture_dtype
 from eagle3.distributed import DistContext, in_torchrun, launch_torchrun
 from eagle3.errors import ExtractError
 from eagle3.extract.core import batch_cost, extract_batches
@@ -133,7 +133,8 @@ def _load_capture(params: Params, prep: Prepared, dist: DistContext):
     if device == "cuda" and dist.world > 1:
         device = f"cuda:{dist.local_rank}"
     model, tok, _ = load_target(params.target, device=device)
-    capture = PrefillCapture(model, prep.setup.aux, prep.setup.sdtype, error=ExtractError)
+    capture = PrefillCapture(model, prep.setup.aux, capture_dtype(prep.setup.sdtype, next(model.parameters()).dtype),
+                             error=ExtractError)
     if capture.hidden_size != prep.setup.hidden:
         raise ExtractError(f"model hidden size {capture.hidden_size} != config {prep.setup.hidden}")
     return model, capture, (tok.pad_token_id if tok.pad_token_id is not None else 0)
@@ -154,7 +155,8 @@ def _extract_share(params: Params, sd: Path, prep: Prepared, dist: DistContext, 
         calib.batch_done(computed)
 
     loop = extract_batches(capture, prep.setup.rows, todo, writer, shard_size=params.extract.shard_size,
-                           skip=set(prep.valid), pad_id=pad_id, on_batch=on_batch, packed=prep.setup.packed)
+                           skip=set(prep.valid), pad_id=pad_id, on_batch=on_batch, packed=prep.setup.packed,
+                           storage=prep.setup.sdtype)
     capture.close()
     del model
     loop["attention_kernel"] = capture.packed_kernel if prep.setup.packed else "sdpa (padded, masked)"

@@ -45,7 +45,7 @@ import torch
 
 import eagle3.extract.finalize as _fin
 from eagle3.config import Params
-from eagle3.contracts.hidden_states import SampleWriter, first_non_finite, sample_relpath
+from eagle3.contracts.hidden_states import SampleWriter, first_non_finite, sample_relpath, storage_tensors
 from eagle3.distributed import DistContext
 from eagle3.errors import ExtractError
 from eagle3.extract.prepare import Setup, build_setup, extract_dir, prepare
@@ -217,7 +217,7 @@ def _adopt(sd: Path, setup: Setup, raw_dir: Path, row_map: list[int], writer: Sa
             continue
         done.add(r)
         tensors = {"token_ids": tok.to(torch.int64), "loss_mask": torch.from_numpy(rows.mask(r).copy()),
-                   "hidden_states": hs.to(setup.sdtype)}
+                   **storage_tensors(hs, setup.sdtype)}
         after = None if keep_raw else (lambda p=f: p.unlink(missing_ok=True))
         writer.submit({"row": r, "id": rows.ids[r], "file": sample_relpath(r, setup.meta["shard_size"])}, tensors,
                       after=after)

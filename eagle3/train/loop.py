@@ -206,8 +206,9 @@ class Trainer:
             self.fetch = _online_fetch(self.params, self.run_dir, train, inp)
             self.vfetch = _online_fetch(self.params, self.run_dir, val, inp)
         else:
-            self.train_ds = HiddenStatesDataset.for_training(train, inp.n_aux, inp.hidden_size, inp.target_vocab_size)
-            self.val_ds = HiddenStatesDataset.for_training(val, inp.n_aux, inp.hidden_size, inp.target_vocab_size)
+            dtype = self._batch_dtype()  # fp8 files are dequantized straight into it (in the DataLoader workers)
+            self.train_ds = HiddenStatesDataset.for_training(train, inp.n_aux, inp.hidden_size, inp.target_vocab_size, dtype)
+            self.val_ds = HiddenStatesDataset.for_training(val, inp.n_aux, inp.hidden_size, inp.target_vocab_size, dtype)
             self.fetch = self.vfetch = None
 
     def _plan(self) -> None:
@@ -298,13 +299,16 @@ class Trainer:
                 "loss_implementation": self.loss_impl, "device": str(ctx.device), "setup_s": round(setup_s, 2)}
 
     # -- batches, logging, validation -----------------------------------------------------------
-    def _micro(self, index_lists, val: bool = False):
+    def _batch_dtype(self):
+        """The dtype of the collated hidden states: bf16 on GPU (autocast), float32 on CPU."""
         import torch
 
+        return torch.bfloat16 if self.ctx.device.type == "cuda" else torch.float32
+
+    def _micro(self, index_lists, val: bool = False):
         from eagle3.train.data import MicroBatches, collate_fn
 
-        dtype = torch.bfloat16 if self.ctx.device.type == "cuda" else torch.float32
-        coll = collate_fn(self.tp.token_budget, self.inputs.hidden_size, self.inputs.n_aux, dtype)
+        coll = collate_fn(self.tp.token_budget, self.inputs.hidden_size, self.inputs.n_aux, self._batch_dtype())
         return MicroBatches(index_lists, coll, dataset=self.val_ds if val else self.train_ds,
                             fetch=self.vfetch if val else self.fetch,
                             num_workers=0 if self.tp.online else self.tp.num_workers,
