@@ -13,7 +13,10 @@ Four passes over the same samples, side by side:
   and the device-to-host copy, nothing written;
 * ``extract + write`` — the stage's loop (:func:`eagle3.extract.core.extract_batches`) in that
   layout with its background :class:`SampleWriter`: safetensors per sample, sha256, atomic rename,
-  journal line.
+  journal line;
+* ``online target forward`` — the capture as online training runs it (``extract.online_samples``):
+  the samples in a shuffled (training) order, cut into consecutive batches of the budget in that
+  layout (no length sorting, so a padded layout would pad much more).
 
 Each pass is timed end to end (device synchronised, writer drained), repeated ``--repeats`` times
 in alternation; the best time of each is reported, with its ratio to the ceiling and to the padded
@@ -57,9 +60,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
-from eagle3.contracts.hidden_states import SampleWriter, capture_dtype
+from eagle3.contracts.hidden_states import SampleWriter, as_stored, capture_dtype
 from eagle3.contracts.tokenized import TokenizedSplit
-from eagle3.extract.core import batch_cost, extract_batches, forward_batch, pad_batch, plan_batches, to_host
+from eagle3.extract.core import (
+    batch_cost,
+    consecutive_batches,
+    extract_batches,
+    forward_batch,
+    pad_batch,
+    plan_batches,
+    to_host,
+)
 from eagle3.hooks import HiddenStateCapture, decoder_layers
 
 H200_PEAK_BF16 = 989e12
@@ -172,15 +183,18 @@ def capture_only(cap: HiddenStateCapture, rows: TokenizedSplit, batches, packed:
     return time.perf_counter() - t0
 
 
-def packed_check(cap: HiddenStateCapture, rows: TokenizedSplit, n: int = 4) -> float:
-    """Max |packed - alone| over the first ``n`` samples (storage dtype, as a float)."""
+def packed_check(cap: HiddenStateCapture, rows: TokenizedSplit, storage: torch.dtype, n: int = 4) -> tuple[float, float]:
+    """Over the first ``n`` samples: max |packed - alone| (capture dtype) and the mean relative L2 error
+    per token and slot of the states as stored in ``storage`` (bf16 rounding, fp8 quantization)."""
     batch = list(range(min(n, len(rows))))
     cb = forward_batch(cap, rows, batch, packed=True)
-    err = 0.0
+    err, rel = 0.0, []
     for j, r in enumerate(batch):
         alone = cap.capture(torch.from_numpy(rows.tokens(r)).long()[None].to(cap.device))[0]
         err = max(err, float((cb.sample(j).float() - alone.float()).abs().max()))
-    return err
+        x = alone.float()
+        rel.append(((as_stored(x, storage) - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)).mean().item())
+    return err, sum(rel) / len(rel)
 
 
 def extract_write(cap: HiddenStateCapture, rows: TokenizedSplit, batches, out: Path, threads: int,
@@ -247,17 +261,20 @@ def main(argv=None) -> int:
     padded = sum(batch_cost(rows.lengths, b, False) for b in padded_plan)
     row_len = a.ceiling_len or max(64, int(round(tokens / n / 64)) * 64)
     ceiling = ceiling_batches(rows, row_len, budget)
+    shuffled = torch.randperm(n, generator=torch.Generator().manual_seed(1)).tolist()
+    online = consecutive_batches(rows.lengths, shuffled, budget, packed)
     cap = HiddenStateCapture(model, None, capture_dtype(sdtype, next(model.parameters()).dtype))
     out_root = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="bench_extract_"))
     print(f"model: {name}; {params_layers / 1e9:.3f} B decoder-layer params; loaded in {load_s:.1f} s", flush=True)
     print(f"data: {n} samples, {tokens} tokens ({lo}-{hi} per sample); padded: {len(padded_plan)} batches of <= {budget} "
           f"padded tokens (padding efficiency {tokens / padded:.3f}); {a.batching}: {len(plan)} batches; ceiling: "
-          f"{len(ceiling)} batches of rows of {row_len} tokens; stored layers {cap.stored_layers}, {a.dtype}; "
+          f"{len(ceiling)} batches of rows of {row_len} tokens; online: {len(online)} batches "
+          f"(computing {sum(batch_cost(rows.lengths, b, packed) for b in online)} tokens); stored layers {cap.stored_layers}, {a.dtype}; "
           f"packed attention kernel {cap.packed_kernel}; writer threads {threads}; files under {out_root}", flush=True)
     t0 = time.perf_counter()
-    check = packed_check(cap, rows)
-    print(f"packed vs alone, first 4 samples: max |diff| = {check:.3g} ({a.dtype}; {time.perf_counter() - t0:.1f} s)",
-          flush=True)
+    check, stored_err = packed_check(cap, rows, sdtype)
+    print(f"packed vs alone, first 4 samples: max |diff| = {check:.3g} ({cap.storage_dtype}); stored as {a.dtype}: "
+          f"mean relative L2 error per token and slot {stored_err:.4f} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
     # warm-up: one batch of each pass (kernels, allocator, autotuning)
     unpadded_forward(model, ceiling[:1])
@@ -265,7 +282,8 @@ def main(argv=None) -> int:
     capture_only(cap, rows, plan[:1], packed, sdtype)
     extract_write(cap, rows, plan[:1], out_root / "warm", threads, a.pending_mb, packed, sdtype)
 
-    best = {"ceiling": float("inf"), "plain": float("inf"), "capture": float("inf"), "extract": float("inf")}
+    best = {"ceiling": float("inf"), "plain": float("inf"), "capture": float("inf"), "extract": float("inf"),
+            "online": float("inf")}
     written, busy = 0, 0.0
     for r in range(a.repeats):
         best["ceiling"] = min(best["ceiling"], unpadded_forward(model, ceiling))
@@ -274,6 +292,7 @@ def main(argv=None) -> int:
         s, written, busy_r = extract_write(cap, rows, plan, out_root / "run", threads, a.pending_mb, packed, sdtype)
         if s < best["extract"]:
             best["extract"], busy = s, busy_r
+        best["online"] = min(best["online"], capture_only(cap, rows, online, packed, sdtype))
         print(f"repeat {r + 1}: unpadded {best['ceiling']:.2f} s, padded {best['plain']:.2f} s, "
               f"capture {best['capture']:.2f} s, extract {s:.2f} s", flush=True)
     files = sum(1 for _ in (out_root / "run").rglob("*.safetensors"))
@@ -293,7 +312,8 @@ def main(argv=None) -> int:
     table = [row(f"unpadded causal forward ({row_len}-token rows)", best["ceiling"], None),
              row("plain forward, padded + mask", best["plain"], None),
              row(f"capture only ({a.batching})", best["capture"], None),
-             row(f"extract + write ({a.batching})", best["extract"], written)]
+             row(f"extract + write ({a.batching})", best["extract"], written),
+             row(f"online target forward ({a.batching}, training order)", best["online"], None)]
     cols = (["pass", "seconds", "tokens_per_s", "ratio_vs_unpadded", "ratio_vs_padded"] + (["mfu"] if gpu else [])
             + ["written_MB", "write_MB_per_s"])
     print()
@@ -307,7 +327,8 @@ def main(argv=None) -> int:
            "writer_busy_s": round(busy, 2), "peak_flops": a.peak_flops if gpu else None,
            "decoder_params": params_layers, "tokens": tokens, "batches": len(plan), "batching": a.batching,
            "packed_kernel": cap.packed_kernel, "padding_efficiency": round(tokens / padded, 4),
-           "ceiling_row_len": row_len, "packed_vs_alone_max_abs": check}
+           "ceiling_row_len": row_len, "packed_vs_alone_max_abs": check, "stored_rel_l2_error": stored_err,
+           "storage": a.dtype}
     print("\n" + json.dumps(env))
     if a.json:
         Path(a.json).write_text(json.dumps({"table": table, "env": env}, indent=1))

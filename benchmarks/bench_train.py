@@ -66,8 +66,10 @@ def fake_target(path: Path, shape: dict, dtype=torch.bfloat16, seed: int = 0) ->
     return path
 
 
-def synthetic_run(run_dir: Path, H: int, N: int, V: int, draft: int, lengths: list[int], seed: int = 0) -> None:
-    """Stage 2's mapping (random draft vocab of ``draft`` ids) and Stage 3's files (random hidden states, bf16)."""
+def synthetic_run(run_dir: Path, H: int, N: int, V: int, draft: int, lengths: list[int], seed: int = 0,
+                  hs_dtype: torch.dtype = torch.bfloat16) -> None:
+    """Stage 2's mapping (random draft vocab of ``draft`` ids) and Stage 3's files (random hidden states,
+    stored as ``hs_dtype``: bf16, or fp8 codes + scales through the contract's ``storage_tensors``)."""
     from safetensors.torch import save_file
 
     rng = np.random.default_rng(seed)
@@ -81,7 +83,7 @@ def synthetic_run(run_dir: Path, H: int, N: int, V: int, draft: int, lengths: li
     (d2 / "mapping.json").write_text(json.dumps({"draft_vocab_size": draft, "target_vocab_size": V, "cache_key": "bench"}))
     aux = [2, N // 2, N - 3]
     d3 = RunDir(run_dir).stage(EXTRACT, create=True)
-    hsc.write_meta(d3, {"aux_layer_ids": aux, "num_hidden_layers": N, "hidden_size": H, "dtype": "bfloat16",
+    hsc.write_meta(d3, {"aux_layer_ids": aux, "num_hidden_layers": N, "hidden_size": H, "dtype": hsc.dtype_name(hs_dtype),
                         "target": "bench", "stored_layers": [*aux, N], "shard_size": 2000})
     writer = hsc.SampleWriter(d3, d3 / hsc.journal_name(0), [*aux, N])
     for row, L in enumerate(lengths):
@@ -90,7 +92,7 @@ def synthetic_run(run_dir: Path, H: int, N: int, V: int, draft: int, lengths: li
         lm[: L // 4] = 0
         hs = torch.randn(L, len(aux) + 1, H, generator=g).to(torch.bfloat16)
         writer.submit({"row": row, "id": f"b{row:05d}", "file": hsc.sample_relpath(row, 2000)},
-                      {"token_ids": ids, "loss_mask": lm, "hidden_states": hs})
+                      {"token_ids": ids, "loss_mask": lm, **hsc.storage_tensors(hs, hs_dtype)})
     writer.close()
     hsc.write_manifest(d3, hsc.known_entries(d3), len(lengths))
 
@@ -171,6 +173,39 @@ def run_bare(params, run_dir: Path, warmup: int) -> dict:
     return out
 
 
+SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+            "aten::item", "aten::_local_scalar_dense", "aten::nonzero")
+
+
+def profiled(fn, label: str, trace_dir: str | None, steps: int):
+    """Run ``fn()`` under torch.profiler (CPU + CUDA) and print where host and device time goes:
+    the top ops by self CUDA time and by self CPU time, and the host-device syncs per measured step.
+    The profile covers the whole call (set-up and warm-up steps included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts, record_shapes=False) as prof:
+        t0 = time.perf_counter()
+        out = fn()
+        wall = time.perf_counter() - t0
+    ka = prof.key_averages()
+    cuda = torch.cuda.is_available()
+    print(f"\n--- torch.profiler: {label} ({wall:.1f} s profiled, set-up included) ---")
+    if cuda:
+        print(ka.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    syncs = {e.key: e.count for e in ka if any(e.key.startswith(k) for k in SYNC_OPS)}
+    print(f"host-device syncs ({label}), calls per measured step ({steps} steps): "
+          + ", ".join(f"{k} {v / max(steps, 1):.1f}" for k, v in sorted(syncs.items())))
+    if cuda:
+        dev_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0)) for e in ka)
+        print(f"device busy (sum of kernel self time) {dev_us / 1e6:.2f} s of {wall:.2f} s profiled")
+    if trace_dir:
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(Path(trace_dir) / f"trace_{label}.json"))
+    return out
+
+
 def train_flops_per_token(shape: dict, draft_vocab: int, n_aux: int, ttt: int, doc_len: float, layers: int = 1) -> float:
     """Training FLOPs per token of the Eagle-3 drafter (one Llama layer), 2 FLOPs per multiply-add.
 
@@ -203,6 +238,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--num-workers", type=int, default=None, help="train.num_workers for ours (default 0 CPU, 4 GPU)")
     ap.add_argument("--max-samples", type=int, default=None, help="synthetic samples (default 32 GPU, enough CPU)")
+    ap.add_argument("--hs-dtype", default="bfloat16", choices=["bfloat16", "float8_e4m3fn"],
+                    help="storage dtype of the synthetic Stage 3 files (fp8: read back dequantized by the loader)")
+    ap.add_argument("--profile", action="store_true",
+                    help="one extra pass of each loop under torch.profiler: top ops and syncs per step")
+    ap.add_argument("--trace-dir", default=None, help="with --profile: write chrome traces here")
     ap.add_argument("--loss-impl", default="auto", choices=["auto", "eager", "fused"],
                     help="train.loss_implementation ('auto': fused Triton kernels on GPU, eager on CPU)")
     a = ap.parse_args(argv)
@@ -225,7 +265,7 @@ def main(argv=None) -> int:
         if not RunDir(rd).manifest.exists():
             t0 = time.time()
             synthetic_run(rd, shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"], draft,
-                          [doc + 1] * n_samples)
+                          [doc + 1] * n_samples, hs_dtype=getattr(torch, a.hs_dtype))
             print(f"synthetic data: {n_samples} samples x {doc + 1} tokens in {time.time() - t0:.0f} s", flush=True)
         workers = a.num_workers if a.num_workers is not None else (4 if cuda else 0)
         params = params_for(target_s, "cuda" if cuda else "cpu", budget, steps + warmup, epochs, num_workers=workers,
@@ -238,6 +278,10 @@ def main(argv=None) -> int:
                 r = fn(params, rd, warmup)
                 print(f"  {name}: {r['tokens_per_s']:.1f} tokens/s ({r['steps']} steps, {r['wall_s']:.2f} s)", flush=True)
                 res[name].append(r)
+        if a.profile:
+            for name, fn in (("bare", run_bare), ("ours", run_ours)):
+                if not a.only or name == a.only:
+                    profiled(lambda fn=fn: fn(params, rd, warmup), name, a.trace_dir, steps)
         best = {k: max(v, key=lambda r: r["tokens_per_s"]) for k, v in res.items() if v}
         fl = train_flops_per_token(shape, draft, 3, 3, doc)
         peak = next((v for k, v in PEAK_BF16.items() if cuda and k in torch.cuda.get_device_name()), None)
@@ -245,7 +289,7 @@ def main(argv=None) -> int:
         dev_name = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
         print(f"device: {dev_name}; target hidden {shape['hidden_size']}, vocab {shape['vocab_size']}, draft vocab {draft}, "
               f"1 draft layer, 3 TTT steps, token budget {budget}, samples of {doc} tokens, "
-              f"loss {params.train.loss} ({a.loss_impl}), torch {torch.__version__}")
+              f"loss {params.train.loss} ({a.loss_impl}), stored states {a.hs_dtype}, torch {torch.__version__}")
         print(f"| {'loop':6} | {'tokens/s':>10} | {'steps':>5} | {'wall s':>7} | {'TFLOP/s':>8} | {'MFU':>6} | {'peak GiB':>8} |")
         print(f"|{'-' * 8}|{'-' * 12}|{'-' * 7}|{'-' * 9}|{'-' * 10}|{'-' * 8}|{'-' * 10}|")
         for k, r in best.items():

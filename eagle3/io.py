@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -176,7 +176,10 @@ class Progress:
         unit: name of the work unit shown in the bar (e.g. "samples").
         done: units already finished (resume).
         tokens: tokens already processed (resume).
-        bytes_dir: folder whose size is reported as ``bytes_on_disk`` (default: stage_dir).
+        bytes_dir: folder whose size is reported as ``bytes_on_disk`` (default: stage_dir), walked at
+            every write: for stages with a few files only.
+        bytes_fn: ``bytes_fn() -> int`` reports ``bytes_on_disk`` instead of a walk (a stage writing many
+            files counts its own bytes: Stage 3's writer and manifest), so the heartbeat never lists a folder.
     """
 
     def __init__(
@@ -190,6 +193,7 @@ class Progress:
         bytes_dir: str | Path | None = None,
         projected_bytes: int | None = None,
         interval_s: float = 2.0,
+        bytes_fn: Callable[[], int] | None = None,
     ) -> None:
         from tqdm.auto import tqdm
 
@@ -202,6 +206,7 @@ class Progress:
         self._start_done = done
         self._start_tokens = tokens
         self.bytes_dir = Path(bytes_dir) if bytes_dir else self.dir
+        self.bytes_fn = bytes_fn
         self.projected_bytes = projected_bytes
         self.interval_s = interval_s
         self.t0 = time.time()
@@ -254,7 +259,7 @@ class Progress:
             "tokens_per_s": round(self.tokens_per_s, 2),
             "eta_s": round(eta, 1) if eta is not None else (0.0 if status == "done" else None),
             "elapsed_s": round(self.elapsed_s, 2),
-            "bytes_on_disk": dir_bytes(self.bytes_dir),
+            "bytes_on_disk": self.bytes_fn() if self.bytes_fn is not None else dir_bytes(self.bytes_dir),
             "projected_bytes": self.projected_bytes,
             "updated": time.time(),
             "pid": os.getpid(),

@@ -328,6 +328,46 @@ def test_fp8_storage_is_half_of_bf16_and_reads_back_close(ref, tmp_path, tok):
     torch.testing.assert_close(on["hidden_states"].float(), a[0]["hidden_states"], rtol=0.07, atol=0.02)
 
 
+def test_progress_heartbeat_counts_bytes_without_walking_the_folder(tmp_path, monkeypatch):
+    """Issue 14 §3: progress.json's bytes_on_disk comes from the resume scan's manifest sizes and the
+    writer's own count; no write (update, heartbeat, close) lists the stage folder, however many files."""
+    from eagle3.extract.progress import ExtractProgress
+
+    sd = tmp_path / EXTRACT_DIR
+    for k in range(3):
+        d = sd / f"rows_{k * 1000:06d}-{k * 1000 + 1000:06d}"
+        d.mkdir(parents=True)
+        for r in range(1000):
+            (d / f"{k * 1000 + r:06d}.safetensors").write_bytes(b"x" * 10)
+    calls = []
+
+    def spy(name, fn):
+        def wrapped(*args, **kwargs):
+            target = args[0] if args else kwargs.get("top", kwargs.get("path", "."))
+            if str(sd) in str(target):
+                calls.append((name, str(target)))
+            return fn(*args, **kwargs)
+        return wrapped
+
+    import os as _os
+    for name in ("walk", "scandir", "listdir"):
+        monkeypatch.setattr(_os, name, spy(name, getattr(_os, name)))
+    for name in ("rglob", "glob", "iterdir"):
+        monkeypatch.setattr(Path, name, spy(name, getattr(Path, name)))
+    written = {"n": 0}
+    prog = ExtractProgress(sd, sd, total=4000, total_tokens=40_000, done=3000, tokens=30_000, projected_bytes=40_000,
+                           done_bytes=30_000, writer_ref=lambda: written["n"], other_dirs=[], timeline=sd / "timeline.jsonl")
+    prog.interval_s = 0.0
+    for _ in range(50):
+        written["n"] += 10
+        prog.update(1, tokens=10)
+    prog._write("running", force=True)  # what the heartbeat thread does
+    prog.close()
+    snap = read_json(sd / "progress.json")
+    assert calls == [], calls[:3]
+    assert snap["bytes_on_disk"] == 30_000 + 500 and snap["bytes_written"] == 500 and snap["done"] == 3050
+
+
 def test_layer_count_disagreeing_with_the_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -25,7 +25,7 @@ from eagle3.contracts.hidden_states import (
 from eagle3.contracts.tokenized import TokenizedSplit
 from eagle3.hooks import PrefillCapture
 
-__all__ = ["BATCHINGS", "resolve_batching", "plan_batches", "batch_cost", "pad_batch", "pack_batch", "finite_flags",
+__all__ = ["BATCHINGS", "resolve_batching", "plan_batches", "consecutive_batches", "batch_cost", "pad_batch", "pack_batch", "finite_flags",
            "finite_flags_packed", "CapturedBatch", "forward_batch", "to_host", "extract_batches"]
 
 BATCHINGS = ("packed", "padded")
@@ -81,6 +81,25 @@ def plan_batches(lengths: Sequence[int], token_budget: int, packed: bool = False
         cur.append(i)
         cur_max = m
         cur_sum += length
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def consecutive_batches(lengths: Sequence[int], order: Sequence[int], token_budget: int, packed: bool) -> list[list[int]]:
+    """Cut ``order`` (row indices, kept in that order: online training's sample order) into consecutive
+    batches of at most ``token_budget`` tokens (real tokens when packed, ``len x longest`` when padded);
+    a row longer than the budget gets a batch of its own."""
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    m = tot = 0
+    for r in order:
+        n = int(lengths[r])
+        if cur and (tot + n if packed else max(m, n) * (len(cur) + 1)) > token_budget:
+            batches.append(cur)
+            cur, m, tot = [], 0, 0
+        cur.append(int(r))
+        m, tot = max(m, n), tot + n
     if cur:
         batches.append(cur)
     return batches

@@ -10,7 +10,7 @@ import torch
 from eagle3.config import Params
 from eagle3.contracts.hidden_states import NonFiniteError, as_stored, capture_dtype, first_non_finite, storage_dtype
 from eagle3.errors import ExtractError
-from eagle3.extract.core import forward_batch, resolve_batching
+from eagle3.extract.core import consecutive_batches, forward_batch, resolve_batching
 from eagle3.extract.prepare import load_rows
 from eagle3.hooks import PrefillCapture, text_config
 
@@ -80,21 +80,7 @@ def online_samples(params: Params, run_dir: str | Path, rows: Iterable[int] | No
     data.check_max_len(params.vocab.max_seq_len)
     ex = extractor or OnlineExtractor.get(params, device)
     order = list(range(len(data))) if rows is None else [int(r) for r in rows]
-    budget = params.extract.token_budget
-    lengths = data.lengths
-    i = 0
-    while i < len(order):
-        # consecutive rows up to the budget: real tokens when packed, len x longest when padded
-        batch, m, tot = [order[i]], int(lengths[order[i]]), int(lengths[order[i]])
-        i += 1
-        while i < len(order):
-            n = int(lengths[order[i]])
-            cost = tot + n if ex.packed else max(m, n) * (len(batch) + 1)
-            if cost > budget:
-                break
-            batch.append(order[i])
-            m, tot = max(m, n), tot + n
-            i += 1
+    for batch in consecutive_batches(data.lengths, order, params.extract.token_budget, ex.packed):
         cb = forward_batch(ex.capture, data, batch, packed=ex.packed, pad_id=ex.pad_id)
         fin = cb.finite.tolist()  # host sync: one per batch
         for j, r in enumerate(batch):

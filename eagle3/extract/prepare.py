@@ -275,8 +275,9 @@ def _refusal(pf: dict) -> str:
     return (
         f"Stage 3 preflight: not enough free disk in {pf['output_dir']}.\n"
         f"  samples {pf['samples']} ({pf['todo_samples']} to do), tokens {pf['tokens']} ({pf['todo_tokens']} to do)\n"
-        f"  per token: {len(pf['stored_layers'])} layers x {pf['hidden_size']} hidden x {pf['bytes_per_element']} bytes "
-        f"(+ scales for fp8) = {pf['bytes_per_token']} bytes (+9 for token ids and loss mask)\n"
+        f"  per token: {len(pf['stored_layers'])} layers x {pf['hidden_size']} hidden x {pf['bytes_per_element']} bytes"
+        f"{' + 4 per layer for the fp8 scales' if pf['dtype'] == 'float8_e4m3fn' else ''}"
+        f" = {pf['bytes_per_token']} bytes (+9 for token ids and loss mask)\n"
         f"  to write: {_fmt_gib(pf['todo_bytes'])}; x margin {pf['disk_margin']} = {_fmt_gib(pf['required_free_bytes'])} "
         f"needed; free: {_fmt_gib(pf['free_bytes'])}\n"
         "Options: fewer samples (synthesize.limit or a smaller prompt set); a shorter vocab.max_seq_len; "

@@ -17,7 +17,11 @@ __all__ = ["ExtractProgress", "make_progress"]
 
 class ExtractProgress(Progress):
     """:class:`eagle3.io.Progress` with a token-based ETA, bytes written, other ranks folded in and a
-    ``timeline.jsonl`` point per write (the notebook's throughput-over-time plot)."""
+    ``timeline.jsonl`` point per write (the notebook's throughput-over-time plot).
+
+    ``bytes_on_disk`` is counted, never walked: the bytes of the files found done at the start
+    (``done_bytes``, from the journals/manifest) plus the writer's own count (``writer_ref()``), plus
+    the other ranks' counts from their progress files."""
 
     def __init__(self, sd: Path, own_dir: Path, *, total: int, total_tokens: int, done: int, tokens: int,
                  projected_bytes: int, done_bytes: int, writer_ref: Callable[[], int], other_dirs: Sequence[Path],
@@ -29,8 +33,10 @@ class ExtractProgress(Progress):
         self.other_dirs = list(other_dirs)
         self.timeline = timeline
         own_dir.mkdir(parents=True, exist_ok=True)
+        # bytes on disk = the files the resume scan found (their manifest sizes) + what the writer has
+        # written since: no directory walk in the heartbeat (a stage folder may hold 100K files)
         super().__init__(own_dir, total=total, unit="samples", done=done, tokens=tokens, desc=sd.name,
-                         bytes_dir=own_dir / "_none_", projected_bytes=projected_bytes)
+                         projected_bytes=projected_bytes, bytes_fn=lambda: self.done_bytes + self.writer_ref())
 
     def snapshot(self, status: str) -> dict:
         snap = super().snapshot(status)

@@ -196,6 +196,10 @@ def _run_transformers(params: Params, run_dir: Path, sd: Path, write_fn) -> dict
                 "writer_busy_s": writer.busy_s if writer is not None else 0.0, "calibration": calib.result or None,
                 "attention_kernel": loop.get("attention_kernel")}
         loops = dist.gather(mine)
+        if not dist.main and st.progress is not None:
+            # final write of .rankRRR/progress.json before the barrier: rank 0 removes that folder after
+            # it, and a later write (close, heartbeat) would create it again
+            st.progress.close("done")
         dist.barrier()
         if not dist.main:
             return None
