@@ -621,15 +621,25 @@ class TransformersDriver:
         settings: sampling settings (temperature, top_p, max_new_tokens).
         answer_max_new_tokens: limit of the target's first answers (multi-turn), greedy.
 
-    A batch is seeded with the first request's seed (``torch.manual_seed``), so a batch's samples
-    depend on its requests and the batch size; :func:`run_self_prompting` keeps batches fixed.
+    A batch is seeded with the first request's seed (``torch.manual_seed``, or the continuous-batching
+    manager's seed), so a batch's samples depend on its requests and the batch size;
+    :func:`run_self_prompting` keeps batches fixed. ``batching``/``cb_kwargs``: see
+    :func:`eagle3.synthesize.local.generate_continuous` (``synthesize.transformers_batching`` /
+    ``transformers_kwargs``).
     """
 
     def __init__(self, model, tokenizer, settings: SelfPromptSettings, answer_max_new_tokens: int = 128,
-                 template_kwargs: dict | None = None) -> None:
+                 template_kwargs: dict | None = None, batching: str = "padded",
+                 cb_kwargs: dict | None = None) -> None:
         import torch
 
+        from eagle3.synthesize.local import use_continuous_batching
+
         self.model, self.tok, self.s = model, tokenizer, settings
+        # batching: synthesize.transformers_batching ('continuous' = transformers' generate_batch, the
+        # CUDA default through 'auto'); cb_kwargs: synthesize.transformers_kwargs
+        self.continuous = use_continuous_batching(batching, next(model.parameters()).device)
+        self.cb_kwargs = dict(cb_kwargs or {})
         self.answer_max_new_tokens = answer_max_new_tokens
         self.template_kwargs = dict(template_kwargs or {})
         self.eos_ids = _eos_ids(tokenizer, model)
@@ -639,6 +649,12 @@ class TransformersDriver:
 
     def _generate(self, ids: list[list[int]], stop_ids: list[int], max_new: int, seed: int | None) -> list[list[int]]:
         torch = self._torch
+        if self.continuous:
+            from eagle3.synthesize.local import generate_continuous
+
+            return generate_continuous(self.model, ids, max_new_tokens=max_new, eos_ids=stop_ids, pad_id=self.pad_id,
+                                       temperature=self.s.temperature if seed is not None else 0.0,
+                                       top_p=self.s.top_p, seed=seed, config_kwargs=self.cb_kwargs)
         width = max(len(x) for x in ids)
         inp = torch.tensor([[self.pad_id] * (width - len(x)) + x for x in ids], device=self.device)
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=self.device)
@@ -867,7 +883,8 @@ def _open_driver(params, settings: SelfPromptSettings, tkw: dict):
         from eagle3.target import load_target
 
         model, tok, _ = load_target(params.target)
-        return TransformersDriver(model, tok, settings, syn.max_new_tokens, tkw), tok, lambda: None
+        return (TransformersDriver(model, tok, settings, syn.max_new_tokens, tkw, batching=syn.transformers_batching,
+                                   cb_kwargs=syn.transformers_kwargs), tok, lambda: None)
     if syn.backend == "vllm":
         from eagle3.synthesize.local import VllmBackend  # the stage's own vLLM engine settings
 
@@ -947,6 +964,14 @@ def prepare_self_sources(params, run_dir) -> tuple[list, list[dict]]:
                     "dtype": params.target.dtype,
                     "template_kwargs": tkw, "batch_size": syn.batch_size,
                     "answer_max_new_tokens": syn.max_new_tokens}
+            if syn.backend == "transformers" and syn.transformers_batching != "padded":
+                # continuous batching samples other numbers than the padded generate (the key is left
+                # out for padded batching, so run dirs written before it keep their fingerprint)
+                from eagle3.synthesize.local import use_continuous_batching
+                from eagle3.target import pick_device
+
+                if use_continuous_batching(syn.transformers_batching, pick_device(params.target.device)):
+                    meta["transformers_batching"] = "continuous"
             meta["fingerprint"] = _fingerprint(meta)
             old = read_json(meta_p)
             if old is not None and old.get("fingerprint") != meta["fingerprint"]:

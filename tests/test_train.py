@@ -697,6 +697,27 @@ def test_configure_compile_unwraps_speculators_forward_and_compiles_only_flex():
         spec_attn.flex_attention = flex_attention
 
 
+def test_train_compile_param_is_what_configure_compile_gets(ref_run, tmp_path, monkeypatch):
+    """train.compile (formerly the env variable EAGLE3_TRAIN_COMPILE) chooses the compile mode;
+    an unknown value is refused when the params load."""
+    import eagle3.train.model as m
+    from eagle3.config import ParamsError, load_params
+    from eagle3.train import run
+
+    rd, _, params = ref_run
+    seen = []
+    real = m.configure_compile
+    monkeypatch.setattr(m, "configure_compile", lambda model, mode, attn: seen.append((mode, attn)) or real(model, mode, attn))
+    monkeypatch.setenv("EAGLE3_TRAIN_COMPILE", "none")  # no longer read
+    assert params.train.compile == "attention"
+    run(params, _fresh_copy(rd, tmp_path / "a"), stop_after=1)
+    p2 = params.model_copy(update={"train": params.train.model_copy(update={"compile": "speculators"})})
+    run(p2, _fresh_copy(rd, tmp_path / "b"), stop_after=1)
+    assert seen == [("attention", "sdpa"), ("speculators", "sdpa")]
+    with pytest.raises(ParamsError, match="train.compile"):
+        load_params(None, {"train": {"compile": "fast"}})
+
+
 def _start_slow(ref_run, tmp_path, slow_call: int):
     rd, _, params = ref_run
     p = params.model_copy(deep=True)

@@ -1,4 +1,5 @@
-"""In-process backends of stage 1: transformers ``generate`` (the CPU default) and vLLM offline.
+"""In-process backends of stage 1: transformers (``generate`` with left padding, or continuous
+batching through ``generate_batch``) and vLLM offline.
 
 Both render prompts with :class:`eagle3.chat.ChatRenderer` and stop on the target's stop ids from
 :func:`eagle3.chat.stop_token_ids` (the chat template's end of turn, never the tokenizer's eos alone).
@@ -14,7 +15,7 @@ from eagle3.chat import ChatRenderer, eos_ids, pad_token_id, stop_token_ids, tem
 from eagle3.config import Params
 from eagle3.synthesize.turns import TurnRequest, TurnResult, text_result
 
-__all__ = ["TransformersBackend", "VllmBackend", "left_pad"]
+__all__ = ["TransformersBackend", "VllmBackend", "left_pad", "generate_continuous", "use_continuous_batching"]
 
 
 def left_pad(rows: list[list[int]], pad_id: int):
@@ -35,8 +36,108 @@ def left_pad(rows: list[list[int]], pad_id: int):
     return ids, mask
 
 
+def use_continuous_batching(mode: str, device) -> bool:
+    """Whether ``synthesize.transformers_batching`` (``auto`` / ``continuous`` / ``padded``) picks
+    continuous batching on ``device`` (a ``torch.device``): ``auto`` = continuous on CUDA only
+    (on CPU the padded ``generate`` measured no slower, and the paged cache sizes itself from host
+    memory unless told; benchmarks/RESULTS.md, issue 13)."""
+    return mode == "continuous" or (mode == "auto" and getattr(device, "type", str(device)) == "cuda")
+
+
+def _cb_config(rows: list[list[int]], max_new_tokens: int, device, seed: int | None, overrides: dict):
+    """A ``transformers.ContinuousBatchingConfig`` for one ``generate_batch`` call.
+
+    On CUDA everything not in ``overrides`` is left to transformers (the paged KV cache takes a
+    share of the free GPU memory). On CPU the cache is sized from the workload (every request's
+    prompt + ``max_new_tokens`` fits at once) because transformers' automatic sizing there reads the
+    host's memory and can take all of it (a 24 GiB machine was killed). The page-size field is
+    ``block_size`` in transformers 5.17 and ``page_size`` from 5.19 on; both are handled.
+    """
+    import dataclasses
+    import math
+
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    kw = dict(overrides)
+    if seed is not None:
+        kw.setdefault("seed", int(seed))
+    if getattr(device, "type", str(device)) != "cuda":
+        page = int(kw.get("page_size", kw.get("block_size", 32)))
+        kw.pop("block_size", None)
+        kw.pop("page_size", None)
+        kw["page_size" if "page_size" in names else "block_size"] = page
+        per_req = math.ceil((max(len(r) for r in rows) + max_new_tokens) / page)
+        kw.setdefault("num_blocks", per_req * len(rows) + 1)
+        kw.setdefault("max_batch_tokens", min(2048, sum(len(r) for r in rows) + len(rows)))
+        kw.setdefault("max_requests_per_batch", len(rows))
+        kw.setdefault("use_cuda_graph", False)
+    elif "block_size" in kw and "block_size" not in names:
+        kw["page_size"] = kw.pop("block_size")
+    unknown = sorted(set(kw) - names)
+    if unknown:
+        from eagle3.errors import SynthesisError
+
+        raise SynthesisError(f"synthesize.transformers_kwargs: unknown ContinuousBatchingConfig field(s) {unknown} "
+                             f"(this transformers has: {sorted(names)})")
+    return ContinuousBatchingConfig(**kw)
+
+
+def generate_continuous(model, rows: list[list[int]], *, max_new_tokens: int, eos_ids: list[int], pad_id: int,
+                        temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                        config_kwargs: dict | None = None) -> list[list[int]]:
+    """Generate after each token-id row with transformers' continuous batching (``generate_batch``).
+
+    transformers' paged KV cache refills a finished row's slot with the next request, so no
+    position is spent on padding or on turns that already ended (the padded ``generate`` runs every
+    batch to its longest turn); on an H200 this is what lifts the 135M target's synthesis rate
+    (benchmarks/RESULTS.md, issue 13). Greedy outputs equal ``generate``'s (tests/test_synthesize_cb.py).
+
+    Args:
+        model: a transformers causal LM (its attention is switched to a ``paged|`` implementation
+            by transformers for the call).
+        rows: prompt token ids, one list per request (no padding).
+        max_new_tokens: limit of every request.
+        eos_ids: stop ids (:func:`eagle3.chat.stop_token_ids`); the stop id is included in the output.
+        pad_id: the pad id (:func:`eagle3.chat.pad_token_id`).
+        temperature, top_p: sampling (temperature 0 = greedy; top_k is off).
+        seed: the manager's seed for sampling (None: transformers picks one).
+        config_kwargs: ``ContinuousBatchingConfig`` fields (``synthesize.transformers_kwargs``).
+
+    Returns:
+        list of generated token-id lists (int), in the order of ``rows``.
+
+    Raises:
+        SynthesisError: a request failed or is missing from transformers' results (its generation
+            thread died), or an unknown ``config_kwargs`` field.
+    """
+    from transformers import GenerationConfig
+
+    from eagle3.errors import SynthesisError
+
+    if not rows:
+        return []
+    sample = temperature > 0
+    gkw: dict[str, Any] = dict(max_new_tokens=int(max_new_tokens), do_sample=sample, eos_token_id=list(eos_ids),
+                               pad_token_id=int(pad_id))
+    if sample:
+        gkw.update(temperature=float(temperature), top_p=float(top_p), top_k=0)
+    gc_ = GenerationConfig(**gkw)
+    cbc = _cb_config(rows, max_new_tokens, model.device, seed if sample else None, config_kwargs or {})
+    res = model.generate_batch([list(map(int, r)) for r in rows], generation_config=gc_,
+                               continuous_batching_config=cbc, progress_bar=False)
+    outs = list(res.values())  # generate_batch returns its results in the order of the inputs
+    bad = [o.request_id for o in outs if o.error is not None]
+    if len(outs) != len(rows) or bad:
+        raise SynthesisError(f"transformers continuous batching returned {len(outs)} of {len(rows)} results "
+                             f"(failed: {bad[:5]}); see the transformers log above, or set "
+                             f"synthesize.transformers_batching: padded")
+    return [list(o.generated_tokens) for o in outs]
+
+
 class TransformersBackend:
-    """transformers ``generate``, batched with left padding (the CPU default).
+    """transformers, batched: continuous batching (``generate_batch``, the CUDA default) or
+    ``generate`` with left padding (the CPU default); ``synthesize.transformers_batching`` chooses.
 
     Args:
         params: run params (``target`` for the model, ``synthesize`` for the settings).
@@ -65,6 +166,11 @@ class TransformersBackend:
         self.eos_ids = stop_token_ids(tokenizer, None, model.generation_config, kwargs=self.renderer.kwargs)
         self.pad_id = pad_token_id(tokenizer, self.eos_ids)
         self.device = next(model.parameters()).device
+        self.continuous = use_continuous_batching(self.syn.transformers_batching, self.device)
+
+    def _seed(self, reqs: list[TurnRequest]) -> int:
+        digest = hashlib.sha256(reqs[0].key.encode()).digest()
+        return (self.syn.seed + int.from_bytes(digest[:4], "little")) % (2**31)
 
     def _sampling(self, reqs: list[TurnRequest]) -> dict[str, Any]:
         """``generate`` kwargs; sampling (temperature > 0) is seeded per batch with ``seed`` and the
@@ -76,12 +182,12 @@ class TransformersBackend:
                                   pad_token_id=self.pad_id, eos_token_id=self.eos_ids)
         if sample:
             kw.update(temperature=self.syn.temperature, top_p=self.syn.top_p, top_k=0)
-            digest = hashlib.sha256(reqs[0].key.encode()).digest()
-            torch.manual_seed((self.syn.seed + int.from_bytes(digest[:4], "little")) % (2**31))
+            torch.manual_seed(self._seed(reqs))
         return kw
 
     def generate(self, reqs: list[TurnRequest]) -> list[TurnResult]:
-        """Generate one turn for each request in one left-padded batch.
+        """Generate one turn for each request: one ``generate_batch`` call (continuous batching) or
+        one left-padded ``generate`` batch.
 
         Each request's tokens are cut at its own ``max_new_tokens`` (the batch runs to the largest);
         ``finish_reason`` is ``"stop"`` when a stop id ends the turn within it, else ``"length"``.
@@ -89,6 +195,12 @@ class TransformersBackend:
         import torch
 
         rows = [self.renderer.encode(self.renderer.render(r.messages)) for r in reqs]
+        if self.continuous:
+            new = generate_continuous(self.model, rows, max_new_tokens=max(r.max_new_tokens for r in reqs),
+                                      eos_ids=self.eos_ids, pad_id=self.pad_id, temperature=self.syn.temperature,
+                                      top_p=self.syn.top_p, seed=self._seed(reqs),
+                                      config_kwargs=self.syn.transformers_kwargs)
+            return [self._result(r, toks, len(row)) for r, toks, row in zip(reqs, new, rows)]
         ids, mask = left_pad(rows, self.pad_id)
         with torch.inference_mode():
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),

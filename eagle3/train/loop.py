@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import signal
 import threading
 import time
@@ -240,9 +239,9 @@ class Trainer:
         attn = tp.attn_implementation if tp.attn_implementation != "auto" else default_attn_implementation(dev.type)
         torch.manual_seed(tp.seed)
         model = build_drafter(self.params, self.inputs, attn).to(dev)
-        # what torch.compile covers (model.configure_compile): by default only flex attention;
-        # EAGLE3_TRAIN_COMPILE=speculators restores speculators' whole compiled forward
-        self.compile_mode = configure_compile(model, os.environ.get("EAGLE3_TRAIN_COMPILE", "attention"), attn)
+        # what torch.compile covers (train.compile, model.configure_compile): by default only flex
+        # attention; 'speculators' restores speculators' whole compiled forward
+        self.compile_mode = configure_compile(model, tp.compile, attn)
         decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
         opt = torch.optim.AdamW(
