@@ -173,7 +173,8 @@ class SynthesizeParams(_Section):
                             "per generate_batch call, which refills finished rows itself)")
     transformers_batching: Literal["auto", "continuous", "padded"] = Field(
         "auto", description="backend=transformers: 'continuous' = generate_batch (paged KV cache, finished rows "
-        "refilled), 'padded' = generate on left-padded batches, 'auto' = continuous on CUDA, padded on CPU")
+        "refilled; needs flash attention to pay), 'padded' = generate on left-padded batches, 'auto' = padded "
+        "(on an H200 without flash-attn continuous batching ran at half the padded rate: benchmarks/RESULTS.md)")
     transformers_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="continuous batching: transformers ContinuousBatchingConfig fields "
         "(e.g. max_batch_tokens, max_requests_per_batch, use_cuda_graph, default_compile_level)")

@@ -636,8 +636,8 @@ class TransformersDriver:
         from eagle3.synthesize.local import use_continuous_batching
 
         self.model, self.tok, self.s = model, tokenizer, settings
-        # batching: synthesize.transformers_batching ('continuous' = transformers' generate_batch, the
-        # CUDA default through 'auto'); cb_kwargs: synthesize.transformers_kwargs
+        # batching: synthesize.transformers_batching ('continuous' = transformers' generate_batch);
+        # cb_kwargs: synthesize.transformers_kwargs
         self.continuous = use_continuous_batching(batching, next(model.parameters()).device)
         self.cb_kwargs = dict(cb_kwargs or {})
         self.answer_max_new_tokens = answer_max_new_tokens

@@ -38,10 +38,16 @@ def left_pad(rows: list[list[int]], pad_id: int):
 
 def use_continuous_batching(mode: str, device) -> bool:
     """Whether ``synthesize.transformers_batching`` (``auto`` / ``continuous`` / ``padded``) picks
-    continuous batching on ``device`` (a ``torch.device``): ``auto`` = continuous on CUDA only
-    (on CPU the padded ``generate`` measured no slower, and the paged cache sizes itself from host
-    memory unless told; benchmarks/RESULTS.md, issue 13)."""
-    return mode == "continuous" or (mode == "auto" and getattr(device, "type", str(device)) == "cuda")
+    continuous batching on ``device`` (a ``torch.device`` or a string).
+
+    ``auto`` is the padded ``generate`` on every device: on an H200 without flash-attn (no
+    ``flash_attn`` package, no hub for ``kernels``) transformers 5.17 runs continuous batching through
+    ``paged|sdpa`` at 2.9K tokens/s against 6.2K for the padded batches of 1,024 on the same kind of
+    prompts (benchmarks/RESULTS.md, issue 13). ``continuous`` is there for machines with flash
+    attention, where transformers' varlen/paged decode path applies (not measured here).
+    """
+    del device  # kept in the signature: the choice may depend on the device once measured there
+    return mode == "continuous"
 
 
 def _cb_config(rows: list[list[int]], max_new_tokens: int, device, seed: int | None, overrides: dict):
@@ -90,8 +96,8 @@ def generate_continuous(model, rows: list[list[int]], *, max_new_tokens: int, eo
 
     transformers' paged KV cache refills a finished row's slot with the next request, so no
     position is spent on padding or on turns that already ended (the padded ``generate`` runs every
-    batch to its longest turn); on an H200 this is what lifts the 135M target's synthesis rate
-    (benchmarks/RESULTS.md, issue 13). Greedy outputs equal ``generate``'s (tests/test_synthesize_cb.py).
+    batch to its longest turn). Without flash attention it is slower than the padded path
+    (:func:`use_continuous_batching`). Greedy outputs equal ``generate``'s (tests/test_synthesize_cb.py).
 
     Args:
         model: a transformers causal LM (its attention is switched to a ``paged|`` implementation
@@ -136,8 +142,8 @@ def generate_continuous(model, rows: list[list[int]], *, max_new_tokens: int, eo
 
 
 class TransformersBackend:
-    """transformers, batched: continuous batching (``generate_batch``, the CUDA default) or
-    ``generate`` with left padding (the CPU default); ``synthesize.transformers_batching`` chooses.
+    """transformers, batched: ``generate`` with left padding (the default) or continuous batching
+    (``generate_batch``); ``synthesize.transformers_batching`` chooses (:func:`use_continuous_batching`).
 
     Args:
         params: run params (``target`` for the model, ``synthesize`` for the settings).

@@ -1,0 +1,154 @@
+"""The issue-13 run on one GPU: stages 1, 2 and 4 of benchmarks/issue13_gpu/h200-run.yaml called
+directly (no papermill/Jupyter there), plus the data-scaling curve, resumable step by step.
+
+usage (from the repository root; PYTHONPATH=<tree>:/tmp/site, EAGLE3_CACHE=/tmp/e3cache):
+  h200_pipeline.py synth                  stage 1 of the full run (self prompts, then the answers)
+  h200_pipeline.py subsets 1000,2000,4000  run dirs /tmp/runs/n<N>: synthesize.limit N, the full
+                                          run's samples (the first N in prompt order) and
+                                          self-prompt files, so stage 1 only finalizes
+  h200_pipeline.py vocab full,n1000,...   stage 2 of each run dir, in parallel processes
+  h200_pipeline.py train full,n1000,...   stage 4 (+ export) of each, concurrent processes on the GPU
+  h200_pipeline.py summary                one JSON line per run dir with the headline numbers
+Steps are held fixed across data sizes (train.max_steps of h200-run.yaml); each subset's epochs are
+set so that max_steps binds. Logs: /tmp/runs/<name>.<stage>.log.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RUN_YAML = Path(os.environ.get("H200_YAML", HERE / "h200-run.yaml"))  # another yaml: a CPU smoke test
+ROOT = Path(os.environ.get("H200_ROOT", "/tmp/runs"))
+
+
+def params_for(name: str):
+    from eagle3.config import apply_overrides, load_params
+
+    # H200_SET: JSON overrides for every run dir (e.g. synthesize.transformers_kwargs picked by the bench)
+    extra = json.loads(os.environ.get("H200_SET", "{}"))
+    p = load_params(RUN_YAML, apply_overrides(extra, {"run": {"name": name, "output_dir": str(ROOT)}}))
+    if name != "full":
+        n = int(name[1:])
+        tokens = _first_tokens(n)
+        tp = p.train
+        epochs = math.ceil(1.25 * tp.max_steps * tp.token_budget / max(tokens, 1)) + 1
+        p = load_params(RUN_YAML, apply_overrides(extra, {"run": {"name": name, "output_dir": str(ROOT)},
+                                                          "synthesize": {"limit": n}, "train": {"epochs": epochs}}))
+    return p
+
+
+def _first_tokens(n: int) -> int:
+    from eagle3.contracts.samples import read_samples
+
+    return sum(int(s.get("prompt_tokens") or 0) + int(s.get("completion_tokens") or 0)
+               for s in read_samples(ROOT / "full")[:n])
+
+
+def synth() -> None:
+    from eagle3.rundir import prepare_run_dir
+    from eagle3.synthesize import run
+
+    p = params_for("full")
+    rd = prepare_run_dir(p, ROOT / "full")
+    t = time.time()
+    st = run(p, rd)
+    print("SYNTH", json.dumps({k: getattr(st, k) for k in st.HEADLINE} | {"wall_s": round(time.time() - t, 1),
+                                                                            "load_s": st.load_s, "generation_s": st.generation_s}))
+
+
+def subsets(sizes: list[int]) -> None:
+    import shutil
+
+    from eagle3.rundir import SYNTHESIZE, RunDir, prepare_run_dir
+    from eagle3.synthesize import run
+
+    full = RunDir(ROOT / "full")
+    lines = (full.stage(SYNTHESIZE) / "samples.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    for n in sizes:
+        p = params_for(f"n{n}")
+        rd = prepare_run_dir(p, ROOT / f"n{n}")
+        d = RunDir(rd).stage(SYNTHESIZE, create=True)
+        src = full.stage(SYNTHESIZE) / "self_prompts"
+        if src.is_dir() and not (d / "self_prompts").exists():
+            shutil.copytree(src, d / "self_prompts")
+        if not (d / "samples.jsonl").exists():
+            (d / "samples.jsonl").write_text("".join(lines[:n]), encoding="utf-8")
+        st = run(p, rd)
+        print("SUBSET", n, json.dumps({"samples": st.samples, "train": st.samples_train, "heldout": st.samples_heldout,
+                                       "generated_this_session": st.generated_this_session,
+                                       "extra": st.extra_samples_not_in_prompts, "epochs": p.train.epochs}), flush=True)
+
+
+def _launch(names: list[str], stage: str) -> None:
+    procs = {}
+    for name in names:
+        log = open(ROOT / f"{name}.{stage}.log", "w")
+        procs[name] = subprocess.Popen([sys.executable, __file__, f"_{stage}", name], stdout=log, stderr=subprocess.STDOUT)
+    t0, bad = time.time(), []
+    for name, pr in procs.items():
+        rc = pr.wait()
+        print(f"{stage} {name}: rc {rc} after {time.time() - t0:.1f} s", flush=True)
+        if rc:
+            bad.append(name)
+            print((ROOT / f"{name}.{stage}.log").read_text()[-3000:], flush=True)
+    if bad:
+        raise SystemExit(f"{stage} failed: {bad}")
+
+
+def _vocab(name: str) -> None:
+    from eagle3.vocab import run
+
+    t = time.time()
+    st = run(params_for(name), ROOT / name)
+    d = st.to_dict()
+    flat = {k: v for k, v in d.items() if not isinstance(v, (list, dict))}
+    print("VOCAB", name, json.dumps(flat | {"wall_s": round(time.time() - t, 1)}, default=str))
+
+
+def _train(name: str) -> None:
+    from eagle3.train import run
+
+    t = time.time()
+    st = run(params_for(name), ROOT / name)
+    d = st.to_dict()
+    flat = {k: v for k, v in d.items() if not isinstance(v, (list, dict))}
+    print("TRAIN", name, json.dumps(flat | {"wall_s": round(time.time() - t, 1)}, default=str))
+
+
+def summary() -> None:
+    from eagle3.io import read_json
+
+    for rd in sorted(ROOT.iterdir()):
+        if not rd.is_dir():
+            continue
+        out = {"run": rd.name}
+        for stage in ("01_synthesize", "02_vocab", "04_train"):
+            s = read_json(rd / stage / "stats.json")
+            if s:
+                out[stage] = {k: v for k, v in s.items() if not isinstance(v, (list, dict))}
+        print("SUMMARY", json.dumps(out, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    cmd = sys.argv[1]
+    if cmd == "synth":
+        synth()
+    elif cmd == "subsets":
+        subsets([int(x) for x in sys.argv[2].split(",")])
+    elif cmd in ("vocab", "train"):
+        _launch(sys.argv[2].split(","), cmd)
+    elif cmd == "_vocab":
+        _vocab(sys.argv[2])
+    elif cmd == "_train":
+        _train(sys.argv[2])
+    elif cmd == "summary":
+        summary()
+    else:
+        raise SystemExit(__doc__)
+    sys.stdout.flush()
