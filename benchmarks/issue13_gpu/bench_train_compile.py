@@ -4,7 +4,7 @@ of ``python -m eagle3.train`` on SmolLM2-135M shapes (hidden 576, 30 layers, voc
 
 usage: bench_train_compile.py WORK NAME:attn:loss:cap_s[:after_s[:compile_mode[:first]]] ...
   attn: auto | sdpa | simple_flex_attention;  loss: auto | eager | fused
-  compile_mode: EAGLE3_TRAIN_COMPILE (attention | speculators | none), default attention
+  compile_mode: train.compile (attention | speculators | none), default attention
   SIGTERM goes `after_s` seconds after the first step (or, with `first`, that long into the first
   step, once progress.json shows the first-step phase), or at `cap_s`.
 env: FAKE_TARGET=1 (config-only target with random head weights; else the embedded GGUF, converted),
@@ -62,10 +62,10 @@ for spec in sys.argv[2:]:
                            "tracking": {"mode": "disabled"},
                            "train": {"token_budget": budget, "epochs": 3, "max_steps": 400, "lr": 1e-3, "warmup_steps": 5,
                                      "eval_every": 25, "checkpoint_every": 1000, "val_fraction": 0.05,
-                                     "attn_implementation": attn, "loss_implementation": loss}})
+                                     "attn_implementation": attn, "loss_implementation": loss, "compile": cmode}})
     pf = work / f"{name}.yaml"
     pf.write_text(dump_params(p))
-    env = dict(os.environ, STACKLOG=str(OUT / f"{name}_stacks.txt"), PYTHONUNBUFFERED="1", EAGLE3_TRAIN_COMPILE=cmode,
+    env = dict(os.environ, STACKLOG=str(OUT / f"{name}_stacks.txt"), PYTHONUNBUFFERED="1",
                TORCHINDUCTOR_CACHE_DIR=str(work / f"inductor_{name}"), TRITON_CACHE_DIR=str(work / f"triton_{name}"))
     env.setdefault("TORCH_LOGS", "recompiles,graph_breaks")
     lf = open(OUT / f"{name}.log", "w")

@@ -20,6 +20,6 @@ def _bye():
         print("compile_times failed", e)
     print(f"EXIT after {time.time() - t0:.1f} s", flush=True)
 atexit.register(_bye)
-from eagle3.train.loop import main  # noqa: E402 - after the watchdog, so the import is covered too
+from eagle3.train.stage import main  # noqa: E402 - after the watchdog, so the import is covered too
 
 sys.exit(main(sys.argv[1:]))
