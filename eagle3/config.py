@@ -319,8 +319,32 @@ class EvaluateParams(_Section):
     num_speculative_tokens: int = Field(3, ge=1, description="k draft tokens per round")
     temperature: float = Field(0.0, ge=0.0)
     max_new_tokens: int = Field(128, ge=1)
-    num_prompts: int | None = Field(None, ge=1, description="held-out prompts used (None = all)")
-    prompts: PromptSource | None = Field(None, description="another held-out prompt set")
+    heldout: bool = Field(True, description="evaluate on stage 1's held-out split (in-distribution)")
+    general_chat: bool = Field(
+        True, description="evaluate on the project's general-chat set (eagle3/data/general_chat.jsonl, "
+        "out-of-domain unless trained on)")
+    sources: list[PromptSource] = Field(
+        default_factory=list, description="more evaluation sets (same loaders as synthesize.sources); "
+        "each is one named set (its label)")
+    num_prompts: int | None = Field(
+        None, ge=1, description="prompts per set (None = all), taken round-robin over the set's categories")
+    prompts_per_category: int | None = Field(
+        None, ge=1, description="at most this many prompts of each category per set (None = all)")
+    offline_prompts: int | None = Field(
+        None, ge=1, description="prompts per set measured offline (transformers; None = all); the "
+        "parity check compares vLLM on the same prompts")
+    speed_prompts: int | None = Field(
+        4, ge=1, description="prompts per set whose vLLM tokens/s is measured one request at a time "
+        "(None = all); acceptance is measured on every prompt in one batched pass")
+    vllm_max_num_seqs: int = Field(
+        8, ge=1, description="requests the vLLM engine runs together in the acceptance pass")
+    warn_min_conversations: int = Field(
+        1000, ge=0, description="mismatch warning: fewer training conversations than this is 'small'")
+    warn_min_tokens: int = Field(
+        500_000, ge=0, description="mismatch warning: fewer training completion tokens than this is 'small'")
+    warn_ood_ratio: float = Field(
+        0.5, ge=0.0, le=1.0, description="mismatch warning when out-of-domain (tau - 1) < ratio x "
+        "in-distribution (tau - 1)")
     backends: list[Literal["offline", "vllm"]] = Field(default_factory=lambda: ["offline", "vllm"])
     ngram: NgramParams = Field(default_factory=NgramParams)
     parity_tolerance: float = Field(
@@ -334,6 +358,22 @@ class EvaluateParams(_Section):
         default_factory=lambda: ["eagle3", "ngram", "none"],
         description="vLLM measurements: the drafter, the n-gram baseline, no speculation (one engine each)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_prompts_key(cls, data: Any) -> Any:
+        """``evaluate.prompts`` (one set evaluated instead of the held-out split, before per-set
+        evaluation) is read as ``sources: [it]`` with ``heldout: false``; ``prompts: null`` is dropped,
+        so that the ``params.yaml`` of an earlier run still loads (same results)."""
+        if isinstance(data, dict) and "prompts" in data:
+            data = dict(data)
+            old = data.pop("prompts")
+            if old is not None:
+                if data.get("sources"):
+                    raise ValueError("evaluate.prompts is the old name of evaluate.sources: give only sources")
+                data["sources"] = [old]
+                data.setdefault("heldout", False)
+        return data
 
 
 class Params(_Section):

@@ -124,6 +124,8 @@ class Prompt:
         turns: groups of system/user messages ``{"role", "content"}``; the target writes one
             assistant turn after each group, in order (each group ends with a user message).
         origin: where it came from (``file:line``, ``dataset[split]#row``, a task id).
+        category: the record's top-level ``category`` string when it has one (the general-chat set
+            does; stage 5 reports per category), else None.
     """
 
     id: str
@@ -132,6 +134,7 @@ class Prompt:
     split: str
     turns: list[list[dict]]
     origin: str = ""
+    category: str | None = None
 
     @property
     def num_assistant_turns(self) -> int:
@@ -575,8 +578,10 @@ def _read_prompts(src: PromptSource, label: str, report: LoadReport, on_bad_line
                 dups += 1
                 continue
             local.add(ph)
+        cat = rec.get("category") if isinstance(rec, dict) else None
         out.append(Prompt(id=sample_id(label, ph), source=label, prompt_hash=ph,
-                          split=split_for(ph, heldout_fraction), turns=turns, origin=where))
+                          split=split_for(ph, heldout_fraction), turns=turns, origin=where,
+                          category=cat if isinstance(cat, str) and cat else None))
     return out, records, dups, formats
 
 

@@ -73,8 +73,39 @@ def _ratio(a, b) -> float | None:
     return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
 
+_ROWS = (("EAGLE-3 drafter", "tokens_per_forward_vllm", "tau_vllm", "tokens_per_s_vllm_eagle3"),
+         ("n-gram lookup", "tokens_per_forward_ngram", "tau_ngram", "tokens_per_s_vllm_ngram"),
+         ("no speculation", None, None, "tokens_per_s_vllm_none"))
+
+
+def _method_rows(st: dict) -> list[tuple[str, object, object, object, object]]:
+    """(method, tokens per forward, τ, tokens/s, speed-up) rows of one set's (or the pooled) stats."""
+    none_tps = st.get("tokens_per_s_vllm_none")
+    rows = []
+    for name, tpf, tau, tps in _ROWS:
+        v = st.get(tps)
+        t = st.get(tpf) if tpf else (1.0 if none_tps or st.get("tokens_per_forward_vllm") is not None else None)
+        rows.append((name, t, st.get(tau) if tau else None, v, _ratio(v, none_tps)))
+    return rows
+
+
+def _warnings_html(warnings: list[dict]) -> tuple[str, str]:
+    """(banner at the very top, the full list) of stage 5's mismatch warnings; empty strings when none."""
+    if not warnings:
+        return "", ""
+    rules = ", ".join(sorted({w["rule"] for w in warnings}))
+    banner = (f"<div class='warn' id='mismatch-warning'><strong>&#9888; {len(warnings)} mismatch "
+              f"warning{'s' if len(warnings) > 1 else ''}: this drafter may not help on the traffic you will serve "
+              f"({html.escape(rules)}). See <a href='#warnings'>Warnings</a>.</strong></div>")
+    items = "".join(
+        f"<li><strong>{html.escape(w['rule'])}</strong>: {html.escape(w['message'])}.<br><em>Fix:</em> "
+        f"{html.escape(w['fix'])}</li>" for w in warnings)
+    return banner, f"<h3 id='warnings'>Warnings</h3><ul class='warn'>{items}</ul>"
+
+
 def summary_html(run_dir: str | Path) -> str:
-    """The answer first: the drafter vs n-gram lookup vs no speculation in vLLM, from stage 5's stats.
+    """The answer first: the drafter vs n-gram lookup vs no speculation in vLLM on every evaluation
+    set (out-of-domain first), the parity result, the mismatch warnings, the settings.
 
     Tokens per target forward are the comparable acceptance number (a round without drafts counts
     as one token); τ counts accepted drafts per verification round, so n-gram's τ is higher than its
@@ -83,34 +114,54 @@ def summary_html(run_dir: str | Path) -> str:
     st = read_json(Path(run_dir) / STAGES[5] / "stats.json", None)
     if not st:
         return ""
-    none_tps = st.get("tokens_per_s_vllm_none")
-    rows = [
-        ("EAGLE-3 drafter", st.get("tokens_per_forward_vllm"), st.get("tau_vllm"), st.get("tokens_per_s_vllm_eagle3")),
-        ("n-gram lookup", st.get("tokens_per_forward_ngram"), st.get("tau_ngram"), st.get("tokens_per_s_vllm_ngram")),
-        ("no speculation", 1.0 if none_tps else None, None, none_tps),
-    ]
-    head = ("<tr><th>vLLM</th><th>tokens per target forward</th><th>τ (accepted per round)</th>"
+    banner, warn_list = _warnings_html([w for w in st.get("warnings") or [] if isinstance(w, dict)])
+    head = ("<tr><th>set</th><th>vLLM</th><th>tokens per target forward</th><th>τ (accepted per round)</th>"
             "<th>tokens/s</th><th>speed-up vs no speculation</th></tr>")
-    body = "".join(
-        f"<tr><th>{name}</th><td>{_fmt(tpf)}</td><td>{_fmt(tau)}</td><td>{_fmt(tps)}</td>"
-        f"<td>{_fmt(_ratio(tps, none_tps))}</td></tr>" for name, tpf, tau, tps in rows)
-    parts = ["<h2>Result</h2>", f"<table>{head}{body}</table>"]
-    d, n = st.get("tokens_per_s_vllm_eagle3"), st.get("tokens_per_s_vllm_ngram")
-    if isinstance(d, (int, float)) and isinstance(n, (int, float)):
-        faster = "the drafter" if d > n else "n-gram lookup"
-        parts.append(f"<p>In vLLM {faster} was faster ({_fmt(max(d, n))} vs {_fmt(min(d, n))} tokens/s).</p>")
+    sets = st.get("sets") or {}
+    groups = [(f"{n}<br><small>{html.escape(str(e.get('domain', '')))}, {_fmt(e.get('prompts'))} prompts</small>", e)
+              for n, e in sorted(sets.items(), key=lambda kv: kv[1].get("domain") != "out-of-domain")]
+    if not groups:  # a stats.json without per-set numbers: the pooled ones
+        groups = [(f"all<br><small>{_fmt(st.get('num_prompts'))} prompts</small>", st)]
+    body = ""
+    for label, e in groups:
+        rows = _method_rows(e)
+        for i, (name, tpf, tau, tps, up) in enumerate(rows):
+            cell = f"<th rowspan='{len(rows)}'>{label}</th>" if i == 0 else ""
+            body += (f"<tr>{cell}<th>{name}</th><td>{_fmt(tpf)}</td><td>{_fmt(tau)}</td><td>{_fmt(tps)}</td>"
+                     f"<td>{_fmt(up)}</td></tr>")
+    parts = ["<div id='headline'>", banner, "<h2>Result</h2>", f"<table>{head}{body}</table>"]
+    verdicts = []
+    for n, e in (sets.items() if sets else [("all prompts", st)]):
+        d, g = e.get("tokens_per_s_vllm_eagle3"), e.get("tokens_per_s_vllm_ngram")
+        if isinstance(d, (int, float)) and isinstance(g, (int, float)):
+            faster = "the drafter" if d > g else "n-gram lookup"
+            verdicts.append(f"on {html.escape(n)} {faster} was faster ({_fmt(max(d, g))} vs {_fmt(min(d, g))} tokens/s)")
+    if verdicts:
+        parts.append(f"<p>In vLLM {'; '.join(verdicts)}.</p>")
     parity = st.get("parity_ok")
     parity_txt = ("not checked" if parity is None else ("agrees" if parity else "DISAGREES")) + (
-        f" (relative gap {_fmt(st.get('parity_gap'))}, tolerance {_fmt(st.get('parity_tolerance'))})"
+        f" (relative gap {_fmt(st.get('parity_gap'))}, tolerance {_fmt(st.get('parity_tolerance'))}"
+        f"{', ' + str(st['parity_prompts']) + ' prompts' if st.get('parity_prompts') else ''})"
         if parity is not None else "")
     parts.append(f"<p>Offline τ {_fmt(st.get('tau_offline'))} vs vLLM τ {_fmt(st.get('tau_vllm'))}: parity "
-                 f"{html.escape(parity_txt)}. Settings: k = {_fmt(st.get('k'))} draft tokens, temperature "
-                 f"{_fmt(st.get('temperature'))}, {_fmt(st.get('num_prompts'))} held-out prompts.</p>")
+                 f"{html.escape(parity_txt)}.</p>")
+    parts.append(warn_list)
     diag = [x for x in (st.get("diagnosis") or []) if x]
     if diag:
         items = "".join(f"<li>{html.escape(str(x))}</li>" for x in diag)
-        parts.append(f"<p><strong>Warnings</strong></p><ul>{items}</ul>")
-    return "\n".join(parts)
+        parts.append(f"<p><strong>Diagnosis</strong></p><ul>{items}</ul>")
+    counts = ", ".join(f"{html.escape(n)} {_fmt(e.get('prompts'))}" for n, e in sets.items())
+    settings = (f"k = {_fmt(st.get('k'))} draft tokens, temperature {_fmt(st.get('temperature'))}, acceptance rule: "
+                f"{html.escape(str(st.get('acceptance_rule') or '-'))}; prompts: "
+                f"{counts or _fmt(st.get('num_prompts'))} ({_fmt(st.get('excluded_training', 0))} excluded as training "
+                f"prompts, by prompt hash)")
+    parts.append(f"<p>Settings: {settings}.</p>")
+    measured = st.get("measured") or {}
+    if measured:
+        items = "".join(f"<li>{html.escape(k)}: {html.escape(str(v))}</li>" for k, v in measured.items() if k != "prompts")
+        parts.append(f"<ul>{items}</ul>")
+    parts.append("</div>")
+    return "\n".join(p for p in parts if p)
 
 
 def index_html(run_dir: str | Path, pages: list[str], figures: dict[str, list[str]]) -> str:
@@ -123,7 +174,8 @@ def index_html(run_dir: str | Path, pages: list[str], figures: dict[str, list[st
         f"<title>eagle3 report: {html.escape(run_dir.name)}</title>",
         "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;}"
         "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}"
-        "img{max-width:100%;margin:4px 0;border:1px solid #eee}code{background:#f4f4f4}</style>",
+        "img{max-width:100%;margin:4px 0;border:1px solid #eee}code{background:#f4f4f4}"
+        ".warn{background:#fff0f0;border:2px solid #c00;padding:6px 12px;color:#600}</style>",
         "</head><body>",
         f"<h1>eagle3 report: {html.escape(run_dir.name)}</h1>",
         f"<p>Run directory: <code>{html.escape(str(run_dir.resolve()))}</code></p>",
@@ -142,5 +194,14 @@ def index_html(run_dir: str | Path, pages: list[str], figures: dict[str, list[st
         for fig in figures.get(name, []):
             f = html.escape(fig)
             parts.append(f"<a href='{f}'><img src='{f}' alt='{html.escape(Path(fig).stem)}'></a>")
+        if s == 5 and (run_dir / name / "stats.json").exists():
+            where = (read_json(run_dir / name / "stats.json", {}) or {}).get("vllm_serve_where")
+            if where:
+                parts.append(f"<p>{html.escape(where)}</p>")
+        logs = sorted((run_dir / name / "logs").glob("*.log")) if (run_dir / name / "logs").is_dir() else []
+        if logs:  # engine logs stay out of the notebooks; the page links them (relative to report/)
+            links = ", ".join(f"<a href='../{html.escape(name)}/logs/{html.escape(p.name)}'>{html.escape(p.name)}</a>"
+                              for p in logs)
+            parts.append(f"<p>Engine logs: {links}</p>")
     parts.append("</body></html>")
     return "\n".join(parts)

@@ -70,10 +70,39 @@ def test_the_index_opens_with_the_vllm_comparison(tmp_path):
     write_stats(stage_dir(tmp_path, 5), stats)
     page = index_html(tmp_path, [], {"05_evaluate": ["figures/05_evaluate__tau.png"]})
     assert page.index("<h2>Result</h2>") < page.index("<h2>1. synthesize</h2>")
-    assert ("<tr><th>EAGLE-3 drafter</th><td>1.696</td><td>1.696</td><td>45.4</td><td>1.227</td></tr>"
+    # a stats.json without per-set numbers: the pooled ones, in one group
+    assert ("<th>EAGLE-3 drafter</th><td>1.696</td><td>1.696</td><td>45.4</td><td>1.227</td></tr>"
             "<tr><th>n-gram lookup</th><td>1.49</td><td>2.532</td><td>46.2</td><td>1.249</td></tr>"
             "<tr><th>no speculation</th><td>1</td><td>-</td><td>37</td><td>1</td></tr>") in page
-    assert "In vLLM n-gram lookup was faster (46.2 vs 45.4 tokens/s)." in page
+    assert "In vLLM on all prompts n-gram lookup was faster (46.2 vs 45.4 tokens/s)." in page
     assert "parity agrees (relative gap 0, tolerance 0.15)" in page and "<li>aux ids differ</li>" in page
+    assert "mismatch-warning" not in page
     assert "<a href='figures/05_evaluate__tau.png'><img src='figures/05_evaluate__tau.png'" in page
     assert "<h2>Result</h2>" not in index_html(tmp_path / "empty", [], {})
+
+
+def test_the_headline_states_every_set_out_of_domain_first_and_the_warnings_on_top(tmp_path):
+    def one(tpf, tau, ngram, tps):
+        return {"tokens_per_forward_vllm": tpf, "tau_vllm": tau, "tokens_per_forward_ngram": ngram, "tau_ngram": 2.5,
+                "tokens_per_s_vllm_eagle3": tps, "tokens_per_s_vllm_ngram": 20.0, "tokens_per_s_vllm_none": 16.0}
+
+    stats = {"num_prompts": 114, "k": 3, "temperature": 0.0, "parity_ok": True, "parity_gap": 0.01,
+             "parity_tolerance": 0.15, "parity_prompts": 16, "excluded_training": 2,
+             "acceptance_rule": "exact match with the target argmax",
+             "sets": {"heldout": {"domain": "in-distribution", "prompts": 18} | one(1.7, 1.7, 1.49, 24.0),
+                      "general-chat": {"domain": "out-of-domain", "prompts": 96} | one(1.08, 1.08, 1.19, 15.0)},
+             "warnings": [{"rule": "drafter_below_ngram", "message": "on general-chat the drafter gives 1.080",
+                           "numbers": {}, "fix": "train on more data"}],
+             "measured": {"vllm_tokens_per_s": "8 of 114 prompts, one request at a time"}}
+    write_stats(stage_dir(tmp_path, 5), stats)
+    page = index_html(tmp_path, [], {})
+    top = page.index("mismatch-warning")
+    assert top < page.index("<h2>Result</h2>") < page.index("general-chat<br>") < page.index("heldout<br>")
+    assert page.index("<h2>Result</h2>") < page.index("<h2>1. synthesize</h2>")
+    assert "1 mismatch warning: this drafter may not help" in page
+    assert ("<th rowspan='3'>general-chat<br><small>out-of-domain, 96 prompts</small></th><th>EAGLE-3 drafter</th>"
+            "<td>1.08</td><td>1.08</td><td>15</td><td>0.9375</td></tr>") in page
+    assert "<strong>drafter_below_ngram</strong>: on general-chat the drafter gives 1.080.<br><em>Fix:</em> train on" in page
+    assert "prompts: heldout 18, general-chat 96 (2 excluded as training prompts, by prompt hash)" in page
+    assert "acceptance rule: exact match with the target argmax" in page and "16 prompts)" in page
+    assert "vllm_tokens_per_s: 8 of 114 prompts, one request at a time" in page

@@ -1,4 +1,5 @@
-"""Stage 5: acceptance of the drafter on held-out prompts, offline and in vLLM, plus the parity check.
+"""Stage 5: acceptance of the drafter on every evaluation set (held-out split, the project's general-chat
+set, the user's sets), offline and in vLLM, beside n-gram and no speculation; parity; mismatch warnings.
 
 One module per concern (see ``docs/DESIGN.md``, "Acceptance", for the definitions):
 
@@ -6,7 +7,9 @@ One module per concern (see ``docs/DESIGN.md``, "Acceptance", for the definition
 * :mod:`~eagle3.evaluate.drafter`: the speculators drafter with a KV cache, as vLLM's proposer runs it
   (its settings and the one checkpoint check: :mod:`eagle3.contracts.drafter`);
 * :mod:`~eagle3.evaluate.decoding`: offline EAGLE-3 chain speculation and the acceptance rules;
-* :mod:`~eagle3.evaluate.prompts`: the held-out prompts, rendered as vLLM renders them;
+* :mod:`~eagle3.evaluate.prompts`: the evaluation sets (training prompts excluded by hash), rendered
+  as vLLM renders them;
+* :mod:`~eagle3.evaluate.mismatch`: the train/serve mismatch warnings and their rules;
 * :mod:`~eagle3.evaluate.vllm_jobs` (stage side) and :mod:`~eagle3.evaluate.vllm_worker` (the
   subprocess, one engine each): vLLM with the drafter, n-gram lookup and no speculation;
 * :mod:`~eagle3.evaluate.parity` and :mod:`~eagle3.evaluate.diagnosis`: offline vs vLLM, and why;
@@ -23,9 +26,18 @@ from eagle3.evaluate.decoding import (
 from eagle3.evaluate.diagnosis import diagnose, probe_layer_ids
 from eagle3.evaluate.drafter import Eagle3Drafter, load_drafter
 from eagle3.evaluate.metrics import acceptance_metrics, context_bucket, summarize_rounds
+from eagle3.evaluate.mismatch import mismatch_warnings
 from eagle3.evaluate.parity import parity_check
-from eagle3.evaluate.prompts import heldout_prompts
-from eagle3.evaluate.report import comparison_table, figures, parity_table, read_results
+from eagle3.evaluate.prompts import EvalSet, evaluation_sets, heldout_prompts
+from eagle3.evaluate.report import (
+    category_table,
+    comparison_table,
+    figures,
+    parity_table,
+    read_results,
+    set_table,
+    warnings_table,
+)
 from eagle3.evaluate.stage import EvaluateStats, find_drafter, run, training_reference
 from eagle3.evaluate.vllm_jobs import run_vllm_job, vllm_records, vllm_serve_command
 
@@ -42,6 +54,12 @@ __all__ = [
     "speculative_generate",
     "evaluate_offline",
     "heldout_prompts",
+    "evaluation_sets",
+    "EvalSet",
+    "mismatch_warnings",
+    "set_table",
+    "category_table",
+    "warnings_table",
     "run_vllm_job",
     "vllm_records",
     "parity_check",

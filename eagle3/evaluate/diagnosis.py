@@ -76,7 +76,8 @@ def _config_ids(drafter_dir: str | Path) -> list:
 
 def _layer_probe(target, drafter_model, ids, reference, prompts, offline_records) -> list[str]:
     """The measured first-draft accuracy with the config's vs the trained ids (a hint, never fatal)."""
-    seqs = [[*p["prompt_ids"], *r["tokens"]] for p, r in zip(prompts or [], offline_records)][:4]
+    by_id = {p["id"]: p for p in prompts or []}
+    seqs = [[*by_id[r["id"]]["prompt_ids"], *r["tokens"]] for r in offline_records if r["id"] in by_id][:4]
     try:
         acc = probe_layer_ids(target, drafter_model, seqs,
                               {"config": sorted(set(int(i) for i in ids)), "trained": list(reference.aux_layer_ids)})

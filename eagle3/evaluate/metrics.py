@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["acceptance_metrics", "context_bucket", "summarize_rounds"]
+__all__ = ["acceptance_metrics", "context_bucket", "summarize_rounds", "group_metrics"]
 
 
 def acceptance_metrics(
@@ -96,6 +96,32 @@ def _bucket_start(label: str) -> int:
     return int(label.lstrip(">=").split("-")[0])
 
 
+def _metrics_of(recs: list[dict], k: int) -> dict:
+    acc = [r[2] for rec in recs for r in rec["rounds"] if r[1] > 0]
+    drf = [r[1] for rec in recs for r in rec["rounds"] if r[1] > 0]
+    steps = sum(rec.get("verification_steps", len(rec["rounds"])) for rec in recs)
+    return acceptance_metrics(acc, k, drf, verification_steps=steps)
+
+
+def group_metrics(records: list[dict], k: int, *keys: str) -> dict:
+    """Acceptance metrics (:func:`acceptance_metrics`) of the records grouped by ``keys``.
+
+    Args:
+        records: as in :func:`summarize_rounds`, each holding the ``keys`` fields.
+        keys: one key (``"set"``) gives ``{value: metrics}``; two (``"set", "category"``) give
+            ``{value1: {value2: metrics}}``, and so on. Groups sorted by value.
+
+    Returns:
+        dict: nested by the keys' values; each leaf also has ``prompts`` (records in the group).
+    """
+    if not keys:
+        return _metrics_of(records, k) | {"prompts": len(records)}
+    groups: dict[str, list] = {}
+    for rec in records:
+        groups.setdefault(str(rec.get(keys[0], "?")), []).append(rec)
+    return {g: group_metrics(v, k, *keys[1:]) for g, v in sorted(groups.items())}
+
+
 def summarize_rounds(records: list[dict], k: int) -> dict:
     """Acceptance metrics overall, by prompt source and by context-length bucket.
 
@@ -111,10 +137,7 @@ def summarize_rounds(records: list[dict], k: int) -> dict:
         ``prompts``. Metrics as in :func:`acceptance_metrics` (by context: rounds only).
     """
     def metrics_of(recs: list[dict]) -> dict:
-        acc = [r[2] for rec in recs for r in rec["rounds"] if r[1] > 0]
-        drf = [r[1] for rec in recs for r in rec["rounds"] if r[1] > 0]
-        steps = sum(rec.get("verification_steps", len(rec["rounds"])) for rec in recs)
-        return acceptance_metrics(acc, k, drf, verification_steps=steps)
+        return _metrics_of(recs, k)
 
     by_source: dict[str, list] = {}
     for rec in records:

@@ -1,14 +1,22 @@
-"""The evaluation prompts: held-out samples of stage 1 (or ``evaluate.prompts``), never trained on.
+"""The evaluation sets: stage 1's held-out split, the project's general-chat set, the user's sources.
 
-A prompt is the turns before the first assistant turn (system/user), rendered exactly as vLLM's
-chat endpoint renders it (:class:`eagle3.chat.ChatRenderer`), so that offline and vLLM decode the
-same token ids.
+Each set is named (``heldout``, ``general-chat``, or a user source's label) and marked
+``in-distribution`` (the held-out split; any set whose source label is also a training source) or
+``out-of-domain``. A prompt is the turns before the first assistant turn (system/user), rendered
+exactly as vLLM's chat endpoint renders it (:class:`eagle3.chat.ChatRenderer`), so that offline and
+vLLM decode the same token ids.
+
+**Never a training prompt.** A candidate is excluded when its prompt hash — stage 1's
+``prompt_hash`` (:func:`eagle3.prompts.prompt_hash`: sha256 of the canonical JSON of its turn groups)
+or the hash of its first system/user turns — belongs to a ``split == "train"`` sample, or its id is
+in stage 2's ``train.parquet``; the count is reported per set (``excluded_training``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3.chat import ChatRenderer, template_kwargs
@@ -17,7 +25,31 @@ from eagle3.contracts.samples import read_samples
 from eagle3.errors import EvaluateError
 from eagle3.rundir import RunDir
 
-__all__ = ["heldout_prompts"]
+__all__ = ["EvalSet", "HELDOUT", "GENERAL_CHAT", "evaluation_sets", "heldout_prompts", "spread", "training_data"]
+
+HELDOUT = "heldout"
+GENERAL_CHAT = "general-chat"
+IN_DOMAIN, OUT_OF_DOMAIN = "in-distribution", "out-of-domain"
+
+
+@dataclass
+class EvalSet:
+    """One named evaluation set.
+
+    Attributes:
+        name: ``heldout``, ``general-chat`` or the user source's label.
+        domain: ``in-distribution`` or ``out-of-domain``; ``domain_reason`` says why.
+        prompts: ``{"id", "set", "source", "category", "prompt_hash", "messages", "prompt_ids"}``.
+        info: ``candidates``, ``excluded_training``, ``duplicates`` (already in an earlier set),
+            ``skipped_too_long``, ``capped`` (over ``prompts_per_category`` / ``num_prompts``),
+            ``count``, ``by_category`` {category: prompts}.
+    """
+
+    name: str
+    domain: str
+    domain_reason: str
+    prompts: list[dict] = field(default_factory=list)
+    info: dict = field(default_factory=dict)
 
 
 def _prompt_prefix(messages: list[dict]) -> list[dict]:
@@ -42,75 +74,166 @@ def _train_ids(run_dir: Path) -> set[str]:
     return set(tokenized.read_ids(run_dir, "train"))
 
 
-def _other_prompt_set(source) -> list[dict]:
-    """Records ``{"id", "source", "messages", "prompt_hash"}`` of ``evaluate.prompts`` (Stage 1's loader;
-    the first system/user turn group of each prompt)."""
+def _source_candidates(source) -> tuple[str, list[dict]]:
+    """``(label, records)`` of one prompt source through Stage 1's loader; records
+    ``{"id", "source", "category", "messages", "prompt_hash"}`` (the first system/user turn group)."""
     from eagle3.prompts import load_source
 
-    return [{"id": p.id, "source": p.source, "messages": p.first_messages(), "prompt_hash": p.prompt_hash}
-            for p in load_source(source, dedup=True)]
+    prompts = load_source(source, dedup=True)
+    label = prompts[0].source if prompts else (source.label or source.name)
+    return label, [{"id": p.id, "source": p.source, "category": p.category or p.source, "messages": p.first_messages(),
+                    "prompt_hash": p.prompt_hash} for p in prompts]
 
 
-def _training_hashes(samples: list[dict]) -> set[str]:
-    """Prompt hashes of the training samples: their own ``prompt_hash`` and the hash of their prefix."""
-    hashes: set[str] = set()
-    for s in samples:
-        if s.get("split") == "train":
-            hashes.add(_prefix_hash(_prompt_prefix(s.get("messages", []))))
-            if s.get("prompt_hash"):
-                hashes.add(str(s["prompt_hash"]))
-    return hashes
-
-
-def heldout_prompts(params, run_dir: str | Path, tokenizer) -> tuple[list[dict], dict]:
-    """The evaluation prompts: held-out samples of Stage 1 (or ``evaluate.prompts``), never trained on.
-
-    A candidate is dropped when its prompt hash (Stage 1's ``prompt_hash`` or the hash of its
-    system/user turns) belongs to a ``split == "train"`` sample, or its id is in stage 2's
-    ``train.parquet``. Prompts longer than ``target.max_model_len - max_new_tokens - k - 1``
-    tokens are skipped (they could not finish in vLLM).
+def training_data(samples: list[dict]) -> dict:
+    """What the drafter was trained on, from stage 1's samples (``split == "train"``).
 
     Returns:
-        ``(prompts, info)``: prompts ``{"id", "source", "prompt_hash", "messages", "prompt_ids"}``
-        (at most ``evaluate.num_prompts``) and counts (``candidates``, ``excluded_training``,
-        ``skipped_too_long``, ``count``, ``by_source``).
-
-    Raises:
-        SamplesError: no samples file (run stage 1) or a corrupt one (file and line named).
-        EvaluateError: no held-out prompt left.
+        dict: ``conversations``, ``completion_tokens`` (sum of the samples' counts), ``sources``
+        {label: conversations}, ``categories`` {category: conversations} (samples without a
+        ``category`` count under their source), ``hashes`` (set: prompt hashes and first-turn
+        prefix hashes), ``known`` (False when there is no samples file).
     """
-    ev = params.evaluate
-    run_dir = Path(run_dir)
-    has_samples = RunDir(run_dir).samples.exists()
-    samples = read_samples(run_dir) if has_samples or ev.prompts is None else []
-    train_hashes = _training_hashes(samples)
-    train_ids = _train_ids(run_dir)
-    cands = _other_prompt_set(ev.prompts) if ev.prompts is not None else [s for s in samples if s.get("split") == "heldout"]
-    renderer = ChatRenderer(tokenizer, template_kwargs(params))  # as vLLM's chat endpoint renders it
-    limit = params.target.max_model_len - ev.max_new_tokens - ev.num_speculative_tokens - 1
-    out, excluded, too_long = [], 0, 0
+    train = [s for s in samples if s.get("split") == "train"]
+    hashes: set[str] = set()
+    sources: dict[str, int] = {}
+    cats: dict[str, int] = {}
+    for s in train:
+        hashes.add(_prefix_hash(_prompt_prefix(s.get("messages", []))))
+        if s.get("prompt_hash"):
+            hashes.add(str(s["prompt_hash"]))
+        src = str(s.get("source", "?"))
+        sources[src] = sources.get(src, 0) + 1
+        cat = str(s.get("category") or src)
+        cats[cat] = cats.get(cat, 0) + 1
+    return {"known": bool(samples), "conversations": len(train),
+            "completion_tokens": int(sum(int(s.get("completion_tokens") or 0) for s in train)),
+            "sources": dict(sorted(sources.items())), "categories": dict(sorted(cats.items())), "hashes": hashes}
+
+
+def spread(prompts: list[dict], n: int | None) -> list[dict]:
+    """At most ``n`` prompts taken round-robin over their ``category`` (first-appearance order), in
+    their original order, so that a subset covers every category; all of them when ``n`` is None or
+    not smaller."""
+    if n is None or n >= len(prompts):
+        return list(prompts)
+    by_cat: dict[str, list] = {}
+    for p in prompts:
+        by_cat.setdefault(p["category"], []).append(p)
+    picked: set[int] = set()
+    while len(picked) < n:
+        for q in by_cat.values():
+            if q and len(picked) < n:
+                picked.add(id(q.pop(0)))
+    return [p for p in prompts if id(p) in picked]
+
+
+def _select(name: str, domain: tuple[str, str], cands: list[dict], train: dict, train_ids: set[str],
+            seen: set[str], renderer: ChatRenderer, limit: int, ev) -> EvalSet:
+    """One set from its candidates: training prompts excluded by hash, earlier sets' prompts dropped,
+    too-long prompts skipped, at most ``prompts_per_category`` per category, then at most
+    ``num_prompts`` spread over the categories (:func:`spread`)."""
+    es = EvalSet(name=name, domain=domain[0], domain_reason=domain[1])
+    excluded = dups = too_long = capped = 0
+    per_cat: dict[str, int] = {}
+    eligible: list[tuple[str, dict]] = []
     for s in cands:
         prefix = _prompt_prefix(s.get("messages", []))
         if not prefix:
             continue
         h = _prefix_hash(prefix)
-        if h in train_hashes or (s.get("prompt_hash") and str(s["prompt_hash"]) in train_hashes) or s.get("id") in train_ids:
+        ph = str(s.get("prompt_hash") or h)
+        if h in train["hashes"] or ph in train["hashes"] or s.get("id") in train_ids:
             excluded += 1
+            continue
+        if h in seen:
+            dups += 1
+            continue
+        cat = str(s.get("category") or s.get("source") or "?")
+        if ev.prompts_per_category is not None and per_cat.get(cat, 0) >= ev.prompts_per_category:
+            capped += 1
             continue
         ids = renderer.prompt_ids(prefix)
         if len(ids) > limit:
             too_long += 1
             continue
-        out.append({"id": str(s["id"]), "source": str(s.get("source", "?")), "prompt_hash": s.get("prompt_hash") or h,
-                    "messages": prefix, "prompt_ids": ids})
-        if ev.num_prompts is not None and len(out) >= ev.num_prompts:
-            break
-    if not out:
-        raise EvaluateError(
-            f"no held-out prompt to evaluate in {run_dir} ({len(cands)} candidates, {excluded} seen in "
-            f"training, {too_long} longer than {limit} tokens); raise synthesize.heldout_fraction or set evaluate.prompts")
-    by_source: dict[str, int] = {}
-    for p in out:
-        by_source[p["source"]] = by_source.get(p["source"], 0) + 1
-    return out, {"candidates": len(cands), "excluded_training": excluded, "skipped_too_long": too_long,
-                 "count": len(out), "by_source": by_source}
+        per_cat[cat] = per_cat.get(cat, 0) + 1
+        eligible.append((h, {"id": str(s["id"]), "set": name, "source": str(s.get("source", "?")), "category": cat,
+                             "prompt_hash": ph, "messages": prefix, "prompt_ids": ids}))
+    es.prompts = spread([p for _, p in eligible], ev.num_prompts)
+    capped += len(eligible) - len(es.prompts)
+    chosen = {id(p) for p in es.prompts}
+    seen.update(h for h, p in eligible if id(p) in chosen)
+    by_cat: dict[str, int] = {}
+    for p in es.prompts:
+        by_cat[p["category"]] = by_cat.get(p["category"], 0) + 1
+    es.info = {"candidates": len(cands), "excluded_training": excluded, "duplicates": dups,
+               "skipped_too_long": too_long, "capped": capped, "count": len(es.prompts),
+               "by_category": dict(sorted(by_cat.items())), "domain": es.domain, "domain_reason": es.domain_reason}
+    return es
+
+
+def evaluation_sets(params, run_dir: str | Path, tokenizer) -> tuple[list[EvalSet], dict]:
+    """The evaluation sets of ``params.evaluate``, in order: held-out split, general-chat, user sources.
+
+    Prompts longer than ``target.max_model_len - max_new_tokens - k - 1`` tokens are skipped (they
+    could not finish in vLLM); a prompt already in an earlier set is dropped from the later one.
+
+    Returns:
+        ``(sets, training)``: the non-empty sets (:class:`EvalSet`) and :func:`training_data` of the
+        run's samples (without ``hashes``).
+
+    Raises:
+        SamplesError: a corrupt samples file (file and line named).
+        PromptError: a user source that cannot be read.
+        EvaluateError: no set has a prompt left (the counts say why).
+    """
+    ev = params.evaluate
+    run_dir = Path(run_dir)
+    samples = read_samples(run_dir) if RunDir(run_dir).samples.exists() else []
+    train = training_data(samples)
+    train_ids = _train_ids(run_dir)
+    renderer = ChatRenderer(tokenizer, template_kwargs(params))  # as vLLM's chat endpoint renders it
+    limit = params.target.max_model_len - ev.max_new_tokens - ev.num_speculative_tokens - 1
+    wanted: list[tuple[str, tuple[str, str], list[dict]]] = []
+    if ev.heldout:
+        if not samples:
+            raise EvaluateError(f"evaluate.heldout: no samples in {run_dir} (run stage 1 first, or set "
+                                f"evaluate.heldout: false and name evaluation sets in evaluate.sources)")
+        held = [s | {"category": s.get("category") or s.get("source")} for s in samples if s.get("split") == "heldout"]
+        wanted.append((HELDOUT, (IN_DOMAIN, "stage 1's held-out split of the training sources"), held))
+    srcs = []
+    if ev.general_chat:
+        from eagle3.config import PromptSource
+
+        srcs.append(PromptSource(kind="embedded", name=GENERAL_CHAT))
+    srcs += list(ev.sources)
+    for src in srcs:
+        label, cands = _source_candidates(src)
+        if label in train["sources"]:
+            dom = (IN_DOMAIN, f"its source {label!r} is also a training source ({train['sources'][label]} conversations)")
+        else:
+            dom = (OUT_OF_DOMAIN, "no training sample comes from this source")
+        if any(w[0] == label for w in wanted):
+            raise EvaluateError(f"evaluate.sources: two evaluation sets are named {label!r}; give one a label")
+        wanted.append((label, dom, cands))
+    seen: set[str] = set()
+    sets = [_select(n, d, c, train, train_ids, seen, renderer, limit, ev) for n, d, c in wanted]
+    if not any(s.prompts for s in sets):
+        counts = "; ".join(f"{s.name}: {s.info}" for s in sets) or "no set enabled"
+        raise EvaluateError(f"no evaluation prompt left in {run_dir} ({counts}); raise synthesize.heldout_fraction, "
+                            f"or name evaluation sets in evaluate.sources")
+    return [s for s in sets if s.prompts], {k: v for k, v in train.items() if k != "hashes"}
+
+
+def heldout_prompts(params, run_dir: str | Path, tokenizer) -> tuple[list[dict], dict]:
+    """Every evaluation prompt of :func:`evaluation_sets`, flattened in set order.
+
+    Returns:
+        ``(prompts, info)``: prompts as in :class:`EvalSet` and ``info`` with ``count``,
+        ``excluded_training`` (all sets), ``sets`` {name: the set's info}.
+    """
+    sets, _ = evaluation_sets(params, run_dir, tokenizer)
+    prompts = [p for s in sets for p in s.prompts]
+    return prompts, {"count": len(prompts), "excluded_training": sum(s.info["excluded_training"] for s in sets),
+                     "sets": {s.name: s.info for s in sets}}

@@ -12,7 +12,8 @@ from pathlib import Path
 from eagle3.io import read_json
 from eagle3.rundir import RunDir
 
-__all__ = ["LABELS", "read_results", "comparison_table", "parity_table", "figures"]
+__all__ = ["LABELS", "read_results", "comparison_table", "parity_table", "set_table", "category_table",
+           "warnings_table", "figures"]
 
 LABELS = {"offline/eagle3": "EAGLE-3 offline (transformers)", "vllm/eagle3": "EAGLE-3 in vLLM",
           "vllm/ngram": "n-gram lookup in vLLM", "vllm/none": "no speculation (vLLM)"}
@@ -43,6 +44,62 @@ def comparison_table(results: dict):
                      "draft_acceptance_rate": b.get("draft_acceptance_rate"), "rounds": b.get("rounds"),
                      "tokens_per_s": b.get("tokens_per_s") if b["backend"] == "vllm" else None})
     return pd.DataFrame(rows)
+
+
+def _ordered_sets(results: dict) -> list[tuple[str, dict]]:
+    """results.json ``sets``, out-of-domain sets first (the question the report answers first)."""
+    return sorted((results.get("sets") or {}).items(), key=lambda kv: kv[1]["domain"] != "out-of-domain")
+
+
+_METHODS = ("vllm/eagle3", "vllm/ngram", "vllm/none", "offline/eagle3")
+
+
+def set_table(results: dict):
+    """Per evaluation set (out-of-domain first) and method: τ, tokens per target forward,
+    conditional per-position acceptance, tokens/s, prompts (pandas DataFrame)."""
+    import pandas as pd
+
+    rows = []
+    k = results["settings"]["k"]
+    for name, e in _ordered_sets(results):
+        none_tps = (e["methods"].get("vllm/none") or {}).get("tokens_per_s")
+        for m in _METHODS:
+            met = e["methods"].get(m)
+            if met is None:
+                continue
+            pos = met.get("per_position_conditional") or [None] * k
+            tps = met.get("tokens_per_s")
+            rows.append({"set": name, "domain": e["domain"], "method": LABELS.get(m, m), "tau": met.get("tau"),
+                         "tokens_per_forward": met.get("tokens_per_forward"),
+                         **{f"P(pos {i + 1})": pos[i] for i in range(k)},
+                         "tokens_per_s": tps, "speedup": tps / none_tps if tps and none_tps else None,
+                         "prompts": met.get("prompts", e["info"]["count"])})
+    return pd.DataFrame(rows)
+
+
+def category_table(results: dict, methods: tuple[str, ...] = ("vllm/eagle3", "vllm/ngram", "offline/eagle3")):
+    """Per set and category: τ and tokens per target forward of each method side by side (DataFrame)."""
+    import pandas as pd
+
+    short = {"vllm/eagle3": "drafter", "vllm/ngram": "ngram", "offline/eagle3": "offline"}
+    rows = []
+    for name, e in _ordered_sets(results):
+        for cat, by_m in e.get("by_category", {}).items():
+            row = {"set": name, "category": cat, "prompts": e["info"]["by_category"].get(cat)}
+            for m in methods:
+                if m in by_m:
+                    row[f"tau_{short[m]}"] = by_m[m].get("tau")
+                    row[f"tokens_per_forward_{short[m]}"] = by_m[m].get("tokens_per_forward")
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def warnings_table(results: dict):
+    """The mismatch warnings: rule, message, suggested fix (DataFrame; empty when none applies)."""
+    import pandas as pd
+
+    return pd.DataFrame([{"rule": w["rule"], "warning": w["message"], "fix": w["fix"]}
+                         for w in results.get("warnings") or []], columns=["rule", "warning", "fix"])
 
 
 def parity_table(results: dict):
@@ -125,13 +182,65 @@ def _speed(bk: dict):
     return fig
 
 
+def _by_set(results: dict):
+    """Tokens per target forward per set and method (grouped bars, out-of-domain sets first)."""
+    import numpy as np
+
+    fig, ax = _axes()
+    sets = _ordered_sets(results)
+    names = [m for m in ("vllm/eagle3", "vllm/ngram", "vllm/none", "offline/eagle3")
+             if any(m in e["methods"] for _, e in sets)]
+    w = 0.8 / max(len(names), 1)
+    for j, m in enumerate(names):
+        vals = [(e["methods"].get(m) or {}).get("tokens_per_forward") or 0 for _, e in sets]
+        ax.bar(np.arange(len(sets)) + (j - (len(names) - 1) / 2) * w, vals, w, label=LABELS[m])
+    ax.set_xticks(range(len(sets)))
+    ax.set_xticklabels([f"{n}\n({e['domain']})" for n, e in sets], fontsize=8)
+    ax.set_ylabel("tokens per target forward")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.legend(fontsize=8)
+    ax.set_title("Tokens per target forward by evaluation set")
+    return fig
+
+
+def _by_category(results: dict):
+    """τ per category of every set: the drafter (vLLM, else offline) vs n-gram, one panel per set."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    sets = [(n, e) for n, e in _ordered_sets(results) if e.get("by_category")]
+    fig = Figure(figsize=(_SIZE[0], max(_SIZE[1], 2.6 * len(sets))))
+    if not sets:
+        fig.add_subplot().set_title("no per-category data")
+        return fig
+    axes = fig.subplots(len(sets), 1, squeeze=False)[:, 0]
+    for ax, (name, e) in zip(axes, sets):
+        cats = list(e["by_category"])
+        shown = [m for m in ("vllm/eagle3", "offline/eagle3", "vllm/ngram") if any(m in e["by_category"][c] for c in cats)]
+        if "vllm/eagle3" in shown and "offline/eagle3" in shown:
+            shown.remove("offline/eagle3")
+        w = 0.8 / max(len(shown), 1)
+        for j, m in enumerate(shown):
+            vals = [((e["by_category"][c].get(m) or {}).get("tau") or 0) for c in cats]
+            ax.bar(np.arange(len(cats)) + (j - (len(shown) - 1) / 2) * w, vals, w, label=LABELS[m])
+        ax.set_xticks(range(len(cats)))
+        ax.set_xticklabels(cats, fontsize=7, rotation=30, ha="right")
+        ax.set_ylabel("tau")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(f"{name} ({e['domain']}): tau per category", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def figures(results: dict) -> dict:
     """The stage's figures from ``results.json``, as ``matplotlib.figure.Figure`` (no pyplot state).
 
     Returns:
         dict: ``per_position`` (conditional acceptance bars per draft position), ``tau_histogram``
         (share of rounds per accepted+1), ``tau_vs_context`` (τ by context-length bucket), ``speed``
-        (vLLM output tokens/s per method).
+        (vLLM output tokens/s per method), ``by_set`` (tokens per target forward per set and method)
+        and ``by_category`` (τ per category, one panel per set) when results.json has ``sets``.
     """
     bk = results["backends"]
     k = results["settings"]["k"]
@@ -141,4 +250,4 @@ def figures(results: dict) -> dict:
         "tau_histogram": _tau_histogram(bk, spec, k),
         "tau_vs_context": _tau_vs_context(bk),
         "speed": _speed(bk),
-    }
+    } | ({"by_set": _by_set(results), "by_category": _by_category(results)} if results.get("sets") else {})

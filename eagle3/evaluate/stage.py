@@ -27,12 +27,16 @@ from eagle3.errors import EvaluateError, ParityError
 from eagle3.evaluate.decoding import backend_summary, evaluate_offline
 from eagle3.evaluate.diagnosis import diagnose
 from eagle3.evaluate.drafter import load_drafter
+from eagle3.evaluate.metrics import group_metrics, summarize_rounds
+from eagle3.evaluate.mismatch import mismatch_warnings
 from eagle3.evaluate.parity import parity_result
-from eagle3.evaluate.prompts import heldout_prompts
+from eagle3.evaluate.prompts import EvalSet, evaluation_sets, spread
 from eagle3.evaluate.report import figures
 from eagle3.evaluate.vllm_jobs import (
     build_job,
     run_vllm_job,
+    speed_by_set,
+    vllm_records,
     vllm_serve_command,
     vllm_summary,
 )
@@ -49,8 +53,14 @@ class EvaluateStats(Stats):
 
     τ values are acceptance lengths (1 + accepted drafts per verification round); tokens per
     forward count rounds without drafts as one token; tokens/s are vLLM's output tokens per second
-    of generation, one request at a time; ``speedup_vllm_eagle3`` = EAGLE-3 tokens/s / no-speculation
-    tokens/s. ``None`` where a backend was not run.
+    of generation, one request at a time, on ``speed_prompts`` prompts per set;
+    ``speedup_vllm_eagle3`` = EAGLE-3 tokens/s / no-speculation tokens/s. The top-level numbers pool
+    every evaluation set (τ from vLLM's counters, the offline τ over the offline prompts); ``sets``
+    holds them per set (name -> ``domain``, ``prompts``, ``excluded_training``, ``tau_vllm``,
+    ``tokens_per_forward_vllm``, ``tau_ngram``, ``tokens_per_forward_ngram``, ``tau_offline``,
+    ``tokens_per_forward_offline``, ``offline_prompts``, ``tokens_per_s_vllm_{eagle3,ngram,none}``,
+    ``speed_prompts``, ``speedup_vllm_eagle3``, ``speedup_vllm_ngram``). ``warnings``: the mismatch
+    warnings (:mod:`eagle3.evaluate.mismatch`). ``None`` where a backend was not run.
     """
 
     num_prompts: int
@@ -71,11 +81,19 @@ class EvaluateStats(Stats):
     parity_ok: bool | None = None
     parity_gap: float | None = None
     parity_tolerance: float | None = None
+    parity_prompts: int = 0
+    excluded_training: int = 0
+    sets: dict = field(default_factory=dict)
+    warnings: list[dict] = field(default_factory=list)
+    training_data: dict = field(default_factory=dict)
+    measured: dict = field(default_factory=dict)
+    acceptance_rule: str = ""
     diagnosis: list[str] = field(default_factory=list)
     vllm_serve_command: str = ""
+    vllm_serve_where: str = ""
 
     HEADLINE: ClassVar[tuple[str, ...]] = (
-        "num_prompts", "k", "tau_offline", "tau_vllm", "tokens_per_forward_vllm", "tau_ngram",
+        "num_prompts", "excluded_training", "k", "tau_offline", "tau_vllm", "tokens_per_forward_vllm", "tau_ngram",
         "tokens_per_forward_ngram", "speedup_vllm_eagle3", "parity_ok", "parity_gap", "vllm_serve_command")
 
 
@@ -147,12 +165,14 @@ class _Inputs:
     model: Any  # the transformers target (None for a vLLM-only evaluation)
     tok: Any
     drafter_dir: Path
-    prompts: list[dict]
-    prompt_info: dict
+    sets: list[EvalSet]
+    training: dict
+    prompts: list[dict]  # every set's prompts, in set order
+    offline_prompts: list[dict]  # evaluate.offline_prompts of each set
+    speed_ids: list[str]  # evaluate.speed_prompts of each set
     ref: DrafterSettings
     served: DrafterSettings
     drafter_key: str
-    prompts_key: str
     t_dtype: str
 
 
@@ -166,28 +186,31 @@ def _load_inputs(params, run_dir: Path) -> _Inputs:
         model, tok, _ = load_target(params.target)
     else:  # vLLM only (e.g. a target too large for one device): the tokenizer is enough
         model, tok = None, load_tokenizer(resolved, params.target.trust_remote_code)
-    prompts, pinfo = heldout_prompts(params, run_dir, tok)
+    sets, training = evaluation_sets(params, run_dir, tok)
+    prompts = [p for s in sets for p in s.prompts]
     t_dtype = model.dtype if model is not None else torch_dtype(params.target.dtype, resolved.path)
     return _Inputs(
-        resolved=resolved, model=model, tok=tok, drafter_dir=drafter_dir, prompts=prompts, prompt_info=pinfo,
+        resolved=resolved, model=model, tok=tok, drafter_dir=drafter_dir, sets=sets, training=training,
+        prompts=prompts, offline_prompts=[p for s in sets for p in spread(s.prompts, ev.offline_prompts)],
+        speed_ids=[p["id"] for s in sets for p in spread(s.prompts, ev.speed_prompts)],
         ref=training_reference(params, run_dir, drafter_dir),
         served=settings_from_config(drafter_dir, vllm_view=True, error=EvaluateError),
         drafter_key=_key([file_sha256(drafter_dir / "model.safetensors")[:16], read_config(drafter_dir, EvaluateError)]),
-        prompts_key=_key([[p["id"], p["prompt_ids"]] for p in prompts]),
         t_dtype=str(t_dtype).replace("torch.", ""))
 
 
 def _offline_key(params, inp: _Inputs) -> str:
-    """The resume key of the offline records: drafter, prompts, trained settings, decoding settings, dtype."""
+    """The resume key of the offline records: drafter, offline prompts, trained settings, decoding
+    settings, dtype (prompt ``i`` samples with seed + i, so the prompt list is part of it)."""
     ev = params.evaluate
-    return _key([inp.drafter_key, inp.prompts_key, asdict(inp.ref), ev.num_speculative_tokens, ev.temperature,
-                 ev.max_new_tokens, params.run.seed, inp.t_dtype])
+    return _key([inp.drafter_key, [[p["id"], p["prompt_ids"]] for p in inp.offline_prompts], asdict(inp.ref),
+                 ev.num_speculative_tokens, ev.temperature, ev.max_new_tokens, params.run.seed, inp.t_dtype])
 
 
 def _job(params, inp: _Inputs, method: str) -> tuple[dict, str]:
     """The vLLM job of ``method`` and its resume key (the job, plus the drafter's weights for eagle3)."""
     job = build_job(params, method, inp.resolved.path, inp.drafter_dir, inp.prompts,
-                    template_kwargs(params) or None)  # None: the template's defaults
+                    template_kwargs(params) or None, speed_ids=inp.speed_ids)  # None: the template's defaults
     return job, _key([job, inp.drafter_key if method == "eagle3" else None])
 
 
@@ -204,38 +227,47 @@ def _finished(params, inp: _Inputs, rd: RunDir) -> EvaluateStats | None:
     if "offline" in ev.backends:
         key = _offline_key(params, inp)
         recs = read_jsonl(sd / "offline_records.jsonl", error=EvaluateError, missing_ok=True)
-        if {r.get("id") for r in recs if r.get("key") == key} != {p["id"] for p in inp.prompts}:
+        if {r.get("id") for r in recs if r.get("key") == key} != {p["id"] for p in inp.offline_prompts}:
             return None
     for method in ev.vllm_methods if "vllm" in ev.backends else ():
         res = read_json(sd / f"vllm_{method}.json", None)
         if not res or res.get("job_key") != _job(params, inp, method)[1]:
             return None
-    return EvaluateStats.from_dict(st)
+    try:
+        return EvaluateStats.from_dict(st)
+    except (TypeError, ValueError):  # a stats.json of an older layout: measure again
+        return None
 
 
 def _offline(params, inp: _Inputs, sd: Path, prog: Progress):
-    """``(drafter model, records, summary)`` of the offline EAGLE-3 measurement (resumed per prompt)."""
+    """``(drafter model, records)`` of the offline EAGLE-3 measurement (resumed per prompt); each
+    record gains its prompt's ``set`` and ``category``."""
     ev = params.evaluate
     k, temp, model = ev.num_speculative_tokens, ev.temperature, inp.model
     dm = load_drafter(inp.drafter_dir, model, inp.ref, device=str(model.device))
     key = _offline_key(params, inp)
     stops = stop_token_ids(inp.tok, inp.resolved.path, getattr(model, "generation_config", None), model.config,
                            kwargs=template_kwargs(params))
-    recs = evaluate_offline(model, inp.tok, dm, inp.prompts, k, ev.max_new_tokens, inp.ref.aux_layer_ids,
+    recs = evaluate_offline(model, inp.tok, dm, inp.offline_prompts, k, ev.max_new_tokens, inp.ref.aux_layer_ids,
                             temperature=temp, seed=params.run.seed,
                             out_file=sd / "offline_records.jsonl", key=key, progress=prog, stop_ids=stops)
-    summary = backend_summary(recs, k, temp, "transformers", "eagle3") | {
-        "dtype": inp.t_dtype, "device": str(model.device), "aux_layer_ids": inp.ref.aux_layer_ids,
+    meta = {p["id"]: p for p in inp.offline_prompts}
+    return dm, [r | {"set": meta[r["id"]]["set"], "category": meta[r["id"]]["category"]} for r in recs]
+
+
+def _offline_summary(inp: _Inputs, recs: list[dict], k: int, temp: float) -> dict:
+    return backend_summary(recs, k, temp, "transformers", "eagle3") | {
+        "dtype": inp.t_dtype, "device": str(inp.model.device), "aux_layer_ids": inp.ref.aux_layer_ids,
         "settings_source": inp.ref.source}
-    return dm, recs, summary
 
 
-def _vllm(params, inp: _Inputs, sd: Path, prog: Progress) -> tuple[dict, dict]:
-    """``({method: raw result}, {"vllm/<method>": summary})``; a kept result with the same key is reused."""
+def _vllm(params, inp: _Inputs, sd: Path, prog: Progress) -> dict[str, dict]:
+    """``{method: raw result}``; a kept result with the same key is reused. Engine logs go to
+    ``logs/vllm_<method>.log`` in the stage folder (never to the notebook)."""
     ev = params.evaluate
     logs = sd / "logs"
     logs.mkdir(exist_ok=True)
-    results, summaries = {}, {}
+    results = {}
     for method in ev.vllm_methods:
         job, jkey = _job(params, inp, method)
         out = sd / f"vllm_{method}.json"
@@ -245,16 +277,99 @@ def _vllm(params, inp: _Inputs, sd: Path, prog: Progress) -> tuple[dict, dict]:
             res["job_key"] = jkey
             atomic_write_json(out, res)
         results[method] = res
-        summaries[f"vllm/{method}"] = vllm_summary(res, inp.prompts, ev.num_speculative_tokens)
-        prog.update(1, tokens=res.get("output_tokens", 0))
-    return results, summaries
+        prog.update(1, tokens=(res.get("output_tokens") or 0) + (res.get("speed_output_tokens") or 0))
+    return results
 
 
-def _stats(params, inp: _Inputs, backends: dict, parity: dict, diagnosis: list[str], cmd: str) -> EvaluateStats:
+def _per_set(inp: _Inputs, offline_recs: list[dict] | None, vllm_results: dict, k: int) -> dict:
+    """results.json ``sets``: per set its info, per method the metrics, per category per method."""
+    methods: dict[str, list[dict]] = {}
+    if offline_recs is not None:
+        methods["offline/eagle3"] = offline_recs
+    for m in ("eagle3", "ngram"):
+        if m in vllm_results:
+            methods[f"vllm/{m}"] = vllm_records(vllm_results[m], inp.prompts)
+    grouped = {m: group_metrics(recs, k, "set") for m, recs in methods.items()}
+    by_cat = {m: group_metrics(recs, k, "set", "category") for m, recs in methods.items()}
+    speed = {m: speed_by_set(r, inp.prompts) for m, r in vllm_results.items()}
+    out = {}
+    for s in inp.sets:
+        entry: dict = {"domain": s.domain, "domain_reason": s.domain_reason, "info": s.info, "methods": {},
+                       "by_category": {}}
+        for m in methods:
+            if s.name in grouped[m]:
+                entry["methods"][m] = grouped[m][s.name]
+                for cat, met in by_cat[m][s.name].items():
+                    entry["by_category"].setdefault(cat, {})[m] = met
+        for m, sp in speed.items():
+            if s.name in sp:
+                entry["methods"].setdefault(f"vllm/{m}", {}).update(
+                    {"tokens_per_s": sp[s.name]["tokens_per_s"], "speed_prompts": sp[s.name]["prompts"]})
+        if "vllm/none" in entry["methods"]:
+            entry["methods"]["vllm/none"] |= {"tau": None, "tokens_per_forward": 1.0}
+        out[s.name] = entry
+    return out
+
+
+def _set_stats(sets: dict) -> dict:
+    """stats.json ``sets`` (the compact view of results.json's ``sets``), out-of-domain sets first."""
+    def g(entry, m, key):
+        return (entry["methods"].get(m) or {}).get(key)
+
+    out = {}
+    for name, e in sorted(sets.items(), key=lambda kv: kv[1]["domain"] != "out-of-domain"):
+        tps = {m: g(e, f"vllm/{m}", "tokens_per_s") for m in ("eagle3", "ngram", "none")}
+        none = tps["none"]
+        out[name] = {
+            "domain": e["domain"], "prompts": e["info"]["count"], "excluded_training": e["info"]["excluded_training"],
+            "categories": len(e["info"]["by_category"]),
+            "tau_vllm": g(e, "vllm/eagle3", "tau"), "tokens_per_forward_vllm": g(e, "vllm/eagle3", "tokens_per_forward"),
+            "tau_ngram": g(e, "vllm/ngram", "tau"), "tokens_per_forward_ngram": g(e, "vllm/ngram", "tokens_per_forward"),
+            "tau_offline": g(e, "offline/eagle3", "tau"),
+            "tokens_per_forward_offline": g(e, "offline/eagle3", "tokens_per_forward"),
+            "offline_prompts": g(e, "offline/eagle3", "prompts") or 0,
+            "tokens_per_s_vllm_eagle3": tps["eagle3"], "tokens_per_s_vllm_ngram": tps["ngram"],
+            "tokens_per_s_vllm_none": none,
+            "speed_prompts": max((g(e, f"vllm/{m}", "speed_prompts") or 0) for m in ("eagle3", "ngram", "none")),
+            "speedup_vllm_eagle3": tps["eagle3"] / none if tps["eagle3"] and none else None,
+            "speedup_vllm_ngram": tps["ngram"] / none if tps["ngram"] and none else None,
+        }
+    return out
+
+
+def _parity_vllm(inp: _Inputs, vllm_results: dict, k: int) -> dict | None:
+    """vLLM's EAGLE-3 acceptance on exactly the offline prompts (the parity check's other side)."""
+    if "eagle3" not in vllm_results:
+        return None
+    ids = {p["id"] for p in inp.offline_prompts}
+    recs = [r for r in vllm_records(vllm_results["eagle3"], inp.prompts) if r["id"] in ids]
+    return summarize_rounds(recs, k)["overall"] if recs else None
+
+
+def _measured(params, inp: _Inputs, offline_n: int) -> dict:
+    """What was measured on which prompts (stats.json ``measured``): the report states it."""
+    ev = params.evaluate
+    n = len(inp.prompts)
+    out = {"prompts": {s.name: s.info["count"] for s in inp.sets}}
+    if "vllm" in ev.backends:
+        acc = [m for m in ev.vllm_methods if m != "none"]
+        out["vllm_acceptance"] = (f"{', '.join(acc) or 'no method'}: all {n} prompts, one batched pass per engine "
+                                  f"(max_num_seqs={ev.vllm_max_num_seqs}); no speculation: 1 token per forward")
+        out["vllm_tokens_per_s"] = (f"{len(inp.speed_ids)} of {n} prompts (at most {ev.speed_prompts} per set, "
+                                    f"spread over categories), one request at a time")
+    if "offline" in ev.backends:
+        out["offline"] = (f"{offline_n} of {n} prompts (at most {ev.offline_prompts} per set, spread over categories); "
+                          f"parity compares vLLM on the same prompts")
+    return out
+
+
+def _stats(params, inp: _Inputs, backends: dict, sets: dict, parity: dict, diagnosis: list[str],
+           warnings: list[dict], cmd: tuple[str, str]) -> EvaluateStats:
     ev = params.evaluate
     off, vl = backends.get("offline/eagle3") or {}, backends.get("vllm/eagle3") or {}
     ng, none = backends.get("vllm/ngram") or {}, backends.get("vllm/none") or {}
     tps, tps_none = vl.get("tokens_per_s"), none.get("tokens_per_s")
+    first = off or vl
     return EvaluateStats(
         num_prompts=len(inp.prompts), k=ev.num_speculative_tokens, temperature=ev.temperature,
         tau_offline=off.get("tau"), tokens_per_forward_offline=off.get("tokens_per_forward"),
@@ -266,12 +381,17 @@ def _stats(params, inp: _Inputs, backends: dict, parity: dict, diagnosis: list[s
         draft_acceptance_rate_vllm=vl.get("draft_acceptance_rate"),
         parity_ok=parity.get("ok") if parity["checked"] else None,
         parity_gap=parity.get("relative_gap"), parity_tolerance=ev.parity_tolerance,
-        diagnosis=diagnosis, vllm_serve_command=cmd)
+        parity_prompts=len(inp.offline_prompts) if parity["checked"] else 0,
+        excluded_training=sum(s.info["excluded_training"] for s in inp.sets),
+        sets=_set_stats(sets), warnings=warnings, training_data=inp.training,
+        measured=_measured(params, inp, off.get("prompts") or 0), acceptance_rule=first.get("acceptance_rule") or "",
+        diagnosis=diagnosis, vllm_serve_command=cmd[0], vllm_serve_where=cmd[1])
 
 
-def _results(params, inp: _Inputs, backends: dict, parity: dict, diagnosis: list[str],
-             drafter_check: list[str] | None, cmd: str) -> dict:
-    """The ``results.json`` document: settings, prompts, per-backend summaries, parity, diagnosis."""
+def _results(params, inp: _Inputs, backends: dict, sets: dict, parity: dict, diagnosis: list[str],
+             drafter_check: list[str] | None, warnings: list[dict], cmd: tuple[str, str]) -> dict:
+    """The ``results.json`` document: settings, prompts, pooled and per-set summaries, parity,
+    diagnosis, warnings."""
     ev = params.evaluate
     first = backends.get("offline/eagle3") or backends.get("vllm/eagle3") or {}
     return {
@@ -280,26 +400,36 @@ def _results(params, inp: _Inputs, backends: dict, parity: dict, diagnosis: list
                      "drafter_dir": str(inp.drafter_dir), "target": str(inp.resolved.path),
                      "verifier_name": inp.resolved.name,
                      "trained_settings": asdict(inp.ref), "served_settings": asdict(inp.served),
-                     "ngram": ev.ngram.model_dump(), "vllm_engine": "LLM.chat, max_num_seqs=1"},
-        "prompts": inp.prompt_info,
+                     "ngram": ev.ngram.model_dump(),
+                     "vllm_engine": f"LLM.chat; acceptance: max_num_seqs={ev.vllm_max_num_seqs}; tokens/s: one "
+                                    f"request at a time",
+                     "measured": _measured(params, inp, (backends.get("offline/eagle3") or {}).get("prompts") or 0)},
+        "prompts": {"count": len(inp.prompts), "excluded_training": sum(s.info["excluded_training"] for s in inp.sets),
+                    "sets": {s.name: s.info for s in inp.sets}},
+        "training_data": inp.training,
+        "sets": sets,
         "backends": backends,
         "parity": parity,
         "diagnosis": diagnosis,
         "drafter_check": drafter_check,
-        "vllm_serve_command": cmd,
+        "warnings": warnings,
+        "vllm_serve_command": cmd[0],
+        "vllm_serve_where": cmd[1],
+        "logs": {m: f"logs/vllm_{m}.log" for m in (ev.vllm_methods if "vllm" in ev.backends else ())},
     }
 
 
 def run(params, run_dir: str | Path) -> EvaluateStats:
-    """Stage 5: offline and vLLM acceptance on held-out prompts, n-gram and no-speculation baselines,
-    parity check; writes ``results.json``, ``prompts.json``, figures and ``stats.json`` in its folder.
+    """Stage 5: acceptance on every evaluation set (held-out split, general-chat, the user's sources),
+    offline and in vLLM, beside n-gram and no speculation; parity check; mismatch warnings. Writes
+    ``results.json``, ``prompts.json``, figures and ``stats.json`` in its folder.
 
     Returns:
         EvaluateStats: what ``stats.json`` holds.
 
     Raises:
         EvaluateError: missing inputs or a failed vLLM job.
-        ParityError: at temperature 0, offline and vLLM τ differ by more than
+        ParityError: at temperature 0, offline and vLLM τ (same prompts) differ by more than
             ``evaluate.parity_tolerance`` (relative); results.json holds the diagnosis.
     """
     rd = RunDir(run_dir)
@@ -310,30 +440,37 @@ def run(params, run_dir: str | Path) -> EvaluateStats:
     done = _finished(params, inp, rd)
     if done is not None:
         return done
-    atomic_write_json(sd / "prompts.json", {"info": inp.prompt_info, "prompts": [
-        {kk: p[kk] for kk in ("id", "source", "prompt_hash")} | {"prompt_tokens": len(p["prompt_ids"])}
+    atomic_write_json(sd / "prompts.json", {"info": {s.name: s.info for s in inp.sets}, "prompts": [
+        {kk: p[kk] for kk in ("id", "set", "source", "category", "prompt_hash")} | {"prompt_tokens": len(p["prompt_ids"])}
         for p in inp.prompts]})
-    units = (len(inp.prompts) if "offline" in ev.backends else 0) + (len(ev.vllm_methods) if "vllm" in ev.backends else 0)
+    units = (len(inp.offline_prompts) if "offline" in ev.backends else 0) + (
+        len(ev.vllm_methods) if "vllm" in ev.backends else 0)
     backends: dict[str, dict] = {}
     dm = offline_recs = None
     vllm_results: dict[str, dict] = {}
     with StageRun(params, rd.root, EVALUATE, total=units, unit="steps") as st:
         if "offline" in ev.backends:
-            dm, offline_recs, backends["offline/eagle3"] = _offline(params, inp, sd, st.progress)
+            dm, offline_recs = _offline(params, inp, sd, st.progress)
+            backends["offline/eagle3"] = _offline_summary(inp, offline_recs, k, temp)
         if "vllm" in ev.backends:
-            vllm_results, summaries = _vllm(params, inp, sd, st.progress)
-            backends.update(summaries)
-        off, vl = backends.get("offline/eagle3"), backends.get("vllm/eagle3")
+            vllm_results = _vllm(params, inp, sd, st.progress)
+            for m, res in vllm_results.items():
+                backends[f"vllm/{m}"] = vllm_summary(res, inp.prompts, k)
+        sets = _per_set(inp, offline_recs, vllm_results, k)
+        off, vl = backends.get("offline/eagle3"), _parity_vllm(inp, vllm_results, k)
         parity = parity_result(off, vl, temp, ev.parity_tolerance)
         drafter_check = check_drafter(inp.drafter_dir, inp.resolved.path, reference=inp.ref)
         diagnosis = diagnose(inp.drafter_dir, inp.resolved.path, reference=inp.ref, run_dir=rd.root, target=inp.model,
                              drafter_model=dm, offline=off, vllm=(vllm_results.get("eagle3") and
-                             {**vllm_results["eagle3"], **(vl or {})}), prompts=inp.prompts,
-                             offline_records=offline_recs, drafter_problems=drafter_check)
-        cmd = vllm_serve_command(inp.resolved.name, inp.drafter_dir, k)
-        results = _results(params, inp, backends, parity, diagnosis, drafter_check, cmd)
+                             {**vllm_results["eagle3"], **(backends.get("vllm/eagle3") or {}),
+                              "per_position_conditional": (vl or {}).get("per_position_conditional")}),
+                             prompts=inp.prompts, offline_records=offline_recs, drafter_problems=drafter_check)
+        cmd = vllm_serve_command(inp.resolved.name, inp.drafter_dir, k, run_dir=rd.root, target=inp.resolved,
+                                 target_spec=params.target.model)
+        stats = _stats(params, inp, backends, sets, parity, diagnosis, [], cmd)
+        stats.warnings = mismatch_warnings(stats.sets, inp.training, ev)
+        results = _results(params, inp, backends, sets, parity, diagnosis, drafter_check, stats.warnings, cmd)
         atomic_write_json(rd.evaluate_results, results)
-        stats = _stats(params, inp, backends, parity, diagnosis, cmd)
         # The W&B run opens only now, once the results exist (StageRun.tracker is lazy).
         for name, fig in figures(results).items():
             st.figure(name, fig)
@@ -341,7 +478,7 @@ def run(params, run_dir: str | Path) -> EvaluateStats:
             st.progress.extra["parity"] = "failed"
             st.finish(stats, complete=False, log=True)
             raise ParityError(
-                f"parity check failed: offline tau {off['tau']:.3f} vs vLLM tau {vl['tau']:.3f} "
-                f"(relative gap {parity['relative_gap']:.3f} > tolerance {ev.parity_tolerance}); see {rd.evaluate_results}",
-                diagnosis)
+                f"parity check failed: offline tau {off['tau']:.3f} vs vLLM tau {vl['tau']:.3f} on the same "
+                f"{len(inp.offline_prompts)} prompts (relative gap {parity['relative_gap']:.3f} > tolerance "
+                f"{ev.parity_tolerance}); see {rd.evaluate_results}", diagnosis)
         return EvaluateStats.from_dict(st.finish(stats, log=True))

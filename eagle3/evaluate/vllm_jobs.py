@@ -3,8 +3,9 @@
 vLLM engines spawn processes and hold memory until the interpreter exits, so every measurement
 (EAGLE-3 drafter, n-gram lookup, no speculation) runs ``python -m eagle3.evaluate.vllm_worker`` in a
 fresh subprocess, one at a time; the worker creates its engine under ``if __name__ == "__main__":``.
-Acceptance comes from vLLM's ``vllm:spec_decode_*`` counters (the headline) and its per-request
-per-step lists (splits by source and context length).
+Acceptance comes from vLLM's ``vllm:spec_decode_*`` counters (pooled) and its per-request per-step
+lists (per set, per category, by context length); tokens/s from the worker's one-request-at-a-time
+speed pass over a subset of the prompts.
 """
 
 from __future__ import annotations
@@ -21,19 +22,20 @@ from eagle3.errors import EvaluateError
 from eagle3.evaluate.metrics import summarize_rounds
 from eagle3.io import atomic_write_json
 
-__all__ = ["build_job", "run_vllm_job", "vllm_records", "vllm_summary", "vllm_serve_command"]
+__all__ = ["build_job", "run_vllm_job", "vllm_records", "vllm_summary", "speed_by_set", "vllm_serve_command"]
 
 # The repository root, put on the worker's PYTHONPATH so that it imports this same tree.
 _ROOT = Path(__file__).resolve().parents[2]
 
 
 def build_job(params, method: str, target_path: str | Path, drafter_dir: str | Path, prompts: list[dict],
-              chat_template_kwargs: dict | None) -> dict:
+              chat_template_kwargs: dict | None, speed_ids: list[str] | None = None) -> dict:
     """The job dict of one measurement (the worker's input; see :mod:`eagle3.evaluate.vllm_worker`).
 
     Args:
-        method: "eagle3" | "ngram" | "none".
+        method: "eagle3" | "ngram" | "none" ("none" has no acceptance to measure: speed pass only).
         prompts: ``{"id", "messages", "prompt_ids", ...}`` (only those three keys are sent).
+        speed_ids: ids of the prompts timed one request at a time (default: none).
     """
     ev = params.evaluate
     return {"target": str(target_path), "dtype": params.target.dtype if params.target.dtype != "auto" else "auto",
@@ -44,6 +46,8 @@ def build_job(params, method: str, target_path: str | Path, drafter_dir: str | P
             "prompt_lookup_min": ev.ngram.prompt_lookup_min, "prompt_lookup_max": ev.ngram.prompt_lookup_max,
             "temperature": ev.temperature, "max_new_tokens": ev.max_new_tokens,
             "chat_template_kwargs": chat_template_kwargs,
+            "max_num_seqs": ev.vllm_max_num_seqs, "acceptance": method != "none",
+            "speed_ids": list(speed_ids or []),
             "prompts": [{"id": p["id"], "messages": p["messages"], "prompt_ids": p["prompt_ids"]} for p in prompts]}
 
 
@@ -82,13 +86,17 @@ def run_vllm_job(job: dict, out_path: str | Path, log_path: str | Path | None = 
 
 
 def vllm_records(result: dict, prompts: list[dict]) -> list[dict]:
-    """Per-prompt round records from a vLLM result (per-step accepted/drafted lists).
+    """Per-prompt round records from a vLLM result (per-step accepted/drafted lists of the
+    acceptance pass), with the prompt's ``set``, ``source`` and ``category``.
 
-    Context lengths are reconstructed as prompt + 1 + tokens produced by earlier rounds, exact
-    when every engine step drafted (EAGLE-3); for n-gram lookup, steps without drafts are not
-    reported by vLLM, so its context lengths are lower bounds.
+    Verification steps of a request = its steps with drafts + the steps without (n-gram misses,
+    which vLLM does not list): ``len(tokens) - 1 - sum(1 + accepted)`` (every step emits
+    1 + accepted tokens; the prefill emits the first), at least 0. That count is exact but for the
+    request's last step, whose accepted drafts may run past the stop/length cut (then it is low by
+    that many tokens). Context lengths are prompt + 1 + tokens produced by earlier rounds, exact when
+    every step drafted (EAGLE-3); for n-gram lookup they are lower bounds.
     """
-    src = {p["id"]: p["source"] for p in prompts}
+    meta = {p["id"]: p for p in prompts}
     out = []
     for r in result["per_prompt"]:
         acc, drf = r.get("per_step_accepted") or [], r.get("per_step_drafted") or []
@@ -97,13 +105,16 @@ def vllm_records(result: dict, prompts: list[dict]) -> list[dict]:
         for a, d in zip(acc, drf):
             rounds.append([ctx, int(d), int(a)])
             ctx += 1 + int(a)
-        out.append({"id": r["id"], "source": src.get(r["id"], "?"), "prompt_len": len(r["prompt_ids"]),
-                    "tokens": r["tokens"], "rounds": rounds, "verification_steps": len(rounds),
+        no_draft = max(0, len(r["tokens"]) - 1 - sum(1 + int(a) for a in acc))
+        m = meta.get(r["id"], {})
+        out.append({"id": r["id"], "set": m.get("set", "?"), "source": m.get("source", "?"),
+                    "category": m.get("category", "?"), "prompt_len": len(r["prompt_ids"]),
+                    "tokens": r["tokens"], "rounds": rounds, "verification_steps": len(rounds) + no_draft,
                     "finish_reason": r.get("finish_reason")})
     return out
 
 
-def _counter_metrics(c: dict, steps: int) -> dict:
+def _counter_metrics(c: dict) -> dict:
     """τ, acceptance rates and per-position vectors from vLLM's spec-decode counters."""
     drafts = c["vllm:spec_decode_num_drafts"]
     acc = c["vllm:spec_decode_num_accepted_tokens"]
@@ -118,43 +129,90 @@ def _counter_metrics(c: dict, steps: int) -> dict:
         "draft_acceptance_rate": acc / dtoks if dtoks else float("nan"),
         "per_position_unconditional": [x / drafts if drafts else None for x in c["per_pos"]],
         "per_position_conditional": cond,
-        "verification_steps": steps,
-        "tokens_per_forward": (steps + acc) / steps if steps > 0 else None,
     }
 
 
+def speed_by_set(result: dict, prompts: list[dict]) -> dict:
+    """``{set: {"prompts", "output_tokens", "time_s", "tokens_per_s"}}`` of the speed pass (one
+    request at a time), plus ``"all"`` over every timed prompt."""
+    where = {p["id"]: p.get("set", "?") for p in prompts}
+    groups: dict[str, list] = {}
+    for r in result.get("speed") or []:
+        groups.setdefault(where.get(r["id"], "?"), []).append(r)
+        groups.setdefault("all", []).append(r)
+    out = {}
+    for g, rs in groups.items():
+        n, t = sum(r["output_tokens"] for r in rs), sum(r["time_s"] for r in rs)
+        out[g] = {"prompts": len(rs), "output_tokens": n, "time_s": round(t, 3), "tokens_per_s": n / t if t > 0 else None}
+    return out
+
+
 def vllm_summary(result: dict, prompts: list[dict], k: int) -> dict:
-    """The results.json entry of a vLLM measurement: acceptance from vLLM's counters (headline)
-    plus per-source/context splits from the per-request data."""
-    c = result["counters"]
+    """The results.json entry of a vLLM measurement over all its prompts: acceptance from vLLM's
+    counters (τ, per position), tokens per target forward from the per-request lists
+    (:func:`vllm_records`), tokens/s from the speed pass; per-source/context splits.
+
+    For ``none`` every target forward emits one token: tokens per forward is 1.0 by definition.
+    """
     method = result["method"]
-    n_prompts = len(result["per_prompt"])
-    steps = c["engine_steps"] - n_prompts  # one prefill step per prompt (unchunked, max_num_seqs=1)
     summary: dict = {"backend": "vllm", "method": method, "k": result["k"], "temperature": result["temperature"],
                      "acceptance_rule": "vLLM rejection sampler (greedy: exact match with the target argmax)"
                      if result["temperature"] <= 0 else "vLLM rejection sampler",
                      "dtype": result.get("dtype"), "vllm_version": result.get("vllm_version"),
-                     "tokens_per_s": result.get("tokens_per_s"), "output_tokens": result.get("output_tokens"),
-                     "generate_s": result.get("generate_s"), "startup_s": result.get("startup_s"),
-                     "counters": c, "prompts": n_prompts}
+                     "max_num_seqs": result.get("max_num_seqs"),
+                     "tokens_per_s": result.get("tokens_per_s"), "speed_prompts": len(result.get("speed") or []),
+                     "output_tokens": result.get("output_tokens"), "generate_s": result.get("generate_s"),
+                     "startup_s": result.get("startup_s"), "counters": result.get("counters"),
+                     "prompts": len(result["per_prompt"]), "speed_by_set": speed_by_set(result, prompts)}
     if method == "none":
-        summary.update({"tau": None, "rounds": 0, "verification_steps": steps,
-                        "tokens_per_forward": (c["vllm:generation_tokens"] - n_prompts) / steps if steps > 0 else None})
+        summary.update({"tau": None, "rounds": 0, "tokens_per_forward": 1.0})
         return summary
-    summary.update(_counter_metrics(c, steps))
-    s = summarize_rounds(vllm_records(result, prompts), k)
+    summary.update(_counter_metrics(result["counters"]))
+    recs = vllm_records(result, prompts)
+    s = summarize_rounds(recs, k)
+    summary["verification_steps"] = s["overall"]["verification_steps"]
+    summary["tokens_per_forward"] = s["overall"]["tokens_per_forward"]
     summary["per_request_check"] = {"drafts": s["overall"]["rounds"], "accepted": s["overall"]["accepted_tokens"]}
     if method == "eagle3":
         summary["per_position_conditional"] = s["overall"]["per_position_conditional"]
         summary["by_context"] = s["by_context"]
-    summary["by_source"] = {src: {kk: v for kk, v in m.items() if kk not in ("verification_steps", "tokens_per_forward")}
-                            for src, m in s["by_source"].items()}
+    summary["by_source"] = s["by_source"]
     summary["accepted_histogram"] = s["accepted_histogram"]
     return summary
 
 
-def vllm_serve_command(target_name: str, drafter_dir: str | Path, k: int, extra: str = "") -> str:
-    """The ``vllm serve`` command line that serves the target with this drafter (EAGLE-3, k tokens)."""
-    spec = json.dumps({"method": "eagle3", "model": str(drafter_dir), "num_speculative_tokens": int(k)})
-    cmd = f"vllm serve {shlex.quote(str(target_name))} --speculative-config {shlex.quote(spec)}"
-    return cmd + (f" {extra}" if extra else "")
+def vllm_serve_command(target_name: str, drafter_dir: str | Path, k: int, extra: str = "",
+                       run_dir: str | Path | None = None, target=None, target_spec: str | None = None) -> str | tuple[str, str]:
+    """The ``vllm serve`` command line that serves the target with this drafter (EAGLE-3, k tokens).
+
+    Without ``run_dir``: the command with the paths as given (a string). With ``run_dir``: a pair
+    ``(command, where)`` that survives moving the run directory: the drafter path is relative to
+    the run directory when it lies inside it (run the command from there), and a target that is a
+    local directory (not a hub id) is written as ``$TARGET``; ``where`` says both, and where the
+    target lives (``target``: :class:`eagle3.target.ResolvedTarget`; ``target_spec``: what the
+    params name, e.g. ``embedded:smollm2-135m``).
+    """
+    drafter = Path(drafter_dir)
+    notes = []
+    if run_dir is not None:
+        root = Path(run_dir).resolve()
+        if drafter.resolve().is_relative_to(root):
+            drafter = drafter.resolve().relative_to(root)
+            notes.append(f"Run it from the run directory ({root.name}/): the drafter path {drafter} is relative to it.")
+        else:
+            notes.append(f"The drafter is {drafter} (outside the run directory).")
+        local = Path(str(target_name)).is_absolute() or (target is not None and str(target_name) == str(target.path))
+        if local:
+            notes.append(f"$TARGET is the target model directory: {target_name}"
+                         + (f" (params target.model: {target_spec}; the embedded target is converted there on first use)"
+                            if target_spec and str(target_spec).startswith("embedded:") else
+                            f" (params target.model: {target_spec})" if target_spec else "")
+                         + "; or use its hub id, e.g. set target.served_name.")
+            target_name = "$TARGET"
+        else:
+            notes.append(f"The target is {target_name} (a hub id or served name: vLLM downloads it or finds it in "
+                         f"its cache).")
+    spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": int(k)})
+    tgt = '"$TARGET"' if str(target_name) == "$TARGET" else shlex.quote(str(target_name))
+    cmd = f"vllm serve {tgt} --speculative-config {shlex.quote(spec)}" + (f" {extra}" if extra else "")
+    return cmd if run_dir is None else (cmd, " ".join(notes))

@@ -10,17 +10,22 @@ engine (EAGLE-3 drafter, n-gram lookup, no speculation) in a fresh subprocess, o
 ``tensor_parallel_size`` and ``trust_remote_code``, and ``prompts``: a list of
 ``{"id", "messages", "prompt_ids"}``.
 
+``max_num_seqs`` (the acceptance pass's engine width, default 1), ``acceptance`` (bool, default
+true: run the acceptance pass) and ``speed_ids`` (prompt ids of the speed pass; default: none).
+
 The prompts go through ``LLM.chat`` (vLLM renders the chat template itself, exactly as its chat
 endpoint does); the rendered ids are returned per prompt so that the caller can compare them with
-its own rendering. The engine runs one request at a time (``max_num_seqs=1``: the single-stream
-setting where speculation pays, and the one in which the engine's iteration count equals the
-number of target forwards of each request), without prefix caching (every prompt is prefilled).
-Counters are read with ``LLM.get_metrics()`` before and after the measured pass (a one-prompt
-warm-up runs first) and the differences reported:
-``vllm:spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens``,
-``_num_accepted_tokens_per_pos``, ``vllm:iteration_tokens_total`` (count = engine steps),
-``vllm:generation_tokens``. Per request, vLLM's per-step accepted/drafted lists
-(``per_request_spec_decode_metrics="detailed"``) are returned too.
+its own rendering. One engine, without prefix caching (every prompt is prefilled), runs two passes:
+
+* **acceptance**: every prompt in one ``LLM.chat`` call, up to ``max_num_seqs`` requests at a time
+  (acceptance does not depend on the batch; the time does not matter here). Counters are read with
+  ``LLM.get_metrics()`` before and after (a one-prompt warm-up runs first) and the differences
+  reported: ``vllm:spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens``,
+  ``_num_accepted_tokens_per_pos``, ``vllm:iteration_tokens_total`` (count = engine steps),
+  ``vllm:generation_tokens``. Per request, vLLM's per-step accepted/drafted lists
+  (``per_request_spec_decode_metrics="detailed"``) are returned too: the per-set numbers.
+* **speed**: the ``speed_ids`` prompts one ``LLM.chat`` call each, so one request is in the engine
+  at a time (the single-stream setting where speculation pays); output tokens and seconds per prompt.
 """
 
 from __future__ import annotations
@@ -88,12 +93,13 @@ def _speculative_config(job: dict) -> dict | None:
 
 
 def _engine(job: dict, spec: dict | None):
-    """The ``vllm.LLM`` of the job: one request at a time, no prefix caching, stats on."""
+    """The ``vllm.LLM`` of the job: ``max_num_seqs`` requests at a time, no prefix caching, stats on."""
     from vllm import LLM
 
     from eagle3.vllm_utils import engine_kwargs
 
-    extra: dict = {"disable_log_stats": False, "max_num_seqs": 1, "enable_prefix_caching": False,
+    extra: dict = {"disable_log_stats": False, "max_num_seqs": int(job.get("max_num_seqs", 1)),
+                   "enable_prefix_caching": False,
                    "max_num_batched_tokens": max(int(job["max_model_len"]), 2048)}
     if spec is not None:
         extra["speculative_config"] = spec
@@ -143,28 +149,43 @@ def run_job(job: dict) -> dict:
                               seed=int(job["seed"]) + i)
 
     llm.chat(convs[:1], [params(0, 8)], use_tqdm=False, chat_template_kwargs=ctk)  # warm-up
-    before = read_counters(llm)
-    t1 = time.time()
-    outs = llm.chat(convs, [params(i, int(job["max_new_tokens"])) for i in range(len(convs))],
-                    use_tqdm=False, chat_template_kwargs=ctk)
-    gen_s = time.time() - t1
-    after = read_counters(llm)
-    per_prompt = _per_prompt(prompts, outs)
-    n_out = sum(len(r["tokens"]) for r in per_prompt)
+    per_prompt, counters, gen_s = [], None, None
+    if job.get("acceptance", True):
+        before = read_counters(llm)
+        t1 = time.time()
+        outs = llm.chat(convs, [params(i, int(job["max_new_tokens"])) for i in range(len(convs))],
+                        use_tqdm=False, chat_template_kwargs=ctk)
+        gen_s = time.time() - t1
+        counters = _diff(read_counters(llm), before)
+        per_prompt = _per_prompt(prompts, outs)
+    speed = []
+    index = {p["id"]: i for i, p in enumerate(prompts)}
+    for pid in job.get("speed_ids") or []:
+        i = index[pid]
+        t1 = time.time()
+        out = llm.chat(convs[i:i + 1], [params(i, int(job["max_new_tokens"]))], use_tqdm=False,
+                       chat_template_kwargs=ctk)[0]
+        speed.append({"id": pid, "output_tokens": len(out.outputs[0].token_ids), "time_s": time.time() - t1})
+    n_speed = sum(r["output_tokens"] for r in speed)
+    t_speed = sum(r["time_s"] for r in speed)
     return {
         "method": job["method"],
         "speculative_config": spec,
         "k": int(job["k"]) if spec else 0,
         "temperature": float(job["temperature"]),
         "max_new_tokens": int(job["max_new_tokens"]),
+        "max_num_seqs": int(job.get("max_num_seqs", 1)),
         "dtype": str(llm.llm_engine.model_config.dtype).replace("torch.", ""),
         "vllm_version": __import__("vllm").__version__,
         "startup_s": round(startup_s, 2),
-        "generate_s": round(gen_s, 3),
-        "output_tokens": n_out,
-        "tokens_per_s": n_out / gen_s if gen_s > 0 else None,
-        "counters": _diff(after, before),
+        "generate_s": round(gen_s, 3) if gen_s is not None else None,
+        "output_tokens": sum(len(r["tokens"]) for r in per_prompt),
+        "counters": counters,
         "per_prompt": per_prompt,
+        "speed": speed,
+        "speed_output_tokens": n_speed,
+        "speed_s": round(t_speed, 3),
+        "tokens_per_s": n_speed / t_speed if t_speed > 0 else None,
     }
 
 

@@ -71,6 +71,8 @@ class Conversation:
              "turn_usage": self.usage, "settings": settings}
         if self.dropped_turns:
             s["dropped_turns"] = self.dropped_turns
+        if p.category:  # stage 5 reports per category and warns when training has only one
+            s["category"] = p.category
         return s
 
 

@@ -1,0 +1,111 @@
+"""Train/serve mismatch warnings: will this drafter help on traffic unlike its training data?
+
+Each warning is a dict ``{"rule", "message", "numbers", "fix"}`` (stage 5's ``stats.json``
+``warnings`` and the top of the report index). The rules, with their thresholds from
+``params.evaluate``:
+
+* ``drafter_below_ngram``: on an evaluation set, the drafter's tokens per target forward in vLLM
+  (offline when vLLM was not run) is below n-gram prompt lookup's (vLLM): serving n-gram would be
+  at least as good, for free.
+* ``ood_far_below_id``: an out-of-domain set's acceptance gain is far below the in-distribution one:
+  ``tau_ood - 1 < warn_ood_ratio * (tau_id - 1)`` (τ in vLLM, else offline; in-distribution = the
+  held-out split). τ − 1 is the accepted drafts per round, the part of τ the drafter earns.
+* ``small_training_data``: fewer than ``warn_min_conversations`` training conversations or fewer
+  than ``warn_min_tokens`` training completion tokens (stage 1's counts). Published EAGLE-3 drafters
+  train on 10^5 conversations and more; a few hundred fit one narrow task at best.
+* ``narrow_training_data``: the training conversations come from one source, or (when the samples
+  record categories) from one category.
+"""
+
+from __future__ import annotations
+
+__all__ = ["RULES", "mismatch_warnings", "set_tau", "set_tokens_per_forward"]
+
+RULES = ("drafter_below_ngram", "ood_far_below_id", "small_training_data", "narrow_training_data")
+
+_MORE_DATA = ("add prompts like your traffic to synthesize.sources (your own logs or a chat data set), and/or "
+              "let the target write its own with a {kind: self} source (self-prompting), then re-run stages 1-5")
+
+
+def set_tau(s: dict) -> tuple[float | None, str]:
+    """The drafter's τ of one set's stats entry and where it comes from: vLLM, else offline."""
+    if s.get("tau_vllm") is not None:
+        return s["tau_vllm"], "vLLM"
+    return s.get("tau_offline"), "offline"
+
+
+def set_tokens_per_forward(s: dict) -> tuple[float | None, str]:
+    """The drafter's tokens per target forward of one set: vLLM, else offline."""
+    if s.get("tokens_per_forward_vllm") is not None:
+        return s["tokens_per_forward_vllm"], "vLLM"
+    return s.get("tokens_per_forward_offline"), "offline"
+
+
+def _r(x: float | None) -> float | None:
+    return round(float(x), 4) if x is not None else None
+
+
+def mismatch_warnings(sets: dict[str, dict], training: dict, ev) -> list[dict]:
+    """The warnings that apply, in :data:`RULES` order.
+
+    Args:
+        sets: stage 5's ``stats.json`` ``sets``: name -> ``{"domain", "tau_vllm", "tau_offline",
+            "tokens_per_forward_vllm", "tokens_per_forward_offline", "tokens_per_forward_ngram", ...}``
+            (None where not measured).
+        training: :func:`eagle3.evaluate.prompts.training_data` (``known``, ``conversations``,
+            ``completion_tokens``, ``sources``, ``categories``).
+        ev: ``params.evaluate`` (``warn_min_conversations``, ``warn_min_tokens``, ``warn_ood_ratio``).
+
+    Returns:
+        list[dict]: ``{"rule", "message", "numbers", "fix"}`` each; empty when none applies.
+    """
+    out: list[dict] = []
+    for name, s in sets.items():
+        d, where = set_tokens_per_forward(s)
+        ng = s.get("tokens_per_forward_ngram")
+        if d is not None and ng is not None and d < ng:
+            out.append({"rule": "drafter_below_ngram",
+                        "message": f"on {name} ({s.get('domain')}) the drafter gives {d:.3f} tokens per target forward "
+                                   f"({where}), n-gram prompt lookup {ng:.3f}: serving n-gram would be as fast, for free",
+                        "numbers": {"set": name, "tokens_per_forward_drafter": _r(d), "source": where,
+                                    "tokens_per_forward_ngram": _r(ng)},
+                        "fix": f"train on more and more varied data ({_MORE_DATA}); until then serve with "
+                               "speculative_config {method: ngram}"})
+    ids = [(n, set_tau(s)) for n, s in sets.items() if s.get("domain") == "in-distribution" and set_tau(s)[0] is not None]
+    ref = next(((n, t) for n, t in ids if n == "heldout"), ids[0] if ids else None)
+    if ref is not None:
+        id_name, (id_tau, id_where) = ref
+        for name, s in sets.items():
+            tau, where = set_tau(s)
+            if s.get("domain") != "out-of-domain" or tau is None:
+                continue
+            if tau - 1 < ev.warn_ood_ratio * (id_tau - 1):
+                out.append({"rule": "ood_far_below_id",
+                            "message": f"out-of-domain τ on {name} is {tau:.3f} ({where}) against {id_tau:.3f} on "
+                                       f"{id_name} ({id_where}): accepted drafts per round {tau - 1:.3f} < "
+                                       f"{ev.warn_ood_ratio} x {id_tau - 1:.3f}; the drafter learned its training "
+                                       f"distribution, not the target",
+                            "numbers": {"set": name, "tau_ood": _r(tau), "in_distribution_set": id_name,
+                                        "tau_id": _r(id_tau), "ratio": ev.warn_ood_ratio,
+                                        "rule": "tau_ood - 1 < ratio * (tau_id - 1)"},
+                            "fix": f"train on data like the traffic you will serve: {_MORE_DATA}"})
+    if training.get("known"):
+        conv, toks = int(training.get("conversations", 0)), int(training.get("completion_tokens", 0))
+        if conv < ev.warn_min_conversations or toks < ev.warn_min_tokens:
+            out.append({"rule": "small_training_data",
+                        "message": f"the drafter was trained on {conv} conversations / {toks} completion tokens "
+                                   f"(thresholds: {ev.warn_min_conversations} conversations, {ev.warn_min_tokens} tokens)",
+                        "numbers": {"conversations": conv, "completion_tokens": toks,
+                                    "min_conversations": ev.warn_min_conversations, "min_tokens": ev.warn_min_tokens},
+                        "fix": "more training conversations: raise synthesize.limit, add sources, or add a "
+                               "{kind: self, count: N} source (the target writes N prompts itself)"})
+        srcs, cats = training.get("sources") or {}, training.get("categories") or {}
+        if len(srcs) <= 1 or len(cats) <= 1:
+            what = (f"one source ({', '.join(srcs) or 'none'})" if len(srcs) <= 1
+                    else f"one category ({', '.join(cats)})")
+            out.append({"rule": "narrow_training_data",
+                        "message": f"the training conversations come from {what}: a drafter learns the "
+                                   f"distribution it is trained on",
+                        "numbers": {"sources": dict(srcs), "categories": dict(cats)},
+                        "fix": _MORE_DATA})
+    return out
