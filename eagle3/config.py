@@ -331,7 +331,7 @@ class EvaluateParams(_Section):
     prompts_per_category: int | None = Field(
         None, ge=1, description="at most this many prompts of each category per set (None = all)")
     offline_prompts: int | None = Field(
-        None, ge=1, description="prompts per set measured offline (transformers; None = all); the "
+        8, ge=1, description="prompts per set measured offline (transformers; None = all); the "
         "parity check compares vLLM on the same prompts")
     speed_prompts: int | None = Field(
         4, ge=1, description="prompts per set whose vLLM tokens/s is measured one request at a time "
