@@ -183,9 +183,18 @@ def capture_only(cap: HiddenStateCapture, rows: TokenizedSplit, batches, packed:
     return time.perf_counter() - t0
 
 
-def packed_check(cap: HiddenStateCapture, rows: TokenizedSplit, storage: torch.dtype, n: int = 4) -> tuple[float, float]:
-    """Over the first ``n`` samples: max |packed - alone| (capture dtype) and the mean relative L2 error
-    per token and slot of the states as stored in ``storage`` (bf16 rounding, fp8 quantization)."""
+def packed_check(model, rows: TokenizedSplit, storage: torch.dtype, n: int = 4) -> tuple[float, float]:
+    """Over the first ``n`` samples, captured in the model's compute dtype: max |packed - alone| and the
+    mean relative L2 error per token and slot of the states as stored in ``storage`` (bf16 rounding,
+    fp8 quantization)."""
+    cap = HiddenStateCapture(model, None, next(model.parameters()).dtype)
+    try:
+        return _packed_check(cap, rows, storage, n)
+    finally:
+        cap.close()
+
+
+def _packed_check(cap: HiddenStateCapture, rows: TokenizedSplit, storage: torch.dtype, n: int) -> tuple[float, float]:
     batch = list(range(min(n, len(rows))))
     cb = forward_batch(cap, rows, batch, packed=True)
     err, rel = 0.0, []
@@ -272,8 +281,8 @@ def main(argv=None) -> int:
           f"(computing {sum(batch_cost(rows.lengths, b, packed) for b in online)} tokens); stored layers {cap.stored_layers}, {a.dtype}; "
           f"packed attention kernel {cap.packed_kernel}; writer threads {threads}; files under {out_root}", flush=True)
     t0 = time.perf_counter()
-    check, stored_err = packed_check(cap, rows, sdtype)
-    print(f"packed vs alone, first 4 samples: max |diff| = {check:.3g} ({cap.storage_dtype}); stored as {a.dtype}: "
+    check, stored_err = packed_check(model, rows, sdtype)
+    print(f"packed vs alone, first 4 samples: max |diff| = {check:.3g} ({next(model.parameters()).dtype}); stored as {a.dtype}: "
           f"mean relative L2 error per token and slot {stored_err:.4f} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
     # warm-up: one batch of each pass (kernels, allocator, autotuning)

@@ -140,7 +140,8 @@ def packed_attention_kernel(device: torch.device, dtype: torch.dtype) -> str:
     """The kernel that runs packed attention on ``device`` / ``dtype``.
 
     * ``"varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (flash attention over
-      ``cu_seqlens``, one launch per layer): CUDA with float16/bfloat16 and a torch that has it;
+      ``cu_seqlens``, one launch per layer): CUDA with float16/bfloat16 and a torch that has it (a
+      tiny call checked against SDPA once per device and dtype);
     * ``"sdpa"``: one ``scaled_dot_product_attention(is_causal=True)`` per sample, no mask (SDPA's
       fastest kernel for the device): everything else (CPU, float32).
 
@@ -148,12 +149,37 @@ def packed_attention_kernel(device: torch.device, dtype: torch.dtype) -> str:
     row either way.
     """
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        try:
-            from torch.nn.attention.varlen import varlen_attn  # noqa: F401 - availability check (torch >= 2.9)
-        except ImportError:
-            return "sdpa"
-        return "varlen"
+        key = (str(device), dtype)
+        if key not in _VARLEN_OK:
+            _VARLEN_OK[key] = _probe_varlen(device, dtype)
+        return "varlen" if _VARLEN_OK[key] is None else "sdpa"
     return "sdpa"
+
+
+_VARLEN_OK: dict = {}
+
+
+def _probe_varlen(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when ``varlen_attn`` runs here and matches SDPA on two tiny causal documents (GQA 4:2);
+    else the reason, printed once (the packed attention then runs one SDPA call per sample)."""
+    try:
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(7, 4, 64, device=device, dtype=dtype, generator=g)
+        k, v = (torch.randn(7, 2, 64, device=device, dtype=dtype, generator=g) for _ in range(2))
+        cu = torch.tensor([0, 3, 7], dtype=torch.int32, device=device)
+        out = _varlen_call()(q, k, v, cu, 4, None)
+        ref = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True,
+            enable_gqa=True).transpose(0, 1) for s, e in ((0, 3), (3, 7))])
+        err = float((out.float() - ref.float()).abs().max())
+        if err > 2e-2:
+            raise RuntimeError(f"differs from SDPA by {err}")
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not use this kernel, say why
+        why = f"{type(exc).__name__}: {str(exc)[:200]}"
+        print(f"eagle3: torch.nn.attention.varlen.varlen_attn unusable on {device} ({why}); packed attention "
+              f"runs one causal SDPA call per sample", flush=True)
+        return why
+    return None
 
 
 class _Packing:
