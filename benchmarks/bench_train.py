@@ -70,17 +70,16 @@ def synthetic_run(run_dir: Path, H: int, N: int, V: int, draft: int, lengths: li
                   hs_dtype: torch.dtype = torch.bfloat16) -> None:
     """Stage 2's mapping (random draft vocab of ``draft`` ids) and Stage 3's files (random hidden states,
     stored as ``hs_dtype``: bf16, or fp8 codes + scales through the contract's ``storage_tensors``)."""
-    from safetensors.torch import save_file
 
     rng = np.random.default_rng(seed)
     g = torch.Generator().manual_seed(seed)
-    d2 = RunDir(run_dir).stage(VOCAB, create=True)
+    from eagle3.contracts.vocab_mapping import VocabMapping, write_mapping
+
+    RunDir(run_dir).stage(VOCAB, create=True)
     kept = np.sort(rng.choice(V, size=draft, replace=False)) if draft < V else np.arange(V)
-    if draft < V:
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[torch.from_numpy(kept)] = True
-        save_file({"d2t": torch.from_numpy(kept - np.arange(draft)).long(), "t2d": t2d}, str(d2 / "vocab_mapping.safetensors"))
-    (d2 / "mapping.json").write_text(json.dumps({"draft_vocab_size": draft, "target_vocab_size": V, "cache_key": "bench"}))
+    counts = np.zeros(V, dtype=np.int64)
+    counts[kept] = 1  # the draft vocab = the ids seen (the DESIGN rule through the contract's builder)
+    write_mapping(run_dir, VocabMapping.build(counts, draft, cache_key="bench"))
     aux = [2, N // 2, N - 3]
     d3 = RunDir(run_dir).stage(EXTRACT, create=True)
     hsc.write_meta(d3, {"aux_layer_ids": aux, "num_hidden_layers": N, "hidden_size": H, "dtype": hsc.dtype_name(hs_dtype),

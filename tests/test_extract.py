@@ -253,6 +253,35 @@ def test_packed_capture_equals_the_padded_batch_and_each_sample_alone(target_mod
         cap16.close()
 
 
+def test_varlen_call_follows_both_torch_signatures(monkeypatch):
+    """The CUDA packed kernel calls torch.nn.attention.varlen.varlen_attn causally under both of its
+    signatures (is_causal= in torch 2.9-2.10; window_size=(-1, 0) and enable_gqa= later)."""
+    import torch.nn.attention.varlen as tv
+
+    from eagle3.hooks import _varlen_call
+
+    seen = {}
+
+    def old_sig(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, scale=None):
+        seen.update(is_causal=is_causal, scale=scale, max_q=max_q)
+        return query
+
+    def new_sig(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                window_size=(-1, -1), enable_gqa=False, seqused_k=None):
+        seen.update(window_size=window_size, enable_gqa=enable_gqa, scale=scale)
+        return query
+
+    q, k = torch.zeros(5, 4, 8), torch.zeros(5, 2, 8)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    monkeypatch.setattr(tv, "varlen_attn", old_sig)
+    _varlen_call()(q, k, k, cu, 3, 0.5)
+    assert seen == {"is_causal": True, "scale": 0.5, "max_q": 3}
+    seen.clear()
+    monkeypatch.setattr(tv, "varlen_attn", new_sig)
+    _varlen_call()(q, k, k, cu, 3, None)
+    assert seen == {"window_size": (-1, 0), "enable_gqa": True, "scale": None}
+
+
 def test_packed_finite_flags_name_the_bad_sample():
     from eagle3.extract.core import finite_flags_packed
 
