@@ -143,14 +143,21 @@ class _Prefetch:
         return b
 
 
-def _online_fetch(params: Params, run_dir: Path, refs, inputs):
+def _online_fetch(params: Params, run_dir: Path, refs, inputs, device):
+    """``fetch(indices)`` for online training: the target runs on this rank's device and its hidden
+    states stay there (speculators' CollateFn packs them where they are): no round trip through host
+    memory, no per-sample device sync."""
     from eagle3.extract import online_samples
+
+    dev = str(device)
+    # target.device "auto"/"cuda" means this rank's device (under DDP: cuda:LOCAL_RANK, not every rank on cuda:0)
+    tdev = dev if params.target.device in ("auto", "cuda") else params.target.device
 
     def fetch(indices: list[int]) -> list[dict]:
         rows = [refs[i].row for i in indices]
         return [to_training_item(s, inputs.n_aux, inputs.hidden_size, inputs.target_vocab_size,
                                  f"online row {refs[i].row} (id {refs[i].id})")
-                for i, s in zip(indices, online_samples(params, run_dir, rows))]
+                for i, s in zip(indices, online_samples(params, run_dir, rows, device=tdev, out_device=dev))]
 
     return fetch
 
@@ -202,8 +209,8 @@ class Trainer:
         inp = self.inputs
         if self.tp.online:
             self.train_ds = self.val_ds = None
-            self.fetch = _online_fetch(self.params, self.run_dir, train, inp)
-            self.vfetch = _online_fetch(self.params, self.run_dir, val, inp)
+            self.fetch = _online_fetch(self.params, self.run_dir, train, inp, self.ctx.device)
+            self.vfetch = _online_fetch(self.params, self.run_dir, val, inp, self.ctx.device)
         else:
             dtype = self._batch_dtype()  # fp8 files are dequantized straight into it (in the DataLoader workers)
             self.train_ds = HiddenStatesDataset.for_training(train, inp.n_aux, inp.hidden_size, inp.target_vocab_size, dtype)
