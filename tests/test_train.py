@@ -514,7 +514,7 @@ DEFECTS = {
     "d2t_out_of_range": r"vocab mapping: d2t maps draft id 127 to target id \d+, outside \[0, 512\)",
     "t2d_inconsistent": r"vocab mapping: t2d is inconsistent with d2t",
     "embed_differs": r"embed_tokens differ from the target's \(1 rows differ\)",
-    "hidden_size_mismatch": r"hidden size mismatch: transformer_layer_config.hidden_size=32, target hidden_size=64",
+    "hidden_size_mismatch": r"hidden size 32 ≠ target 64 \(transformer_layer_config.hidden_size\)",
     "nan_weights": r"NaN/Inf in \['fc.weight', 'layers.0.mlp.up_proj.weight'\]",
     "never_trained": r"never trained: every RMSNorm gain \(4 tensors\) is still exactly 1.0",
     "norm_flags_absent": r"norm flags absent from config.json: \['norm_before_residual', 'fc_norm'\]",

@@ -39,6 +39,8 @@ __all__ = [
     "settings_from_params",
     "export_drafter",
     "check_drafter",
+    "hidden_size_problems",
+    "check_hidden_size",
 ]
 
 # The four Eagle-3 norm switches. vLLM's converter and speculators disagree on the default of
@@ -235,11 +237,7 @@ def _check_shapes(cfg: dict, w: dict, tcfg) -> list[str]:
     if missing_flags:
         out.append(f"norm flags absent from config.json: {missing_flags} (vLLM would apply its own defaults)")
     tl = cfg.get("transformer_layer_config") or {}
-    if tl.get("hidden_size") != H:
-        out.append(f"hidden size mismatch: transformer_layer_config.hidden_size={tl.get('hidden_size')}, target hidden_size={H}")
-    th = cfg.get("target_hidden_size")
-    if th is not None and th != H:
-        out.append(f"hidden size mismatch: target_hidden_size={th}, target hidden_size={H}")
+    out += hidden_size_problems(cfg, H)
     if tl.get("vocab_size") not in (None, V):
         out.append(f"transformer_layer_config.vocab_size={tl.get('vocab_size')} but the target has {V} tokens")
     for k in ("rope_parameters", "rope_theta", "rope_scaling"):
@@ -247,6 +245,41 @@ def _check_shapes(cfg: dict, w: dict, tcfg) -> list[str]:
         if k in tl and t_val is not None and tl[k] != t_val:
             out.append(f"transformer_layer_config.{k}={tl[k]} differs from the target's {t_val}")
     return out
+
+
+def hidden_size_problems(cfg: dict, target_hidden_size: int) -> list[str]:
+    """The drafter config's hidden sizes against the target's, from the ``config.json`` dict alone
+    (no transformers config is built: one with a wrong hidden size fails there first with a message
+    about attention heads). ``transformer_layer_config.hidden_size`` must equal the target's (the
+    draft layer runs in the target's hidden space: ``fc`` maps ``n_aux * H -> H``, the embeddings
+    are the target's), and so must ``target_hidden_size`` when given.
+
+    Returns:
+        list[str]: e.g. ``["hidden size 512 ≠ target 576 (transformer_layer_config.hidden_size)"]``.
+    """
+    H = int(target_hidden_size)
+    tl = cfg.get("transformer_layer_config") or {}
+    out = []
+    for key, val in (("transformer_layer_config.hidden_size", tl.get("hidden_size")),
+                     ("target_hidden_size", cfg.get("target_hidden_size"))):
+        if (val is not None or key.startswith("transformer")) and val != H:
+            out.append(f"hidden size {val} ≠ target {H} ({key})")
+    return out
+
+
+def check_hidden_size(drafter_dir: str | Path, target_hidden_size: int, error: type[Exception] = Eagle3Error) -> None:
+    """Refuse a drafter whose ``config.json`` hidden sizes disagree with the target's, before any
+    model or transformers config is built from it (:func:`hidden_size_problems`).
+
+    Raises:
+        error: no/invalid config.json (:func:`read_config`), or a hidden size that disagrees, e.g.
+            ``<dir>/config.json: hidden size 512 ≠ target 576 (transformer_layer_config.hidden_size);
+            this drafter was made for another target``.
+    """
+    probs = hidden_size_problems(read_config(drafter_dir, error), target_hidden_size)
+    if probs:
+        raise error(f"{Path(drafter_dir) / 'config.json'}: {'; '.join(probs)}; this drafter was made for another "
+                    f"target (its hidden size must equal the target's)")
 
 
 def _check_layer_ids(cfg: dict, w: dict, H: int, N: int) -> list[str]:
@@ -271,7 +304,7 @@ def _check_layer_ids(cfg: dict, w: dict, H: int, N: int) -> list[str]:
         if ids and fc.shape[1] != len(ids) * H:
             out.append(f"fc.weight takes {fc.shape[1]} inputs but {len(ids)} aux layers x hidden {H} = {len(ids) * H}")
         if fc.shape[0] != H:
-            out.append(f"hidden size mismatch: fc.weight outputs {fc.shape[0]}, target hidden_size={H}")
+            out.append(f"hidden size {fc.shape[0]} ≠ target {H} (fc.weight outputs)")
     return out
 
 

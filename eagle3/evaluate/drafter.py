@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3.contracts.drafter import DrafterSettings, read_config
+from eagle3.contracts.drafter import DrafterSettings, check_hidden_size, read_config
 from eagle3.contracts.vocab_mapping import load_tensors
 from eagle3.errors import EvaluateError
 
@@ -27,6 +27,7 @@ def _speculators_config(d: Path, target_model, settings: DrafterSettings | None)
     """``Eagle3SpeculatorConfig`` of ``d`` with ``settings`` applied, eager attention, sizes checked."""
     from speculators.models.eagle3 import Eagle3SpeculatorConfig
 
+    check_hidden_size(d, target_model.config.hidden_size, EvaluateError)  # before transformers validates heads
     cfg = Eagle3SpeculatorConfig.from_pretrained(str(d))
     if settings is not None:
         cfg.eagle_aux_hidden_state_layer_ids = list(settings.aux_layer_ids)

@@ -1,0 +1,196 @@
+"""Are an external drafter's aux layer ids the ones it was trained on? A measured warning for stage 5.
+
+A drafter from elsewhere (``evaluate.drafter_dir``) comes with nothing but its ``config.json``: when
+``eagle_aux_hidden_state_layer_ids`` is wrong but of the right count (``fc`` still fits, vLLM loads
+it), every static check passes and acceptance is simply low. Its ``fc`` was fitted to the states of
+the layers it was trained on, so its first-draft accuracy on the target's own text (teacher forced,
+as :func:`eagle3.evaluate.diagnosis.probe_layer_ids` measures it for this run's own drafter) is
+highest with them. :func:`layer_fit` measures it in one target pass per sequence for the config's
+ids and the usual alternatives of the same count (:func:`candidate_layer_ids`):
+
+* ``default``: EAGLE-3's ``[2, N//2, N-3]`` (speculators, vLLM), when the config has 3 ids;
+* ``config-1`` / ``config+1``: every id shifted by one (the two conventions for "layer k": the
+  residual stream after decoder layer ``k-1`` = transformers' ``hidden_states[k]``, which vLLM and
+  this project use, or the output of layer ``k``);
+* ``stage 3``: the ids of this run's ``03_extract/meta.json``, when there is one.
+
+Rule (``aux_layer_ids_suspect``, :func:`layer_id_warnings`): the best alternative's accuracy
+exceeds the config's by at least ``min_gain`` (absolute, default 0.05) and the paired difference is
+significant: ``z = (b - c) / sqrt(b + c) >= min_z`` (default 4), where ``b`` counts the positions
+only the alternative gets right and ``c`` those only the config's ids get right (McNemar's test on
+the same positions). The warning is the stage-5 warning dict ``{"rule", "message", "numbers",
+"fix"}`` (``stats.json`` ``warnings``, top of the report).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from eagle3.errors import EvaluateError
+from eagle3.evaluate.drafter import Eagle3Drafter
+from eagle3.hooks import CachedCapture, default_aux_layer_ids
+
+__all__ = ["RULE", "candidate_layer_ids", "probe_sequences", "layer_fit", "layer_id_warnings", "aux_layer_id_warnings"]
+
+RULE = "aux_layer_ids_suspect"
+
+
+def candidate_layer_ids(config_ids: list[int], num_layers: int, extra: dict[str, list[int]] | None = None
+                        ) -> dict[str, list[int]]:
+    """``{"config": config_ids, <name>: ids, ...}``: the alternatives of the module docstring that have
+    as many ids as the config, all within ``[1, N-1]`` and distinct, each id list once (first name kept).
+
+    Args:
+        config_ids: the drafter config's ``eagle_aux_hidden_state_layer_ids`` (order kept).
+        num_layers: the target's decoder layers ``N``.
+        extra: more named candidates (e.g. ``{"stage 3": [...]}``).
+    """
+    n, N = len(config_ids), int(num_layers)
+    cands: dict[str, list[int]] = {"config": [int(i) for i in config_ids]}
+    if n == 3:
+        cands["default"] = default_aux_layer_ids(N)
+    cands["config-1"] = [int(i) - 1 for i in config_ids]
+    cands["config+1"] = [int(i) + 1 for i in config_ids]
+    for name, ids in (extra or {}).items():
+        cands[name] = [int(i) for i in ids]
+    out: dict[str, list[int]] = {}
+    seen: set[tuple[int, ...]] = set()
+    for name, ids in cands.items():
+        key = tuple(sorted(ids))
+        ok = len(ids) == n and len(set(ids)) == n and all(1 <= i < N for i in ids)
+        if name == "config" or (ok and key not in seen):
+            out[name] = ids
+            seen.add(key)
+    return out
+
+
+def probe_sequences(prompts: list[dict], records: list[dict], n: int = 16) -> list[list[int]]:
+    """Up to ``n`` token sequences of the target's own text: each offline record's prompt ids
+    (``prompts`` matched by ``id``) followed by the tokens the target generated (``records[i]["tokens"]``)."""
+    ids = {p["id"]: p["prompt_ids"] for p in prompts}
+    seqs = [[*ids[r["id"]], *r["tokens"]] for r in records if r.get("id") in ids and r.get("tokens")]
+    return seqs[:n]
+
+
+def layer_fit(target, drafter_model, sequences: list[list[int]], candidates: dict[str, list[int]]) -> dict[str, list[bool]]:
+    """Per-position first-draft hits of the drafter with each candidate's aux states.
+
+    One target forward per sequence captures the union of the candidates' layers
+    (:class:`eagle3.hooks.CachedCapture`); then, for each candidate, the drafter's first pass over the
+    sequence (token ``p+1`` with the ``fc``-combined states at ``p``, as vLLM's proposer runs it) is
+    compared with the target's argmax at ``p+1``, mapped through ``d2t``.
+
+    Args:
+        target: the transformers target (eval mode).
+        drafter_model: a speculators ``Eagle3DraftModel`` whose ``fc`` takes as many aux states as each
+            candidate has.
+        sequences: token id lists (sequences shorter than 3 tokens are skipped).
+        candidates: name -> aux layer ids (any of ``1..N``).
+
+    Returns:
+        dict: name -> hits, one bool per scored position, the same positions for every candidate.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    union = sorted({int(i) for ids in candidates.values() for i in ids})
+    slot = {i: k for k, i in enumerate(union)}
+    hits: dict[str, list[bool]] = {name: [] for name in candidates}
+    dev = next(target.parameters()).device
+    runner = CachedCapture(target, union, error=EvaluateError)
+    try:
+        with torch.no_grad():
+            for seq in sequences:
+                if len(seq) < 3:
+                    continue
+                logits, aux = runner.forward(torch.tensor([seq], device=dev), DynamicCache())
+                per_layer = aux.view(aux.shape[0], len(union), -1)  # [seq, layers, H]
+                tgt = logits[1:].argmax(-1)
+                for name, ids in candidates.items():
+                    dr = Eagle3Drafter(drafter_model)
+                    states = per_layer[:-1, [slot[int(i)] for i in ids]].flatten(1)  # config order
+                    dl, _ = dr.step(torch.tensor(seq[1:], device=dev), dr.combine(states),
+                                    torch.arange(len(seq) - 1, device=dev))
+                    hits[name] += (dr.to_target(dl.argmax(-1)) == tgt).tolist()
+    finally:
+        runner.close()
+    return hits
+
+
+def layer_id_warnings(target, drafter_model, config_ids: list[int], sequences: list[list[int]], num_layers: int,
+                      extra: dict[str, list[int]] | None = None, min_gain: float = 0.05, min_z: float = 4.0
+                      ) -> tuple[list[dict], dict[str, float]]:
+    """Measure the first-draft accuracy with the config's and the alternative ids; warn (module rule).
+
+    Args:
+        target: the transformers target (eval mode).
+        drafter_model: the drafter as loaded for offline decoding.
+        config_ids: the ids the drafter's config lists.
+        sequences: token id lists of the target's own text (:func:`probe_sequences`).
+        num_layers: the target's decoder layers ``N``.
+        extra, min_gain, min_z: see :func:`candidate_layer_ids` and the module rule.
+
+    Returns:
+        tuple: ``(warnings, accuracy)``; ``accuracy`` maps each candidate name to its first-draft
+        accuracy in [0, 1] ({} when nothing was measured); ``warnings`` is empty or one dict.
+    """
+    cands = candidate_layer_ids(config_ids, num_layers, extra)
+    if len(cands) < 2 or not all(1 <= int(i) <= num_layers for i in cands["config"]):
+        return [], {}  # nothing to compare with, or ids check_drafter already reports
+    hits = layer_fit(target, drafter_model, sequences, cands)
+    n = len(hits["config"])
+    if n == 0:
+        return [], {}
+    acc = {k: sum(v) / n for k, v in hits.items()}
+    base = hits["config"]
+
+    def z(name: str) -> float:
+        b = sum(a and not c for a, c in zip(hits[name], base))
+        c = sum(c and not a for a, c in zip(hits[name], base))
+        return (b - c) / math.sqrt(b + c) if b + c else 0.0
+
+    best = max((k for k in cands if k != "config"), key=lambda k: (acc[k], k == "default"))
+    zb = z(best)
+    if not (acc[best] >= acc["config"] + min_gain and zb >= min_z):
+        return [], acc
+    numbers = {"config_ids": list(cands["config"]), "config_accuracy": round(acc["config"], 4), "best": best,
+               "best_ids": list(cands[best]), "best_accuracy": round(acc[best], 4), "z": round(zb, 2),
+               "positions": n, "accuracy": {k: round(v, 4) for k, v in acc.items()},
+               "candidates": {k: list(v) for k, v in cands.items()}, "min_gain": min_gain, "min_z": min_z}
+    return [{
+        "rule": RULE,
+        "message": (f"the drafter's aux layer ids look wrong: its config lists {cands['config']}, but with "
+                    f"{cands[best]} ({best}) its first-draft accuracy on the target's own text is "
+                    f"{acc[best]:.3f} vs {acc['config']:.3f} with the config's ids ({n} positions, z = {zb:.1f}): "
+                    f"it was probably trained on other layers, and vLLM feeds it the config's"),
+        "numbers": numbers,
+        "fix": (f"set eagle_aux_hidden_state_layer_ids in {{drafter}}/config.json to the ids it was trained on "
+                f"(try {cands[best]}) and re-run stage 5; layer id k = the residual stream after decoder layer "
+                f"k-1 (transformers hidden_states[k], vLLM's convention)"),
+    }], acc
+
+
+def aux_layer_id_warnings(params, run_dir: str | Path, drafter_dir: str | Path, target, drafter_model,
+                          prompts: list[dict], records: list[dict] | None) -> list[dict]:
+    """Stage 5's call: :func:`layer_id_warnings` for an external drafter (``evaluate.drafter_dir``) once
+    the offline measurement ran (``target``, ``drafter_model`` and its ``records`` given), else ``[]``.
+
+    A drafter exported by this run's Stage 4 is not probed: its trained ids are known (stage 3's
+    ``meta.json``) and :func:`eagle3.evaluate.diagnosis.diagnose` compares them with its config.
+    """
+    if not params.evaluate.drafter_dir or target is None or drafter_model is None or not records:
+        return []
+    from eagle3.contracts.drafter import read_config
+    from eagle3.contracts.hidden_states import read_meta  # torch at import: only where needed
+    from eagle3.rundir import EXTRACT, RunDir
+
+    ids = read_config(drafter_dir, EvaluateError).get("eagle_aux_hidden_state_layer_ids") or []
+    meta = read_meta(RunDir(run_dir).stage(EXTRACT)) or {}
+    extra = {"stage 3": meta["aux_layer_ids"]} if meta.get("aux_layer_ids") else None
+    n_layers = int((getattr(target.config, "text_config", None) or target.config).num_hidden_layers)
+    warnings, _ = layer_id_warnings(target, drafter_model, list(ids), probe_sequences(prompts, records),
+                                    n_layers, extra)
+    for w in warnings:
+        w["fix"] = w["fix"].replace("{drafter}", str(drafter_dir))
+    return warnings
