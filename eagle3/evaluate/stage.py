@@ -27,6 +27,7 @@ from eagle3.errors import EvaluateError, ParityError
 from eagle3.evaluate.decoding import backend_summary, evaluate_offline
 from eagle3.evaluate.diagnosis import diagnose
 from eagle3.evaluate.drafter import load_drafter
+from eagle3.evaluate.layer_ids import aux_layer_id_warnings
 from eagle3.evaluate.metrics import group_metrics, summarize_rounds
 from eagle3.evaluate.mismatch import mismatch_warnings
 from eagle3.evaluate.parity import parity_result
@@ -469,6 +470,7 @@ def run(params, run_dir: str | Path) -> EvaluateStats:
                                  target_spec=params.target.model)
         stats = _stats(params, inp, backends, sets, parity, diagnosis, [], cmd)
         stats.warnings = mismatch_warnings(stats.sets, inp.training, ev)
+        stats.warnings += aux_layer_id_warnings(params, rd.root, inp.drafter_dir, inp.model, dm, inp.offline_prompts, offline_recs)
         results = _results(params, inp, backends, sets, parity, diagnosis, drafter_check, stats.warnings, cmd)
         atomic_write_json(rd.evaluate_results, results)
         # The W&B run opens only now, once the results exist (StageRun.tracker is lazy).
