@@ -174,6 +174,8 @@ def test_target_coverage_alone_replaces_the_default_size(tmp_path):
 @pytest.mark.parametrize("text, msg", [
     ("train:\n  epochs: true\n", "epochs: expected a number, got the boolean True"),
     ("train:\n  lr: .inf\n", "train.lr: Input should be a finite number"),
+    ("train:\n  lr: .nan\n", "train.lr: Input should be a finite number (got nan)"),
+    ("run:\n  name: /tmp/x\n", "run.name: String should match pattern"),
     ("train:\n  lr: 0.1\n  warmup_steps: 2\n  lr: 0.2\n", "key 'lr' is given twice (first at line 2)"),
     ("run:\n  name: ../x\n", "run.name: String should match pattern"),
     ("run:\n  name: ..\n", "is not a folder name inside output_dir"),

@@ -188,3 +188,40 @@ def test_stage5_call_only_for_an_external_drafter(tiny_drafter, tiny_text, tmp_p
     # this run's own drafter (diagnose compares it with stage 3's ids) and no offline run: nothing
     assert aux_layer_id_warnings(Params.model_validate({}), tmp_path / "run", d, target, dm, prompts, records) == []
     assert aux_layer_id_warnings(params, tmp_path / "run", d, None, None, prompts, None) == []
+
+
+@pytest.mark.slow  # stage 5 offline on two prompts with the embedded target
+def test_stage5_puts_the_layer_id_warning_into_stats_and_results(random_drafter, tmp_params, tmp_path, monkeypatch):
+    """The wiring: stage 5 hands an external drafter's config ids, the offline records' text and the
+    target's layer count to the check, and its warning lands in stats.json and results.json."""
+    import eagle3.evaluate.layer_ids as li
+    from eagle3.config import load_params
+    from eagle3.contracts.samples import write_samples
+    from eagle3.evaluate import run
+    from eagle3.io import read_json
+    from eagle3.rundir import EVALUATE, RunDir, prepare_run_dir, resolve_run_dir
+
+    seen = {}
+
+    def spy(target, dm, ids, seqs, n_layers, extra=None, **kw):
+        seen.update(ids=list(ids), sequences=len(seqs), layers=n_layers, extra=extra)
+        return [{"rule": li.RULE, "message": "planted", "numbers": {"best_ids": [2, 15, 27]}, "fix": "see {drafter}"}], {}
+
+    monkeypatch.setattr(li, "layer_id_warnings", spy)
+    ext = _copy(random_drafter, tmp_path / "external", eagle_aux_hidden_state_layer_ids=[4, 18, 29])
+    params = load_params(tmp_params(
+        "target:\n  model: embedded:smollm2-135m\n  dtype: float32\n  device: cpu\n  max_model_len: 1024\n"
+        f"evaluate:\n  drafter_dir: {ext}\n  backends: [offline]\n  max_new_tokens: 6\n  num_prompts: 1\n"
+        "  offline_prompts: 1\n"))
+    run_dir = prepare_run_dir(params, resolve_run_dir(params))
+    write_samples(run_dir, [{"id": f"{split}-0", "source": "mine", "split": split, "prompt_hash": f"h-{split}",
+                             "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "x"}],
+                             "finish_reasons": ["stop"], "prompt_tokens": 1, "completion_tokens": 1, "settings": {}}
+                            for split, q in (("heldout", "Write a function that adds two numbers."),
+                                             ("train", "Write a function that reverses a list."))])
+    stats = run(params, run_dir)
+    assert seen == {"ids": [4, 18, 29], "sequences": 2, "layers": 30, "extra": None}  # 1 held-out + 1 general-chat
+    planted = {"rule": li.RULE, "message": "planted", "numbers": {"best_ids": [2, 15, 27]}, "fix": f"see {ext}"}
+    assert planted in stats.warnings
+    assert planted in read_json(RunDir(run_dir).stats(EVALUATE))["warnings"]
+    assert planted in read_json(RunDir(run_dir).evaluate_results)["warnings"]
