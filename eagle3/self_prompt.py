@@ -519,6 +519,7 @@ def run_self_prompting(tokenizer, settings: SelfPromptSettings, sample: SampleFn
                        answer: AnswerFn | None = None, template_kwargs: dict | None = None,
                        done: Sequence[Candidate] = (),
                        on_batch: Callable[[list[SelfPromptRequest], list[Candidate]], None] | None = None,
+                       on_progress: Callable[[int, int, int], None] | None = None,
                        ) -> SelfPromptResult:
     """Write ``settings.count`` user prompts with the target (and follow-ups when ``multi_turn``).
 
@@ -536,6 +537,9 @@ def run_self_prompting(tokenizer, settings: SelfPromptSettings, sample: SampleFn
             turn) -> the target's answers; needed when ``settings.multi_turn``.
         done: first-turn candidates of earlier sessions, in request order (resume).
         on_batch: called after each sampled first-turn batch (to persist the candidates).
+        on_progress: called after each first-turn batch (replayed ones included) and each
+            follow-up batch with ``(kept prompts, candidates sampled, tokens sampled)`` so far
+            (stage 1 keeps ``progress.json`` current with it).
 
     Returns:
         SelfPromptResult
@@ -564,6 +568,8 @@ def run_self_prompting(tokenizer, settings: SelfPromptSettings, sample: SampleFn
         for req, cand in zip(plan_requests(tokenizer, settings, range(start, start + len(chunk)), template_kwargs), chunk):
             consume(req, cand)
         n = start + len(chunk)
+    if on_progress is not None:
+        on_progress(len(kept), n, tokens)
     while len(kept) < settings.count and n < limit:
         reqs = plan_requests(tokenizer, settings, range(n, min(n + batch_size, limit)), template_kwargs)
         cands = sample(reqs)
@@ -574,6 +580,8 @@ def run_self_prompting(tokenizer, settings: SelfPromptSettings, sample: SampleFn
         for req, cand in zip(reqs, cands):
             consume(req, cand)
         n += len(reqs)
+        if on_progress is not None:
+            on_progress(len(kept), n, tokens)
     # Candidates sampled in the last batch after the count was reached are not judged (not counted).
     counted = sum(filt.counts.values())
 
@@ -589,6 +597,8 @@ def run_self_prompting(tokenizer, settings: SelfPromptSettings, sample: SampleFn
                 tokens += c.num_tokens
                 if ffilt(c) == "kept":
                     p.followup, p.answer = c.text.strip(), a
+            if on_progress is not None:
+                on_progress(len(kept), n, tokens)
     return SelfPromptResult(kept, dict(filt.counts), dict(ffilt.counts) if settings.multi_turn else {},
                             counted, tokens)
 
@@ -910,7 +920,7 @@ def _open_driver(params, settings: SelfPromptSettings, tkw: dict):
     return drv, tok, drv.close
 
 
-def prepare_self_sources(params, run_dir) -> tuple[list, list[dict]]:
+def prepare_self_sources(params, run_dir, progress=None) -> tuple[list, list[dict]]:
     """Write the prompts of every ``kind: self`` source of ``synthesize.sources`` with the target,
     and return the sources with each such source replaced by a ``kind: file`` source of them.
 
@@ -932,14 +942,18 @@ def prepare_self_sources(params, run_dir) -> tuple[list, list[dict]]:
     Args:
         params: run params (``target``, ``synthesize``).
         run_dir: the run directory.
+        progress: an :class:`eagle3.io.Progress` (stage 1's ``progress.json`` while the target writes
+            prompts): ``done`` = prompts kept over all self sources, ``total`` = their ``count`` sum,
+            ``tokens`` = tokens sampled, ``extra`` = ``{"phase": "self-prompting", "self_source",
+            "candidates"}``. None: no progress file.
 
     Returns:
         ``(sources, stats)``: the new source list and one stats dict per self source (with
         ``source_index``, ``label`` and ``settings``).
 
     Raises:
-        SynthesisError: a backend other than transformers (vLLM offline and server: not yet), or
-            self-prompt files written with other settings.
+        SynthesisError: self-prompt files written with other settings, or no prompt surviving the
+            filters. SelfPromptError: see :func:`user_turn_format` (and :class:`ServerDriver`).
     """
     from eagle3.config import PromptSource
     from eagle3.errors import SynthesisError
@@ -949,6 +963,7 @@ def prepare_self_sources(params, run_dir) -> tuple[list, list[dict]]:
     syn = params.synthesize
     out_sources, all_stats = [], []
     drv = tok = close = None
+    kept_before = tokens_before = 0  # earlier self sources' share of the progress counts
     try:
         for i, src in enumerate(syn.sources):
             if src.kind != "self":
@@ -996,8 +1011,13 @@ def prepare_self_sources(params, run_dir) -> tuple[list, list[dict]]:
                         fh.flush()
                         os.fsync(fh.fileno())
 
+                    def report(kept, sampled, tokens, i=i, k0=kept_before, t0=tokens_before):
+                        if progress is not None:
+                            progress.update(k0 + kept - progress.done, t0 + tokens - progress.tokens,
+                                            phase="self-prompting", self_source=i, candidates=sampled)
+
                     res = run_self_prompting(tok, settings, drv.sample, batch_size=syn.batch_size, answer=drv.answer,
-                                             template_kwargs=tkw, done=done, on_batch=persist)
+                                             template_kwargs=tkw, done=done, on_batch=persist, on_progress=report)
                 recs = []
                 for p in res.prompts:
                     msgs = ([{"role": "system", "content": p.system}] if p.system else []) + [
@@ -1013,6 +1033,11 @@ def prepare_self_sources(params, run_dir) -> tuple[list, list[dict]]:
                 atomic_write_json(stats_p, st)
                 atomic_write_text(final_p, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
             all_stats.append(read_json(stats_p))
+            kept_before += all_stats[-1].get("kept", 0)
+            tokens_before += all_stats[-1].get("generated_tokens", 0)
+            if progress is not None:
+                progress.update(kept_before - progress.done, tokens_before - progress.tokens, phase="self-prompting",
+                                self_source=i)
             out_sources.append(PromptSource(kind="file", path=str(Path(final_p).resolve()), format="openai",
                                             label=label, limit=src.limit))
     finally:

@@ -42,9 +42,16 @@ def test_prepare_self_sources_writes_reuses_and_refuses_other_settings(tmp_path,
     import torch
 
     torch.set_num_threads(2)
+    from eagle3.io import Progress
+
     params = _params(tmp_path)
     run_dir = params.run_dir()
-    sources, stats = prepare_self_sources(params, run_dir)
+    prog = Progress(run_dir / "01_synthesize", total=2, unit="self prompts")
+    sources, stats = prepare_self_sources(params, run_dir, progress=prog)
+    prog.close("running")
+    pj = json.loads((run_dir / "01_synthesize" / "progress.json").read_text())
+    assert pj["done"] == pj["total"] == 2 and pj["tokens"] == stats[0]["generated_tokens"] > 0
+    assert pj["extra"]["phase"] == "self-prompting" and pj["extra"]["self_source"] == 1
     assert sources[0] == params.synthesize.sources[0]
     assert sources[1].kind == "file" and sources[1].label == "self" and sources[1].format == "openai"
     d = run_dir / "01_synthesize" / SELF_PROMPTS_DIR
@@ -127,6 +134,42 @@ def test_resume_after_sigkill_gives_the_same_prompts(tmp_path, embedded_target):
     assert final.read_text() == clean_final.read_text()
     assert st_resumed[0]["filtered"] == st_clean[0]["filtered"]
 
+
+@pytest.mark.slow
+def test_vllm_offline_self_prompting(tmp_path, embedded_target):
+    """``kind: self`` on the vLLM offline backend (real model, real sampling): every kept prompt
+    ended at the template's end of turn, the filter counts add up (duplicates removed and counted),
+    progress.json follows the kept prompts, and the same seed gives the same prompts again (vLLM's
+    per-request seeds)."""
+    from eagle3.io import Progress
+
+    def params(name):
+        p = _params(tmp_path, name, count=8, max_new_tokens=48)
+        p.synthesize.backend = "vllm"
+        p.synthesize.batch_size = 8
+        return p
+
+    a = params("vllm-a")
+    prog = Progress(a.run_dir() / "01_synthesize", total=8, unit="self prompts")
+    _, (st,) = prepare_self_sources(a, a.run_dir(), progress=prog)
+    prog.close("running")
+    d = a.run_dir() / "01_synthesize" / SELF_PROMPTS_DIR
+    cands = [json.loads(x) for x in (d / "source_1.candidates.jsonl").read_text().splitlines()]
+    recs = [json.loads(x) for x in (d / "source_1.jsonl").read_text().splitlines()]
+    assert st["kept"] == len(recs) >= 1 and sum(st["filtered"].values()) == st["attempts"] <= len(cands)
+    assert st["filtered"]["kept"] == st["kept"]
+    by_index = {c["index"]: c for c in cands}
+    for r in recs:  # a kept prompt is a whole user turn: it stopped on the end-of-turn id
+        assert by_index[r["self_prompt"]["index"]]["finish_reason"] == "stop"
+        assert r["messages"][-1]["content"] == by_index[r["self_prompt"]["index"]]["text"].strip() != ""
+    users = [r["messages"][-1]["content"] for r in recs]
+    assert len(set(users)) == len(users)  # exact duplicates never kept
+    pj = json.loads((a.run_dir() / "01_synthesize" / "progress.json").read_text())
+    assert pj["done"] == st["kept"] and pj["tokens"] == st["generated_tokens"] > 0
+    b = params("vllm-b")
+    prepare_self_sources(b, b.run_dir())
+    assert (b.run_dir() / "01_synthesize" / SELF_PROMPTS_DIR / "source_1.jsonl").read_text() == \
+        (d / "source_1.jsonl").read_text()
 
 
 def test_stage1_with_a_self_source(tmp_path, embedded_target):
