@@ -63,6 +63,7 @@ __all__ = [
     "VllmDriver",
     "ServerDriver",
     "prepare_self_sources",
+    "self_sources_pending",
 ]
 
 # A user message no template rewrites (no leading/trailing whitespace, no markup); it must appear
@@ -918,6 +919,17 @@ def _open_driver(params, settings: SelfPromptSettings, tkw: dict):
     drv = ServerDriver(sp.base_url, model, tok, settings, syn.max_new_tokens, headers, sp.timeout_s, sp.max_retries,
                        sp.backoff_s, sp.concurrency)
     return drv, tok, drv.close
+
+
+def self_sources_pending(params, run_dir) -> bool:
+    """True when some ``kind: self`` source of ``synthesize.sources`` has no finished prompt file
+    (``source_N.jsonl`` and ``source_N.stats.json``) in the run dir yet, i.e. the target still has
+    prompts to write (stage 1 opens its self-prompting ``progress.json`` only then)."""
+    from eagle3.rundir import RunDir
+
+    d = RunDir(run_dir).stage(1, create=False) / SELF_PROMPTS_DIR
+    return any(src.kind == "self" and not ((d / f"source_{i}.jsonl").is_file() and (d / f"source_{i}.stats.json").is_file())
+               for i, src in enumerate(params.synthesize.sources))
 
 
 def prepare_self_sources(params, run_dir, progress=None) -> tuple[list, list[dict]]:

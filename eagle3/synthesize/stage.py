@@ -227,19 +227,24 @@ def run(params: Params, run_dir: str | Path) -> SynthesizeStats:
         # load as file sources labelled "self" (eagle3.self_prompt)
         from eagle3.io import Progress
         from eagle3.rundir import stage_dir
-        from eagle3.self_prompt import prepare_self_sources
+        from eagle3.self_prompt import prepare_self_sources, self_sources_pending
 
         total = sum(src.self_prompt.count for src in syn.sources if src.kind == "self")
-        sdir = stage_dir(run_dir, SYNTHESIZE)
-        # progress.json during self-prompting (done = prompts kept); the StageRun below replaces it
-        prog = Progress(sdir, total=total, unit="self prompts", desc=f"{sdir.name} self-prompting")
+        # progress.json during self-prompting (done = prompts kept); the StageRun below replaces it.
+        # None when every self source is written (a finished stage rewrites nothing, issue 16)
+        prog = None
+        if self_sources_pending(params, run_dir):
+            sdir = stage_dir(run_dir, SYNTHESIZE)
+            prog = Progress(sdir, total=total, unit="self prompts", desc=f"{sdir.name} self-prompting")
         try:
             sources, self_stats = prepare_self_sources(params, run_dir, progress=prog)
         except BaseException as exc:
-            prog.extra["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            prog.close("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+            if prog is not None:
+                prog.extra["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                prog.close("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
             raise
-        prog.close("running")  # stage 1 goes on: answering the prompts
+        if prog is not None:
+            prog.close("running")  # stage 1 goes on: answering the prompts
         syn = syn.model_copy(update={"sources": sources})
     prompts, report = load_prompts(syn)
     ids = [p.id for p in prompts]
