@@ -1,8 +1,9 @@
-"""The ``eagle3`` command line: ``run``, ``status``, ``report``, ``params``.
+"""The ``eagle3`` command line: ``run``, ``status``, ``verify``, ``report``, ``params``.
 
 Exit codes: 0 success; 2 a usage error or an :class:`eagle3.errors.Eagle3Error` (bad params, a
-missing target, a failed stage, ...: one clean message on stderr, no traceback); anything else is
-a bug and propagates with its full traceback (exit 1).
+missing target, a failed stage, a stale stage, ...: one clean message on stderr, no traceback);
+1 from ``verify`` when it found problems; anything else is a bug and propagates with its full
+traceback (exit 1).
 """
 
 from __future__ import annotations
@@ -38,6 +39,14 @@ def _build_parser() -> argparse.ArgumentParser:
     r.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=_SET_HELP)
     r.add_argument("--kernel", default="eagle3", help="Jupyter kernel (default: eagle3)")
     r.add_argument("--no-report", action="store_true", help="do not render the HTML report at the end")
+    r.add_argument("--redo", default=None, metavar="STAGES",
+                   help="re-open these stages even if complete, e.g. --redo 3: a stage whose inputs changed starts "
+                        "over, else it re-checks its files and redoes the broken ones; later selected stages whose "
+                        "inputs change with it are redone too")
+
+    v = sub.add_parser("verify", help="check a run directory's files: stale stages, manifest, hidden-state sha256s")
+    v.add_argument("run_dir", help="the run directory, <run.output_dir>/<run.name>, e.g. outputs/ci")
+    v.add_argument("--no-values", action="store_true", help="skip the finite-values check (hashes only)")
 
     s = sub.add_parser("status", help="show each stage's progress for a run directory")
     s.add_argument("run_dir", help="the run directory, <run.output_dir>/<run.name>, e.g. outputs/ci")
@@ -56,7 +65,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "run":
         from eagle3.runner import parse_stages, render_report, run_pipeline
 
-        run_dir = run_pipeline(args.params, parse_stages(args.stages), args.run_name, args.overrides, args.kernel)
+        redo = parse_stages(args.redo) if args.redo else None
+        run_dir = run_pipeline(args.params, parse_stages(args.stages), args.run_name, args.overrides, args.kernel,
+                               redo=redo)
         if not args.no_report:
             index = render_report(run_dir)
             print(f"eagle3: report {index}")
@@ -75,6 +86,15 @@ def _dispatch(args: argparse.Namespace) -> int:
                 return 0
             time.sleep(args.watch)
             print()
+    if args.cmd == "verify":
+        from eagle3.runner import verify_run
+
+        problems = verify_run(args.run_dir, check_values=not args.no_values)
+        for line in problems:
+            print(line)
+        print(f"eagle3 verify: {len(problems)} problem(s) in {args.run_dir}" if problems
+              else f"eagle3 verify: {args.run_dir}: no problem found", flush=True)
+        return 1 if problems else 0
     if args.cmd == "report":
         from eagle3.runner import render_report
 
@@ -85,7 +105,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print(dump_params(load_params(args.params, args.overrides)), end="")
         return 0
-    raise AssertionError(f"unhandled command {args.cmd!r}")  # argparse only admits the four above
+    raise AssertionError(f"unhandled command {args.cmd!r}")  # argparse only admits the five above
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,7 @@ __all__ = [
     "ParityError",
     "StageFailed",
     "RunnerError",
+    "StaleStage",
 ]
 
 
@@ -84,3 +85,8 @@ class StageFailed(Eagle3Error, RuntimeError):
 class RunnerError(Eagle3Error, RuntimeError):
     """``eagle3 run`` / ``eagle3 report`` cannot start: the Jupyter kernel is not registered, or a run
     directory has nothing to render yet; the message says what to run."""
+
+
+class StaleStage(RunnerError):
+    """A finished stage whose inputs (earlier stages' files) changed since it ran: the message names
+    each changed file with both digests and the ``--redo`` command that redoes the stage."""

@@ -4,7 +4,7 @@ A run directory (``<run.output_dir>/<run.name>``) holds ``params.yaml``, one fol
 ``report/``::
 
     params.yaml
-    01_synthesize/  samples.jsonl, progress.json, stats.json
+    01_synthesize/  samples.jsonl, progress.json, stats.json, inputs.json (every stage)
     02_vocab/       train.parquet, heldout.parquet, vocab_mapping.safetensors, mapping.json, ...
     03_extract/     meta.json, manifest.jsonl, preflight.json, rows_*/NNNNNN.safetensors
     04_train/       metrics.jsonl, checkpoints/step_NNNNNN/, drafter/ (config.json, model.safetensors)
@@ -41,6 +41,7 @@ __all__ = [
     "PARAMS_FILE",
     "PROGRESS_FILE",
     "STATS_FILE",
+    "INPUTS_FILE",
     "RunDir",
     "project_root",
     "notebooks_dir",
@@ -75,6 +76,7 @@ NOTEBOOKS: dict[int, str] = {
 PARAMS_FILE = "params.yaml"
 PROGRESS_FILE = "progress.json"
 STATS_FILE = "stats.json"
+INPUTS_FILE = "inputs.json"  # digests of the upstream files a finished stage consumed (eagle3.stage)
 REPORT_DIR = "report"
 
 # Stage 1
@@ -204,6 +206,10 @@ class RunDir:
     def stats(self, stage: int) -> Path:
         """``<NN_name>/stats.json``: a finished stage's numbers (``complete: true``)."""
         return self.stage(stage) / STATS_FILE
+
+    def inputs(self, stage: int) -> Path:
+        """``<NN_name>/inputs.json``: sha256 of every earlier stage's file the finished stage consumed."""
+        return self.stage(stage) / INPUTS_FILE
 
     def complete(self, stage: int) -> bool:
         """True when the stage's ``stats.json`` says ``complete``."""

@@ -9,12 +9,13 @@ import time
 from pathlib import Path
 
 from eagle3.config import load_params
-from eagle3.errors import ParamsError, RunnerError, StageFailed
+from eagle3.errors import ParamsError, RunnerError, StageFailed, StaleStage
 from eagle3.io import format_bytes, read_json
-from eagle3.rundir import NOTEBOOKS, STAGES, notebooks_dir, prepare_run_dir, resolve_run_dir, stage_complete
+from eagle3.rundir import NOTEBOOKS, STAGES, RunDir, notebooks_dir, prepare_run_dir, resolve_run_dir, stage_complete
+from eagle3.stage import stale_inputs, stale_message
 
-__all__ = ["parse_stages", "run_pipeline", "StageFailed", "status_rows", "format_status", "render_report",
-           "static_widgets"]
+__all__ = ["parse_stages", "run_pipeline", "reopen_stage", "verify_run", "StageFailed", "StaleStage", "status_rows",
+           "format_status", "render_report", "static_widgets"]
 
 KERNEL = "eagle3"
 
@@ -43,6 +44,31 @@ def parse_stages(spec: str | None) -> list[int]:
     return sorted(out)
 
 
+def reopen_stage(run_dir: str | Path, stage: int, params=None) -> str:
+    """Make stage ``stage`` run again (``eagle3 run --redo N``); returns what was done, for the console.
+
+    The rule: when the stage's recorded inputs (``inputs.json``) differ from the files now, its
+    outputs were made from other data and the stage starts over (its folder is removed); otherwise
+    only its completion is dropped (``stats.json``, ``inputs.json``'s mark) and the stage's own resume
+    re-checks its files against their records and redoes the broken ones (stage 3 re-hashes every
+    file against the manifest; stage 4 re-exports from its checkpoints; stage 1 keeps its samples).
+    """
+    import shutil
+
+    rd = RunDir(run_dir)
+    sd = rd.stage(stage)
+    reasons = stale_inputs(run_dir, stage, params)
+    if reasons:
+        if sd.exists():
+            trash = rd.root / f".redo-{sd.name}-{int(time.time())}"
+            sd.rename(trash)  # one rename, then the slow removal: a kill leaves no half-removed folder
+            shutil.rmtree(trash, ignore_errors=True)
+        return (f"stage {stage} ({STAGES[stage]}) starts over: its inputs changed since it ran ("
+                + "; ".join(reasons) + ")")
+    rd.stats(stage).unlink(missing_ok=True)
+    return f"stage {stage} ({STAGES[stage]}) re-opened: it re-checks its files and redoes what is broken or missing"
+
+
 def _kernel_available(name: str) -> bool:
     from jupyter_client.kernelspec import KernelSpecManager
 
@@ -57,6 +83,7 @@ def run_pipeline(
     kernel: str = KERNEL,
     force: bool = False,
     notebooks: str | Path | None = None,
+    redo: list[int] | None = None,
 ) -> Path:
     """Execute the stage notebooks into ``<run_dir>/notebooks/`` and return the run directory.
 
@@ -64,8 +91,16 @@ def run_pipeline(
     unfinished stage); each stage also resumes its own unfinished work. Stops at the first
     failing stage.
 
+    A complete stage whose inputs changed since it ran (an earlier stage re-run, a file replaced:
+    :func:`eagle3.stage.stale_inputs`) is never skipped: the run stops with the reason and the
+    command, unless ``redo`` names it or an earlier stage of this call. Stages in ``redo`` are
+    re-opened (:func:`reopen_stage`) before they run; after them, a later selected stage whose inputs
+    changed is re-opened too (it starts over on the new inputs).
+
     Raises:
-        ParamsError: invalid params or a run directory created with other params.
+        StaleStage: a complete stage with changed inputs, not covered by ``redo``.
+        ParamsError: invalid params or a run directory created with other params; a ``redo`` stage
+            that is not selected.
         StageFailed: a notebook cell raised (message: stage, cell index, exception).
         RunnerError: the Jupyter kernel ``eagle3`` is not registered (run ``make venv``).
     """
@@ -75,6 +110,11 @@ def run_pipeline(
     if run_name:
         ov.append(f"run.name={run_name}")
     params = load_params(params_file, ov)
+    selected = list(stages or STAGES)
+    redo_set = set(redo or [])
+    if redo_set - set(selected):
+        raise ParamsError(f"--redo {','.join(map(str, sorted(redo_set)))}: stage(s) {sorted(redo_set - set(selected))} "
+                          f"not among the stages to run ({selected}); add them to --stages")
     run_dir = prepare_run_dir(params, resolve_run_dir(params))
     if not _kernel_available(kernel):
         raise RunnerError(
@@ -85,14 +125,21 @@ def run_pipeline(
     out_dir.mkdir(exist_ok=True)
     nb_root = Path(notebooks) if notebooks else notebooks_dir()
     print(f"eagle3: run directory {run_dir}", flush=True)
-    for s in stages or list(STAGES):
+    for s in selected:
         nb_in = nb_root / NOTEBOOKS[s]
         if not nb_in.exists():
             print(f"eagle3: stage {s} ({STAGES[s]}): notebook {nb_in.name} does not exist, skipped", flush=True)
             continue
-        if stage_complete(run_dir, s) and not force:
-            print(f"eagle3: stage {s} ({STAGES[s]}) already complete, skipped", flush=True)
-            continue
+        if s in redo_set:
+            print(f"eagle3: {reopen_stage(run_dir, s, params)}", flush=True)
+        elif stage_complete(run_dir, s) and not force:
+            reasons = stale_inputs(run_dir, s, params)
+            if not reasons:
+                print(f"eagle3: stage {s} ({STAGES[s]}) already complete, skipped", flush=True)
+                continue
+            if not (redo_set and s > min(redo_set)):
+                raise StaleStage(stale_message(s, reasons, params_file))
+            print(f"eagle3: {reopen_stage(run_dir, s, params)}", flush=True)
         print(f"eagle3: stage {s} ({STAGES[s]}) running {nb_in.name} (watch: eagle3 status {run_dir})", flush=True)
         t0 = time.time()
         try:
@@ -114,6 +161,41 @@ def run_pipeline(
             ) from None
         print(f"eagle3: stage {s} ({STAGES[s]}) finished in {time.time() - t0:.0f} s", flush=True)
     return run_dir
+
+
+def verify_run(run_dir: str | Path, check_values: bool = True) -> list[str]:
+    """``eagle3 verify RUN``: every integrity check of a run directory; returns the problems found.
+
+    Checks: each complete stage's recorded inputs against the files now (stale stages); Stage 3's
+    manifest against ``meta.json``'s count and Stage 2's train split, and every hidden-state file
+    against its manifest line (size, sha256, header, shapes, token ids, loss mask, finite values:
+    :func:`eagle3.contracts.hidden_states.verify_folder`). Cost: one read and one sha256 pass over
+    the hidden states (~450 MiB/s per core measured on the CI machine).
+
+    Raises:
+        RunnerError: ``run_dir`` is not a run directory (no ``params.yaml``).
+    """
+    from eagle3.config import load_params
+    from eagle3.rundir import EXTRACT
+
+    rd = RunDir(run_dir)
+    if not rd.params_file.exists():
+        raise RunnerError(f"{rd.root}: no {rd.params_file.name}; not a run directory")
+    params = load_params(rd.params_file)
+    problems = []
+    for s in STAGES:
+        if stage_complete(rd.root, s):
+            problems += [f"stage {s} ({STAGES[s]}) is stale: {r}" for r in stale_inputs(rd.root, s, params)]
+    if rd.extract_meta.exists() and rd.manifest.exists() and rd.tokenized("train").exists():
+        from eagle3.contracts import hidden_states as hsc
+        from eagle3.extract.prepare import load_rows
+
+        sd = rd.stage(EXTRACT)
+        rows = load_rows(rd.root)
+        problems += hsc.check_manifest(hsc.read_manifest(sd), hsc.read_meta(sd), rows.ids, where=rd.manifest)
+        rep = hsc.verify_folder(sd, rows, check_hashes=True, check_values=check_values)
+        problems += [f"{p['file']}: row {p['row']} (id {p['id']}): {p['problem']}" for p in rep["problems"]]
+    return problems
 
 
 def _fmt_s(s: float | None) -> str:

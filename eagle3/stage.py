@@ -17,6 +17,13 @@ stage that stopped early but wants its numbers on disk).
 The W&B run (:class:`eagle3.tracking.Tracker`) is opened on first use of :attr:`StageRun.tracker`,
 so a stage whose results come late (stage 5) opens it only then, and a non-main rank that never
 touches it opens none.
+
+Stale stages: when a stage starts, :class:`StageRun` takes the sha256 of every earlier stage's file
+it consumes (:func:`consumed_files`) and writes them to ``inputs.json`` (``complete: false``: the
+partial outputs of an interrupted run were made from them); :meth:`StageRun.finish` marks the record
+complete before it writes ``stats.json``. :func:`stale_inputs` compares a finished stage's record with the files now: the
+runner refuses to skip a finished stage whose inputs changed (or redoes it with ``--redo``), and a
+stage called directly on such a folder refuses too (:func:`check_fresh`).
 """
 
 from __future__ import annotations
@@ -27,10 +34,107 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
-from eagle3.io import Progress, read_json, write_stats
-from eagle3.rundir import STAGES, STATS_FILE, stage_dir
+from eagle3.io import Progress, atomic_write_json, file_sha256, read_json, write_stats
+from eagle3.rundir import EVALUATE, EXTRACT, STAGES, STATS_FILE, SYNTHESIZE, TRAIN, VOCAB, RunDir, stage_dir
 
-__all__ = ["Stats", "StageRun", "completed_stats"]
+__all__ = ["Stats", "StageRun", "completed_stats", "consumed_files", "input_digests", "stale_inputs", "stale_message",
+           "check_fresh"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Input digests (inputs.json)
+# ----------------------------------------------------------------------------------------------
+
+
+def consumed_files(run_dir: str | Path, stage: int, params=None) -> list[Path]:
+    """The earlier stages' files that stage ``stage`` reads (docs/DESIGN.md "Stage contracts").
+
+    1: none inside the run (its prompts come from params). 2: ``samples.jsonl``. 3: ``train.parquet``.
+    4: both tokenized splits, the vocab mapping (``vocab_mapping.safetensors``, ``mapping.json``) and,
+    offline, Stage 3's ``meta.json`` and ``manifest.jsonl`` (whose sha256 lines stand for the
+    hidden-state files). 5: ``samples.jsonl``, the vocab mapping, Stage 3's ``meta.json`` and the
+    drafter (``config.json``, ``model.safetensors``; ``evaluate.drafter_dir`` when set).
+    A file that does not exist is recorded as absent (a full-size vocab has no mapping file).
+    """
+    rd = RunDir(run_dir)
+    if stage == SYNTHESIZE:
+        return []
+    if stage == VOCAB:
+        return [rd.samples]
+    if stage == EXTRACT:
+        return [rd.tokenized("train")]
+    mapping = [rd.vocab_mapping, rd.mapping_json]
+    if stage == TRAIN:
+        online = bool(getattr(getattr(params, "train", None), "online", False))
+        return [rd.tokenized("train"), rd.tokenized("heldout"), *mapping,
+                *([] if online else [rd.extract_meta, rd.manifest])]
+    if stage == EVALUATE:
+        ext = getattr(getattr(params, "evaluate", None), "drafter_dir", None)
+        drafter = Path(ext) if ext else rd.drafter_dir
+        return [rd.samples, *mapping, rd.extract_meta, drafter / "config.json", drafter / "model.safetensors"]
+    raise ValueError(f"no stage {stage}")
+
+
+def _key(run_dir: Path, f: Path) -> str:
+    try:
+        return f.relative_to(run_dir).as_posix()
+    except ValueError:
+        return str(f)  # outside the run (evaluate.drafter_dir): the absolute path
+
+
+def input_digests(run_dir: str | Path, stage: int, params=None) -> dict[str, dict | None]:
+    """``{path relative to the run: {"sha256", "bytes"} or None when absent}`` of :func:`consumed_files`.
+
+    Cost: one sha256 pass over each file (~450 MiB/s on one core of the CI machine); the hidden-state
+    files are covered through the manifest's digests, not hashed here."""
+    run_dir = Path(run_dir)
+    out: dict[str, dict | None] = {}
+    for f in consumed_files(run_dir, stage, params):
+        out[_key(run_dir, f)] = {"sha256": file_sha256(f), "bytes": f.stat().st_size} if f.is_file() else None
+    return out
+
+
+def stale_inputs(run_dir: str | Path, stage: int, params=None) -> list[str]:
+    """Why a stage's outputs (finished or partial) no longer match its inputs: one line per changed,
+    new or removed input (empty: unchanged, or no ``inputs.json``: a stage that never started, or one
+    that ran before stages recorded their inputs, which is not checked)."""
+    rec = read_json(RunDir(run_dir).inputs(stage), None)
+    if not rec or "files" not in rec:
+        return []
+    then, now = rec["files"], input_digests(run_dir, stage, params)
+    out = []
+    for k in sorted(set(then) | set(now)):
+        a, b = then.get(k), now.get(k)
+        if (a or {}).get("sha256") == (b or {}).get("sha256"):
+            continue
+        if a is None:
+            out.append(f"{k}: absent when stage {stage} ran, present now")
+        elif b is None:
+            out.append(f"{k}: removed since stage {stage} ran")
+        else:
+            out.append(f"{k}: sha256 {a['sha256'][:16]} ({a['bytes']} bytes) when stage {stage} ran, "
+                       f"{b['sha256'][:16]} ({b['bytes']} bytes) now")
+    return out
+
+
+def stale_message(stage: int, reasons: list[str], params_file: str | Path | None = None) -> str:
+    """The refusal of a finished stage whose inputs changed, with the command that redoes it."""
+    pf = str(params_file) if params_file else "PARAMS"
+    return (f"stage {stage} ({STAGES[stage]}) is complete, but its inputs changed since it ran:\n  "
+            + "\n  ".join(reasons)
+            + f"\nIts outputs were made from the old inputs; nothing was changed. Redo it with "
+            f"`eagle3 run {pf} --stages {stage}-5 --redo {stage}` (the stage starts over; a later stage "
+            f"whose inputs change with it is redone too).")
+
+
+def check_fresh(run_dir: str | Path, stage: int, params, error: type[Exception]) -> None:
+    """Raise ``error`` (:func:`stale_message`) when finished stage ``stage``'s inputs changed.
+
+    Called by a stage before it returns its finished results without running (extract, train), so
+    that a notebook opened on a stale run refuses as the runner does."""
+    reasons = stale_inputs(run_dir, stage, params)
+    if reasons:
+        raise error(stale_message(stage, reasons))
 
 
 @dataclasses.dataclass
@@ -67,6 +171,16 @@ def _as_dict(stats: Stats | dict[str, Any]) -> dict[str, Any]:
     return stats.to_dict() if isinstance(stats, Stats) else dict(stats)
 
 
+def _remove_dead_temps(folder: Path) -> None:
+    """Remove the temp files of :func:`eagle3.io.atomic_path` (``.<name>.<random>.tmp``) that a killed
+    earlier execution left at the top of its stage folder. Safe when the stage starts: this process
+    has no atomic write running yet, and other ranks write there only before (stage 3's journals, in
+    ``prepare``, which ends with a collective) or into their own sub-folders."""
+    for f in folder.glob(".*.tmp") if folder.is_dir() else []:
+        if f.is_file():
+            f.unlink(missing_ok=True)
+
+
 class StageRun:
     """Context manager around one execution of stage ``stage`` of a run.
 
@@ -83,9 +197,13 @@ class StageRun:
             (stage 3 folds per-rank files in); the arguments above are then unused.
         main: False on non-main ranks: no stats.json and no W&B run from this process.
 
+    On entry (main rank) the temp files a killed earlier execution left at the top of the stage
+    folder are removed, and the inputs are put on record (module docstring).
+
     Attributes:
         dir (Path): the stage folder.
         progress (Progress): the live ``progress.json`` (heartbeat every few seconds).
+        inputs (dict): :func:`input_digests` taken at entry (written to ``inputs.json`` on completion).
         t0 (float): ``time.time()`` at entry; :attr:`elapsed_s` counts from it.
     """
 
@@ -119,6 +237,12 @@ class StageRun:
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> StageRun:
         self.t0 = time.time()
+        # what this execution consumes, on record from the start (the partial outputs of a killed
+        # run were made from these) and marked complete by finish(); main rank only
+        self.inputs = input_digests(self.run_dir, self.stage, self.params) if self.main else {}
+        if self.main:
+            _remove_dead_temps(self.dir)
+            self._write_inputs(False)
         if self._progress_factory is not None:
             self.progress = self._progress_factory(self.dir)
         else:
@@ -145,6 +269,11 @@ class StageRun:
         if self._tracker is not None:
             self._tracker.finish()
             self._tracker = None
+
+    def _write_inputs(self, complete: bool) -> None:
+        # no timestamp: re-running a finished stage on the same inputs rewrites the same bytes
+        atomic_write_json(RunDir(self.run_dir).inputs(self.stage),
+                          {"stage": self.stage, "complete": complete, "files": self.inputs})
 
     # ------------------------------------------------------------------ results
     @property
@@ -193,6 +322,8 @@ class StageRun:
         if log:
             self.tracker.log({k: v for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
         self.tracker.summary(d)
+        if complete:  # before stats.json: a complete stage always has its inputs on record
+            self._write_inputs(True)
         out = write_stats(self.dir, d, complete=complete)
         self._finished = True
         self.close("done" if complete else "failed")

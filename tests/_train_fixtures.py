@@ -40,9 +40,13 @@ def design_mapping(counts: np.ndarray, draft_vocab_size: int) -> tuple[torch.Ten
 
 
 def write_stage2(run_dir: Path, samples: list[dict], target_vocab: int, draft_vocab_size: int,
-                 heldout: list[dict] = ()) -> None:
+                 heldout: list[dict] = (), train_rows: list[dict] | None = None) -> None:
     """Stage 2's folder through its contracts' writers: the mapping (+ mapping.json with a cache key),
-    the train/heldout splits (+ row lengths) and the token counts."""
+    the train/heldout splits (+ row lengths) and the token counts (of ``samples``).
+
+    ``train_rows`` (default ``samples``): the rows of train.parquet, i.e. what Stage 3 extracts (its
+    manifest must list exactly these rows); a test that plants held-out samples among the extracted
+    ones passes them here too."""
     from eagle3.contracts import tokenized
     from eagle3.contracts.vocab_mapping import VocabMapping, write_mapping
     from eagle3.rundir import VOCAB, RunDir
@@ -59,7 +63,7 @@ def write_stage2(run_dir: Path, samples: list[dict], target_vocab: int, draft_vo
         d2t, t2d = design_mapping(counts, draft_vocab_size)
         assert torch.equal(mapping.d2t, d2t) and torch.equal(mapping.t2d, t2d)
     write_mapping(run_dir, mapping, coverage=1.0)
-    for name, rows in (("train", samples), ("heldout", list(heldout))):
+    for name, rows in (("train", samples if train_rows is None else train_rows), ("heldout", list(heldout))):
         tokenized.write_split(run_dir, name, [[
             tokenized.TokenizedRow(r["id"], "test", np.asarray(r["token_ids"], dtype=np.int64),
                                    np.asarray(r["loss_mask"], dtype=np.int8), len(r["token_ids"]))
@@ -75,7 +79,7 @@ def write_stage3(run_dir: Path, samples: list[dict], aux_ids: list[int], num_lay
     d = RunDir(run_dir).stage(EXTRACT, create=True)
     hsc.write_meta(d, {"aux_layer_ids": aux_ids, "num_hidden_layers": num_layers, "hidden_size": hidden,
                        "dtype": hsc.dtype_name(dtype), "target": target, "stored_layers": [*aux_ids, num_layers],
-                       "shard_size": shard_size})
+                       "shard_size": shard_size, "num_samples": len(samples)})
     writer = hsc.SampleWriter(d, d / hsc.journal_name(0), [*aux_ids, num_layers], threads=1)
     for row, s in enumerate(samples):
         writer.submit({"row": row, "id": s["id"], "file": hsc.sample_relpath(row, shard_size)},
@@ -128,7 +132,7 @@ def make_tiny_run(run_dir: Path, target_dir: Path, n: int = 24, draft_vocab_size
     for s in samples:
         s["hidden_states"] = target_hidden_states(model, s["token_ids"], aux)
     train, held = samples[:n], samples[n:]
-    write_stage2(run_dir, train, model.config.vocab_size, draft_vocab_size, heldout=held)
+    write_stage2(run_dir, train, model.config.vocab_size, draft_vocab_size, heldout=held, train_rows=samples)
     write_stage3(run_dir, samples, aux, N, model.config.hidden_size, str(target_dir))
     return samples
 

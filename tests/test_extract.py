@@ -527,10 +527,13 @@ def test_resume_redoes_truncated_corrupt_and_wrong_shape_files(ref, tmp_path):
     save_file({**good, "hidden_states": good["hidden_states"][:, :3].contiguous()}, str(f[8]))  # wrong shape
     f[9].unlink()  # missing
     (sd / "rows_000000-000004" / ".000003.safetensors.abc.tmp").write_bytes(b"partial")  # killed writer
+    (sd / "rows_000004-000008" / ".tmpAA8GWp").write_bytes(b"partial")  # safetensors' own, from older writers
+    (sd / ".writing").mkdir()
+    (sd / ".writing" / ".000006.safetensors.x1.tmp").write_bytes(b"partial")  # the stage's temp folder
     stats = run(params, dst)
     assert stats.files_redone == 3 and stats.samples_extracted == 4 and stats.samples_skipped == 6
     assert_same_outputs(rd, dst)
-    assert not list(sd.rglob("*.tmp"))
+    assert not list(sd.rglob("*.tmp")) and not list(sd.rglob(".tmp*")) and not (sd / ".writing").exists()
 
 
 @pytest.mark.slow
@@ -562,6 +565,106 @@ def test_sigkill_at_a_random_point_then_resume_is_identical(ref, tmp_path, tok):
     stats = run(p2, rd2)
     assert stats.samples_skipped >= 1, seed
     assert_same_outputs(rd, rd2)
+
+
+def _files(sd: Path) -> dict[int, Path]:
+    return {r: sd / f"rows_{r // 4 * 4:06d}-{r // 4 * 4 + 4:06d}/{r:06d}.safetensors" for r in range(N_ROWS)}
+
+
+def test_broken_files_of_a_complete_stage_are_found_and_redone(ref, tmp_path):
+    """Issue 15: a bit flip that keeps the size, a truncated file and a lost manifest line in a
+    finished stage 3: `verify` names each, `--redo 3` (reopen_stage) re-checks every file against the
+    manifest, redoes the two broken ones and rewrites the same manifest."""
+    from eagle3.runner import reopen_stage, verify_run
+
+    params, rd, _ = ref
+    dst = tmp_path / "ref"
+    shutil.copytree(rd, dst)
+    sd = dst / EXTRACT_DIR
+    f = _files(sd)
+    data = bytearray(f[2].read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit inside the hidden states: header and size unchanged
+    f[2].write_bytes(bytes(data))
+    f[5].write_bytes(f[5].read_bytes()[:-64])
+    lines = (sd / "manifest.jsonl").read_text().splitlines(keepends=True)
+    (sd / "manifest.jsonl").write_text("".join(lines[:7] + lines[8:]))  # row 7's line lost
+    probs = verify_run(dst)
+    assert any("no line for row 7" in p for p in probs) and any("9 records but meta.json says num_samples = 10" in p for p in probs)
+    assert any("row 2 " in p and "sha256 differs from the manifest" in p for p in probs)
+    assert any("row 5 " in p and "size" in p for p in probs)
+    assert run(params, dst).files_redone == 0  # complete, inputs unchanged: returned as it is (stage 4 checks)
+    assert "re-opened" in reopen_stage(dst, 3, params)
+    stats = run(params, dst)
+    assert stats.files_redone == 2 and stats.samples_extracted == 2 and stats.samples_skipped == N_ROWS - 2
+    assert_same_outputs(rd, dst)
+    assert verify_run(dst) == []
+
+
+def test_a_stale_train_split_is_refused_then_redone(ref, tmp_path, tok):
+    """Issue 15: a sample removed and stage 2 re-run -> a finished stage 3 refuses (not "already
+    complete"), naming the changed file; `--redo 3` starts it over on the new split."""
+    from eagle3.runner import reopen_stage
+
+    params, rd, _ = ref
+    dst = tmp_path / "ref"
+    shutil.copytree(rd, dst)
+    write_train_parquet(dst, tok, n=N_ROWS - 1)  # the same conversations but the last
+    with pytest.raises(ExtractError, match=r"(?s)stage 3 \(03_extract\) is complete, but its inputs changed.*"
+                                           r"02_vocab/train.parquet: sha256 .*--redo 3"):
+        run(params, dst)
+    assert "starts over" in reopen_stage(dst, 3, params)
+    stats = run(params, dst)
+    assert stats.num_samples == N_ROWS - 1 and stats.samples_extracted == N_ROWS - 1
+    assert verify(dst)["problems"] == []
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_file_write_then_resume_is_identical(ref, tmp_path, tok):
+    """Issue 15: the kill lands inside a sample write (the writer has a partial file and, like
+    safetensors' save_file, a `.tmpXXXXXX` of its own): everything it left is in the stage's temp
+    folder, the next run removes it and ends byte-identical to the uninterrupted run."""
+    _, rd, _ = ref
+    p2, rd2 = new_run(tmp_path, "killed", tok)
+    sd = rd2 / EXTRACT_DIR
+    marker = tmp_path / "in_write"
+    script = f"""
+import sys, time
+from pathlib import Path
+from eagle3.config import load_params
+from eagle3.contracts.hidden_states import save_sample
+from eagle3.extract import run
+n = [0]
+def hang_in_third_write(tmp, tensors, metadata):
+    n[0] += 1
+    if n[0] == 3:
+        from safetensors.torch import save
+        data = save(tensors, metadata=metadata)
+        Path(tmp).write_bytes(data[: len(data) // 2])
+        (Path(tmp).parent / ".tmpAA8GWp").write_bytes(data[: len(data) // 3])  # what save_file leaves mid-write
+        Path({str(marker)!r}).touch()
+        time.sleep(600)
+    save_sample(tmp, tensors, metadata)
+run(load_params({str(rd2 / "params.yaml")!r}), Path({str(rd2)!r}), write_fn=hang_in_third_write)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None and not marker.exists():
+            time.sleep(0.05)
+        assert marker.exists(), "the run never reached its third write"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    left = sorted(p.name for p in (sd / ".writing").iterdir())
+    assert len(left) == 2 and ".tmpAA8GWp" in left, left  # our partial file and the library's
+    assert not [p for p in sd.glob("rows_*/.*")], "no temp file in a rows_* folder"
+    stats = run(p2, rd2)
+    assert stats.samples_skipped >= 1
+    assert_same_outputs(rd, rd2)
+    assert not (sd / ".writing").exists()
 
 
 # ------------------------------------------------------------------------------------------------

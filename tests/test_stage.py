@@ -56,3 +56,48 @@ def test_stage_run_incomplete_stats(tmp_path):
         st.finish({"failed": 2}, complete=False)
     assert json.loads((tmp_path / "01_synthesize" / "stats.json").read_text())["complete"] is False
     assert json.loads((tmp_path / "01_synthesize" / "progress.json").read_text())["status"] == "failed"
+
+
+def test_inputs_are_recorded_and_a_change_is_named(tmp_path):
+    from eagle3.errors import VocabError
+    from eagle3.io import file_sha256
+    from eagle3.stage import check_fresh, stale_inputs
+
+    samples = tmp_path / "01_synthesize" / "samples.jsonl"
+    samples.parent.mkdir()
+    samples.write_text('{"id": "a"}\n{"id": "b"}\n')
+    (tmp_path / "02_vocab").mkdir()
+    dead = tmp_path / "02_vocab" / ".train.parquet.k3j2.tmp"  # a killed atomic write
+    dead.write_bytes(b"half")
+    with StageRun(_params(tmp_path), tmp_path, 2, total=1) as st:
+        rec = json.loads((tmp_path / "02_vocab" / "inputs.json").read_text())
+        assert rec == {"stage": 2, "complete": False,
+                       "files": {"01_synthesize/samples.jsonl": {"sha256": file_sha256(samples), "bytes": 24}}}
+        assert not dead.exists()
+        st.finish(_Stats(samples=2, coverage=1.0))
+    rec = json.loads((tmp_path / "02_vocab" / "inputs.json").read_text())
+    assert rec["complete"] is True and stale_inputs(tmp_path, 2) == []
+    check_fresh(tmp_path, 2, None, VocabError)  # unchanged: no error
+    samples.write_text('{"id": "a"}\n')  # a sample removed, stage 1 re-run
+    (why,) = stale_inputs(tmp_path, 2)
+    assert why.startswith("01_synthesize/samples.jsonl: sha256 ")
+    assert "(24 bytes) when stage 2 ran" in why and "(12 bytes) now" in why
+    with pytest.raises(VocabError, match=r"(?s)stage 2 \(02_vocab\) is complete, but its inputs changed.*--redo 2"):
+        check_fresh(tmp_path, 2, None, VocabError)
+    samples.unlink()
+    assert stale_inputs(tmp_path, 2) == ["01_synthesize/samples.jsonl: removed since stage 2 ran"]
+
+
+def test_consumed_files_per_stage(tmp_path):
+    from eagle3.stage import consumed_files
+
+    def names(stage, params=None):
+        return [p.relative_to(tmp_path).as_posix() for p in consumed_files(tmp_path, stage, params)]
+
+    p = _params(tmp_path)
+    assert names(1) == [] and names(2) == ["01_synthesize/samples.jsonl"] and names(3) == ["02_vocab/train.parquet"]
+    assert names(4, p) == ["02_vocab/train.parquet", "02_vocab/heldout.parquet", "02_vocab/vocab_mapping.safetensors",
+                           "02_vocab/mapping.json", "03_extract/meta.json", "03_extract/manifest.jsonl"]
+    p.train.online = True  # online training reads no stage-3 file
+    assert names(4, p)[-1] == "02_vocab/mapping.json"
+    assert names(5, p)[-2:] == ["04_train/drafter/config.json", "04_train/drafter/model.safetensors"]

@@ -63,6 +63,18 @@ def _records(run_dir: Path, kind: str) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["kind"] == kind]
 
 
+def _rehash_manifest(run_dir: Path) -> None:
+    """Record the current size and sha256 of every stage-3 file in its manifest (a test that edits a
+    file on purpose, to reach a check behind the hash check)."""
+    from eagle3.contracts import hidden_states as hsc
+
+    sd = run_dir / EXTRACT_DIR
+    entries = {int(e["row"]): e for e in hsc.read_manifest(sd)}
+    for e in entries.values():
+        e.update(bytes=(sd / e["file"]).stat().st_size, sha256=hsc.sha256_file(sd / e["file"]))
+    hsc.write_manifest(sd, entries, len(entries))
+
+
 def _fresh_copy(src: Path, dst: Path) -> Path:
     """A run dir with src's stage 2/3 folders only (no training yet)."""
     for d in (VOCAB_DIR, EXTRACT_DIR):
@@ -412,7 +424,7 @@ def test_empty_training_split_is_refused(tiny_target, tmp_path):
     samples = random_token_samples(4, seed=2)
     for s in samples:
         s["hidden_states"] = torch.randn(len(s["token_ids"]), 4, 64)
-    write_stage2(tmp_path, [], 512, 128, heldout=samples)  # every extracted sample is held out
+    write_stage2(tmp_path, [], 512, 128, heldout=samples, train_rows=samples)  # every extracted sample is held out
     (tmp_path / VOCAB_DIR / "vocab_mapping.safetensors").unlink()
     (tmp_path / VOCAB_DIR / "mapping.json").write_text(json.dumps({"draft_vocab_size": 512, "target_vocab_size": 512}))
     write_stage3(tmp_path, samples, [2, 4, 5], 8, 64, "tiny")
@@ -456,6 +468,7 @@ def test_nan_loss_stops_naming_step_and_samples_and_keeps_last_good_checkpoint(r
     t = load_file(str(victim.file))
     t["hidden_states"][3, 0, 5] = float("nan")
     save_file(t, str(victim.file))
+    _rehash_manifest(rd2)  # as if stage 3 had written the NaN itself (its writer refuses that: NonFiniteError)
     want = rf"(?s)loss is NaN/Inf at step 3 \(epoch 0\).*sample ids \[.*'{victim.id}'.*step_000002 \(kept\)"
     with pytest.raises(TrainingDiverged, match=want):
         run(p, rd2)
@@ -779,3 +792,138 @@ def test_sigterm_inside_a_long_step_saves_the_last_complete_step_then_resumes(re
     out = run(p, rd2, stop_after=2)
     assert out.step == 7
     assert [r["step"] for r in _records(rd2, "train")] == list(range(1, 8))
+
+
+# ---------------------------------------------------------------------------------------------
+# integrity (issue 15): hidden-state files checked on read, the mapping a checkpoint trained with,
+# kills during a checkpoint write and during the export
+
+
+@pytest.mark.parametrize("damage", ["bit_flip", "truncated", "manifest_line_lost"])
+def test_a_damaged_stage_3_is_refused_with_the_way_out(damage, ref_run, tmp_path):
+    """A bit flip that keeps the size used to be trained on silently and a lost manifest line dropped
+    a sample: the first read of each file checks its size and sha256, the manifest is compared with
+    meta.json and the train split; the error names the file and the `--redo 3` that repairs it."""
+    from eagle3.errors import TrainError
+    from eagle3.train import run
+    from eagle3.train.data import read_manifest, split_by_id
+
+    rd, _, params = ref_run
+    rd2 = _fresh_copy(rd, tmp_path / "run")
+    victim = split_by_id(read_manifest(rd2), params.train.val_fraction)[0][0]  # a training file
+    data = bytearray(victim.file.read_bytes())
+    if damage == "bit_flip":
+        data[len(data) // 2] ^= 0x01
+        victim.file.write_bytes(bytes(data))
+        want = rf"{victim.file} \(row {victim.row}, id {victim.id}\): sha256 \w+\.\.\. differs from the manifest"
+    elif damage == "truncated":
+        victim.file.write_bytes(bytes(data[:-100]))
+        want = rf"{victim.file} \(row {victim.row}, id {victim.id}\): {len(data) - 100} bytes but the manifest records {len(data)}"
+    else:
+        m = rd2 / EXTRACT_DIR / "manifest.jsonl"
+        lines = m.read_text().splitlines(keepends=True)
+        m.write_text("".join(lines[:5] + lines[6:]))
+        want = r"manifest.jsonl: 25 records but meta.json says num_samples = 26.*no line for row 5 \(id s0005\)"
+    with pytest.raises(TrainError, match=r"(?s)" + want + r".*--redo 3"):
+        run(params, rd2)
+    assert not (rd2 / TRAIN_DIR / "drafter").exists()
+
+
+def test_resume_with_another_vocab_mapping_is_refused(ref_run, tmp_path):
+    from eagle3.contracts.vocab_mapping import VocabMapping, read_mapping, write_mapping
+    from eagle3.errors import TrainError
+    from eagle3.train import run
+
+    rd, _, params = ref_run
+    rd2 = _fresh_copy(rd, tmp_path / "run")
+    assert isinstance(run(params, rd2, stop_after=4), TrainStopped)
+    st = read_json(rd2 / TRAIN_DIR / "checkpoints" / "step_000004" / "state.json")
+    old = read_mapping(rd2, 512)
+    from eagle3.contracts.vocab_mapping import mapping_digest
+
+    assert st["mapping_digest"] == mapping_digest(old.d2t, old.t2d)
+    # a valid mapping of the same size and cache key, keeping other ids: replaced between two calls
+    new = VocabMapping.build(np.arange(512, 0, -1), 128, cache_key=old.cache_key)
+    assert not torch.equal(new.d2t, old.d2t)
+    write_mapping(rd2, new, coverage=1.0)
+    with pytest.raises(TrainError, match=r"refusing to resume from .*step_000004: its steps trained with another "
+                                         r"draft vocab mapping \(d2t/t2d digest \w+ there, \w+ now.*--redo 4"):
+        run(params, rd2)
+
+
+_KILL_SCRIPT = """
+import sys, time
+from pathlib import Path
+import {module} as target_module
+from eagle3.config import load_params
+from eagle3.train import run
+orig = target_module.atomic_write_json
+def hang_after(path, obj):
+    orig(path, obj)
+    if {condition}:
+        Path({marker!r}).touch()
+        time.sleep(600)
+target_module.atomic_write_json = hang_after
+run(load_params({params!r}), Path({run_dir!r}))
+"""
+
+
+def _kill_inside(tmp_path: Path, rd2: Path, params, module: str, condition: str) -> None:
+    """Run stage 4 in a subprocess whose ``module.atomic_write_json`` hangs once ``condition`` holds
+    (after writing that file), SIGKILL it there."""
+    pf = tmp_path / "p.yaml"
+    pf.write_text(dump_params(params))
+    marker = tmp_path / "hanging"
+    script = _KILL_SCRIPT.format(module=module, condition=condition, marker=str(marker), params=str(pf), run_dir=str(rd2))
+    log = open(tmp_path / "log.txt", "w")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None and not marker.exists():
+            time.sleep(0.05)
+        assert marker.exists(), (tmp_path / "log.txt").read_text()[-3000:]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+
+
+def _assert_same_drafter(a: Path, b: Path) -> None:
+    for name in ("model.safetensors", "config.json"):
+        assert (a / TRAIN_DIR / "drafter" / name).read_bytes() == (b / TRAIN_DIR / "drafter" / name).read_bytes(), name
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_checkpoint_write_then_resume_is_identical(ref_run, tmp_path):
+    from eagle3.train import run
+
+    rd, stats, params = ref_run
+    rd2 = _fresh_copy(rd, tmp_path / "run")
+    # inside save_checkpoint of step 8: every file of the temp folder written, not yet renamed
+    _kill_inside(tmp_path, rd2, params, "eagle3.train.checkpoint",
+                 "Path(path).name == 'state.json' and obj.get('step') == 8")
+    ck = rd2 / TRAIN_DIR / "checkpoints"
+    assert [p.name for p in ck.glob(".tmp-step_000008-*")] and "step_000008" not in [p.name for p in ck.iterdir()]
+    final = run(params, rd2)
+    assert final.best_step == stats.best_step and not list(ck.glob(".*"))
+    _assert_same_drafter(rd, rd2)
+    last = f"step_{stats.total_steps:06d}/model.safetensors"
+    assert (rd / TRAIN_DIR / "checkpoints" / last).read_bytes() == (ck / last).read_bytes()
+
+
+@pytest.mark.slow
+def test_sigkill_during_the_export_then_resume_is_identical(ref_run, tmp_path):
+    from eagle3.train import run
+
+    rd, stats, params = ref_run
+    rd2 = _fresh_copy(rd, tmp_path / "run")
+    _kill_inside(tmp_path, rd2, params, "eagle3.io",  # export_drafter imports it at call time
+                 "Path(path).name == 'config.json' and Path(path).parent.name.startswith('.drafter.tmp-')")
+    sd = rd2 / TRAIN_DIR
+    assert list(sd.glob(".drafter.tmp-*")) and not (sd / "drafter").exists() and not (sd / "stats.json").exists()
+    final = run(params, rd2)
+    assert final.best_step == stats.best_step
+    assert not list(sd.glob(".drafter.*")), "the killed export's temp folder is removed"
+    _assert_same_drafter(rd, rd2)

@@ -38,6 +38,7 @@ __all__ = [
     "settings_from_config",
     "settings_from_params",
     "export_drafter",
+    "clean_export_temps",
     "check_drafter",
     "hidden_size_problems",
     "check_hidden_size",
@@ -165,6 +166,20 @@ def _replace_dir(tmp: Path, out_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def clean_export_temps(out_dir: str | Path) -> list[Path]:
+    """Remove what a killed :func:`export_drafter` left beside ``out_dir``: its temp folders
+    (``.<name>.tmp-*``) and a previous export moved aside (``.<name>.old-*``). Returns them.
+
+    Only one export of a folder runs at a time (one stage 4 per run directory), so any such folder
+    is a dead one."""
+    out_dir = Path(out_dir)
+    gone = []
+    for d in sorted(out_dir.parent.glob(f".{out_dir.name}.tmp-*")) + sorted(out_dir.parent.glob(f".{out_dir.name}.old-*")):
+        shutil.rmtree(d, ignore_errors=True)
+        gone.append(d)
+    return gone
+
+
 def export_drafter(model, out_dir: str | Path, verifier_name: str, dtype=None, include_embed_tokens: bool = False,
                    info: dict | None = None) -> Path:
     """Write a drafter in the speculators format (``config.json`` + ``model.safetensors``), atomically.
@@ -184,6 +199,9 @@ def export_drafter(model, out_dir: str | Path, verifier_name: str, dtype=None, i
         dtype: torch dtype of the floating tensors (default: as in the model).
         info: extra provenance written to ``training_info.json`` beside the weights.
 
+    A killed export leaves ``out_dir`` as it was (or, killed between the two renames, absent) and a
+    temp folder that the next export removes (:func:`clean_export_temps`).
+
     Returns:
         Path: ``out_dir``.
     """
@@ -195,6 +213,7 @@ def export_drafter(model, out_dir: str | Path, verifier_name: str, dtype=None, i
     tensors = _export_tensors(model, dtype, include_embed_tokens)
     cfg = _export_config(model, verifier_name, dtype or next(model.parameters()).dtype)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    clean_export_temps(out_dir)  # a killed export's temp folder does not stay for good
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})

@@ -14,7 +14,16 @@ Layout (docs/DESIGN.md "Hidden-state files"; one folder per run, see :mod:`eagle
   per finished file (``row``, ``id``, ``num_tokens``, ``file``, ``bytes``, ``sha256``), appended by
   :class:`SampleWriter`;
 * ``manifest.jsonl``: the same records, one per row in row order, written by :func:`write_manifest`
-  when every row has its file.
+  when every row has its file;
+* ``.writing/``: the writer's temp files (:data:`TMP_DIR`): every file is written there under a name of
+  its own (safetensors' ``save_file`` adds its own ``.tmpXXXXXX`` beside its target, so that one
+  lands there too), then renamed into its ``rows_*`` folder. Whatever a killed writer left there is
+  removed by :func:`clean_temp` on the next run.
+
+Integrity (docs/DESIGN.md "Hidden-state files"): the manifest's ``sha256`` is checked on resume (every
+file a journal or the manifest records is hashed again), on read in stage 4 (the first read of each
+file in a process call, :class:`HiddenStatesDataset`), and by :func:`verify_folder` (``eagle3 verify``);
+:func:`check_manifest` compares the manifest with ``meta.json``'s count and with Stage 2's split.
 
 Readers: :func:`read_manifest` (records), :class:`HiddenStatesDataset` (the samples, raw or as
 speculators' training items), :func:`verify_folder` (a full re-check).
@@ -25,6 +34,7 @@ Needs torch, numpy and safetensors, plus the package's own io/rundir/errors (no 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -47,6 +57,7 @@ from eagle3.rundir import EXTRACT_META_FILE, MANIFEST_FILE
 
 __all__ = [
     "NonFiniteError",
+    "TMP_DIR",
     "DTYPE_BYTES",
     "ROW_FILE_RE",
     "SHARD_DIR_RE",
@@ -72,12 +83,17 @@ __all__ = [
     "SampleWriter",
     "read_entries",
     "read_manifest",
+    "check_manifest",
+    "clean_temp",
+    "is_stale_temp",
     "known_entries",
     "write_manifest",
     "read_meta",
     "write_meta",
     "to_training_item",
     "SampleRef",
+    "ref_of",
+    "REDO_HINT",
     "HiddenStatesDataset",
     "verify_folder",
 ]
@@ -88,6 +104,8 @@ SHARD_DIR_RE = re.compile(r"^rows_(\d{6,})-(\d{6,})$")
 MANIFEST = MANIFEST_FILE
 META = EXTRACT_META_FILE
 MANIFEST_KEYS = ("row", "id", "num_tokens", "file", "bytes", "sha256")
+# The writer's temp folder inside the stage folder: every temp file of Stage 3 is created there.
+TMP_DIR = ".writing"
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn,
               "I64": torch.int64, "I8": torch.int8}
 
@@ -282,16 +300,19 @@ def _is_disk_full(exc: BaseException) -> bool:
     return "No space left on device" in msg or "os error 28" in msg
 
 
-def _atomic_save(path: Path, tensors: dict, metadata: dict, write_fn: Callable) -> tuple[int, str]:
-    """Save to a temp file beside ``path`` (via ``write_fn``), hash it, rename it over ``path``.
+def _atomic_save(path: Path, tmp_dir: Path, tensors: dict, metadata: dict, write_fn: Callable) -> tuple[int, str]:
+    """Save to a temp file in ``tmp_dir`` (via ``write_fn``), hash it, rename it over ``path``.
 
-    The protocol of :func:`eagle3.io.atomic_path` (temp name ``.<name>.<random>.tmp`` in the same
-    folder, removed on any failure), written out here because the hash is taken before the rename.
+    The protocol of :func:`eagle3.io.atomic_path` (temp name ``.<name>.<random>.tmp``, removed on any
+    failure), but in the stage's own temp folder (:data:`TMP_DIR`, same file system as ``path``):
+    whatever ``write_fn`` creates beside its target (safetensors' ``.tmpXXXXXX``) is in a folder the
+    stage cleans, never in a ``rows_*`` folder. The hash is taken before the rename.
 
     Returns:
         tuple: ``(bytes, sha256 hex)`` of the file.
     """
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=tmp_dir)
     os.close(fd)
     tmp_p = Path(tmp)
     try:
@@ -373,7 +394,8 @@ class SampleWriter:
         path = self.stage_dir / entry["file"]
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            return _atomic_save(path, {k: v.contiguous() for k, v in tensors.items()}, meta, self.write_fn)
+            return _atomic_save(path, self.stage_dir / TMP_DIR, {k: v.contiguous() for k, v in tensors.items()}, meta,
+                                self.write_fn)
         except Exception as exc:
             if _is_disk_full(exc):
                 raise ExtractError(
@@ -465,6 +487,71 @@ def known_entries(stage_dir: str | Path) -> dict[int, dict]:
         for e in read_entries(p):
             known[int(e["row"])] = e
     return known
+
+
+def is_stale_temp(p: Path) -> bool:
+    """True for a temp file a killed Stage 3 writer left behind: ours (``.<name>.<random>.tmp``) or
+    safetensors' own (``.tmpXXXXXX``, written beside its target by ``save_file``; found in ``rows_*``
+    folders of runs made before the writer used :data:`TMP_DIR`)."""
+    n = p.name
+    return n.startswith(".") and (n.endswith(".tmp") or n.startswith(".tmp")) and p.is_file()
+
+
+def clean_temp(stage_dir: str | Path) -> int:
+    """Remove the writer's temp folder (:data:`TMP_DIR`) with whatever a killed run left in it.
+
+    Call it only while no writer runs (Stage 3 calls it before its writers start and after they
+    finish). Returns the number of files removed.
+    """
+    d = Path(stage_dir) / TMP_DIR
+    if not d.exists():
+        return 0
+    n = sum(1 for p in d.rglob("*") if p.is_file())
+    shutil.rmtree(d, ignore_errors=True)
+    return n
+
+
+def check_manifest(entries: Sequence[dict], meta: dict | None, ids: Sequence[str] | None,
+                   where: str | Path = MANIFEST) -> list[str]:
+    """Compare the manifest's records with ``meta.json``'s sample count and with Stage 2's split.
+
+    A lost manifest line would otherwise drop a sample silently: every row ``0..n-1`` of the split
+    must have exactly one record, with the split's id, and ``n`` must equal ``meta["num_samples"]``.
+
+    Args:
+        entries: the records (:func:`read_manifest`, by row).
+        meta: ``meta.json`` (its ``num_samples`` is checked when present) or None.
+        ids: the sample ids of Stage 2's ``train.parquet`` in row order (None: not checked).
+        where: the manifest's path, for messages.
+
+    Returns:
+        list[str]: problems, each naming the row and id (empty when all agree).
+    """
+    out: list[str] = []
+    by_row = {int(e["row"]): e for e in entries}
+    n_meta = (meta or {}).get("num_samples")
+    if n_meta is not None and len(by_row) != int(n_meta):
+        out.append(f"{where}: {len(by_row)} records but meta.json says num_samples = {n_meta}")
+    if ids is not None:
+        if len(ids) != len(by_row):
+            out.append(f"{where}: {len(by_row)} records but Stage 2's train split has {len(ids)} rows")
+        missing = [r for r in range(len(ids)) if r not in by_row]
+        if missing:
+            out.append(f"{where}: no line for row {missing[0]} (id {ids[missing[0]]})"
+                       + (f" and {len(missing) - 1} more row(s)" if len(missing) > 1 else ""))
+        extra = sorted(r for r in by_row if r >= len(ids))
+        if extra:
+            out.append(f"{where}: row {extra[0]} is not in Stage 2's train split ({len(ids)} rows)")
+        wrong = [r for r in sorted(by_row) if r < len(ids) and str(by_row[r].get("id")) != str(ids[r])]
+        if wrong:
+            r = wrong[0]
+            out.append(f"{where}: row {r} has id {by_row[r].get('id')} but Stage 2's train split has {ids[r]} "
+                       f"there ({len(wrong)} row(s) disagree): Stage 2 changed after Stage 3 ran")
+    elif n_meta is not None:
+        missing = [r for r in range(int(n_meta)) if r not in by_row]
+        if missing:
+            out.append(f"{where}: no line for row {missing[0]}")
+    return out
 
 
 def read_manifest(stage_dir: str | Path) -> list[dict]:
@@ -568,12 +655,26 @@ def to_training_item(sample: dict, n_aux: int, hidden_size: int, vocab_size: int
 
 @dataclass(frozen=True)
 class SampleRef:
-    """One sample: its row in Stage 2's train split, id, token count and (offline) file."""
+    """One sample: its row in Stage 2's train split, id, token count and (offline) file, with the
+    manifest's ``sha256`` and ``bytes`` of that file (checked on its first read, see
+    :class:`HiddenStatesDataset`)."""
 
     row: int
     id: str
     num_tokens: int
     file: Path | None = None
+    sha256: str | None = None
+    bytes: int | None = None
+
+
+def ref_of(stage_dir: Path, e: dict) -> SampleRef:
+    """The :class:`SampleRef` of one manifest record (``file`` under ``stage_dir``)."""
+    return SampleRef(int(e["row"]), str(e["id"]), int(e["num_tokens"]), Path(stage_dir) / e["file"],
+                     e.get("sha256"), int(e["bytes"]) if e.get("bytes") is not None else None)
+
+
+REDO_HINT = ("Re-run stage 3 with `eagle3 run PARAMS --stages 3-5 --redo 3`: it re-checks every file against "
+             "the manifest and redoes the broken ones (the rest are kept); `eagle3 verify RUN` lists them.")
 
 
 class HiddenStatesDataset(torch.utils.data.Dataset):
@@ -586,13 +687,22 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
     hidden] (meta dtype; fp8 files dequantized to float32)}`` (``hidden_states[:, -1]`` is layer N before the
     final norm); training: :func:`to_training_item`'s dict.
 
+    Integrity on read: ``ds[(i, True)]`` reads the file's bytes once, checks their size and sha256
+    against the manifest record, then decodes them; ``ds[i]`` (= ``ds[(i, False)]``) decodes without
+    hashing. :meth:`first_reads` turns a read plan into such keys, marking the first read of each
+    sample in this process call (the rule Stage 4 uses: every file it trains or validates on is
+    hashed once per call, later epochs trust it). Cost measured on the CI machine: sha256 at ~450 MiB/s
+    per core (about 2 ms per MiB: 20 ms for a 9 MiB sample).
+
     Attributes:
         dir: the stage folder. meta: ``meta.json``. refs: the samples. lengths: token counts.
-        ids: sample ids. entries: manifest records (raw mode).
+        ids: sample ids. entries: manifest records (raw mode). verified: sample indices already
+        hashed in this process (:meth:`first_reads`).
 
     Raises:
         ExtractError: the folder has no meta.json / manifest.jsonl (Stage 3 has not finished).
-        TrainError (training items): a listed file missing or unreadable; shapes that disagree.
+        TrainError (training items): a listed file missing or unreadable; its size or sha256 differs
+            from the manifest (the message says how to redo it); shapes that disagree.
     """
 
     def __init__(self, stage_dir: str | Path) -> None:
@@ -601,8 +711,7 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
         if not self.meta:
             raise ExtractError(f"{self.dir}: no meta.json/manifest.jsonl; run Stage 3 (extract) to completion first")
         self.entries = read_manifest(self.dir)
-        self.refs = [SampleRef(int(e["row"]), str(e["id"]), int(e["num_tokens"]), self.dir / e["file"])
-                     for e in self.entries]
+        self.refs = [ref_of(self.dir, e) for e in self.entries]
         self._item: Callable[[dict, str], dict] | None = None
         self._set_refs(self.refs)
 
@@ -610,6 +719,7 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
         self.refs = list(refs)
         self.lengths = [r.num_tokens for r in self.refs]
         self.ids = [r.id for r in self.refs]
+        self.verified: set[int] = set()
 
     @classmethod
     def from_run(cls, run_dir: str | Path) -> HiddenStatesDataset:
@@ -633,18 +743,49 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.refs)
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        from safetensors.torch import load_file
+    def first_reads(self, index_lists: Sequence[Sequence[int]]) -> list[list[tuple[int, bool]]]:
+        """``index_lists`` as keys ``(i, verify)``: ``verify`` is True on the first read of sample ``i``
+        in this process (marked here, in the process that plans the reads, so DataLoader workers
+        get the flag with the index)."""
+        out = []
+        for b in index_lists:
+            keys = []
+            for i in b:
+                i = int(i)
+                keys.append((i, i not in self.verified))
+                self.verified.add(i)
+            out.append(keys)
+        return out
 
+    def _read(self, ref: SampleRef, verify: bool) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load, load_file
+
+        if not verify or ref.sha256 is None:
+            return load_file(str(ref.file))
+        data = Path(ref.file).read_bytes()
+        if ref.bytes is not None and len(data) != ref.bytes:
+            raise TrainError(f"{ref.file} (row {ref.row}, id {ref.id}): {len(data)} bytes but the manifest records "
+                             f"{ref.bytes} (truncated or replaced after Stage 3 wrote it). {REDO_HINT}")
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != ref.sha256:
+            raise TrainError(f"{ref.file} (row {ref.row}, id {ref.id}): sha256 {digest[:16]}... differs from the "
+                             f"manifest's {ref.sha256[:16]}... (the file changed after Stage 3 wrote it). {REDO_HINT}")
+        return load(data)
+
+    def __getitem__(self, key: int | tuple[int, bool]) -> dict[str, torch.Tensor]:
+        i, verify = key if isinstance(key, tuple) else (key, False)
         ref = self.refs[i]
         if self._item is None:
-            return read_states(load_file(str(ref.file)))
+            return read_states(self._read(ref, verify))
         try:
-            sample = load_file(str(ref.file))
+            sample = self._read(ref, verify)
         except FileNotFoundError:
-            raise TrainError(f"{ref.file} (row {ref.row}, id {ref.id}) is listed in the manifest but missing") from None
-        except Exception as exc:  # noqa: BLE001
-            raise TrainError(f"{ref.file} (id {ref.id}): unreadable safetensors file ({exc})") from None
+            raise TrainError(f"{ref.file} (row {ref.row}, id {ref.id}) is listed in the manifest but missing. "
+                             f"{REDO_HINT}") from None
+        except TrainError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any undecodable file is named with the way out
+            raise TrainError(f"{ref.file} (id {ref.id}): unreadable safetensors file ({exc}). {REDO_HINT}") from None
         return self._item(sample, f"{ref.file} (id {ref.id})")
 
 
@@ -707,6 +848,9 @@ def verify_folder(stage_dir: str | Path, rows, *, check_hashes: bool = True, che
     seen = {int(e["row"]) for e in manifest}
     problems += [{"row": r, "id": rows.ids[r], "file": None, "problem": "no manifest line"}
                  for r in range(len(rows)) if r not in seen]
+    if meta.get("num_samples") is not None and int(meta["num_samples"]) != len(manifest):
+        problems.append({"row": None, "id": None, "file": str(sd / MANIFEST),
+                         "problem": f"{len(manifest)} manifest lines but meta.json says num_samples = {meta['num_samples']}"})
     report = {"files": len(manifest), "bytes": sum(int(e["bytes"]) for e in manifest), "problems": problems}
     if problems and raise_on_problem:
         p = problems[0]

@@ -40,6 +40,7 @@ __all__ = [
     "read_mapping",
     "save_tensors",
     "load_tensors",
+    "mapping_digest",
     "MAPPING_FILE",
     "INFO_FILE",
 ]
@@ -206,6 +207,23 @@ class VocabMapping:
 
 
 # --------------------------------------------------------------------------- files
+
+
+def mapping_digest(d2t, t2d) -> str:
+    """sha256 (16 hex) of a mapping's tensors: ``d2t`` as int64 bytes then ``t2d`` as bool bytes;
+    ``"full-size"`` when both are None (no mapping). Stage 4's checkpoints record it, so a resume
+    with another mapping is refused."""
+    import hashlib
+
+    import torch
+
+    if d2t is None and t2d is None:
+        return "full-size"
+    h = hashlib.sha256()
+    h.update(torch.as_tensor(d2t).to(torch.int64).contiguous().numpy().tobytes())
+    h.update(b"|")
+    h.update(torch.as_tensor(t2d).to(torch.bool).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def mapping_paths(run_dir: str | Path) -> tuple[Path, Path]:

@@ -138,6 +138,7 @@ def finalize(params: Params, run_dir: Path, sd: Path, setup: Setup, pf: dict, lo
     stats = (_stats(params, setup, pf, loops, redone, world, total_bytes, verified)).to_dict()
     for d in sd.glob(".rank*"):
         shutil.rmtree(d, ignore_errors=True)
+    hs.clean_temp(sd)  # every writer has finished: nothing of it is left there (an empty folder at most)
     if st is None:
         return write_stats(sd, stats)
     _figures(run_dir, st)

@@ -149,23 +149,24 @@ def _check_meta(sd: Path, meta: dict) -> None:
         hint = ""
         if any(d.startswith(("hidden_size", "num_hidden_layers")) for d in diffs):
             hint = " The target model's hidden size / layer count disagrees with the stored files."
+        if all(d.startswith("dataset_fingerprint") for d in diffs):
+            hint = (" Stage 2's train split changed since these files were written: redo stage 3 with "
+                    "`eagle3 run PARAMS --stages 3-5 --redo 3` (it starts over on the new split).")
         raise ExtractError(
             f"{sd} holds hidden states of a different configuration:\n  " + "\n  ".join(diffs) +
             f"\n{hint} Delete {sd} to extract again, or start a new run (run.name)."
         )
 
 
-def _is_temp(p: Path) -> bool:
-    return p.name.startswith(".") and p.name.endswith(".tmp") and p.is_file()
-
-
 def _scan_output_dir(sd: Path, n_rows: int, shard_size: int) -> tuple[list[Path], list[Path]]:
     """``(foreign, stale_temps)`` in the ``rows_*`` folders: files this stage did not write, and
-    temp files of a killed writer (``.<name>.*.tmp``)."""
+    temp files of a killed writer (:func:`eagle3.contracts.hidden_states.is_stale_temp`: ours, or
+    safetensors' ``.tmpXXXXXX`` left by writers older than the stage's own temp folder). The temp
+    folder itself (``.writing/``) is not scanned: everything in it is a temp file."""
     foreign: list[Path] = []
     temps: list[Path] = []
     for d in sorted(sd.iterdir()) if sd.exists() else []:
-        if _is_temp(d):
+        if hs.is_stale_temp(d):
             temps.append(d)
             continue
         if not d.name.startswith("rows_"):
@@ -175,7 +176,7 @@ def _scan_output_dir(sd: Path, n_rows: int, shard_size: int) -> tuple[list[Path]
             foreign.append(d)
             continue
         for f in sorted(d.iterdir()):
-            if _is_temp(f):
+            if hs.is_stale_temp(f):
                 temps.append(f)
                 continue
             fm = hs.ROW_FILE_RE.match(f.name)
@@ -189,8 +190,9 @@ def _scan_rows(sd: Path, setup: Setup, rows_to_check: Iterable[int], known: dict
     """Check the files of ``rows_to_check``: ``(valid entries by row, redone [{row, id, reason}])``.
 
     A file is valid when its header parses, its shapes / dtypes / token ids / loss mask are right
-    and, when a journal knows it, its size matches; an unjournaled good file is hashed. Invalid
-    files are deleted (they are redone).
+    and, when a journal or the manifest records it, its size and sha256 match the record (every such
+    file is hashed again: a bit flip that keeps the header and the size is caught here); an
+    unrecorded good file is hashed. Invalid files are deleted (they are redone).
     """
     shard = setup.meta["shard_size"]
     rows = setup.rows
@@ -206,16 +208,18 @@ def _scan_rows(sd: Path, setup: Setup, rows_to_check: Iterable[int], known: dict
                                       rows.mask(r))
         size = path.stat().st_size
         e = known.get(r)
-        if reason is None and e is not None and e.get("file") == rel and int(e["bytes"]) != size:
+        recorded = e is not None and e.get("file") == rel
+        if reason is None and recorded and int(e["bytes"]) != size:
             reason = f"size {size} != {e['bytes']} recorded when it was written (truncated?)"
+        digest = hs.sha256_file(path) if reason is None else None
+        if reason is None and recorded and digest != e["sha256"]:
+            reason = "sha256 differs from the one recorded when it was written (the file changed on disk)"
         if reason is not None:
             path.unlink(missing_ok=True)
             redone.append({"row": r, "id": rows.ids[r], "reason": reason})
             continue
-        digest = e["sha256"] if e is not None and e.get("file") == rel else hs.sha256_file(path)
-        nbytes = int(e["bytes"]) if e is not None and e.get("file") == rel else size
         valid[r] = {"row": r, "id": rows.ids[r], "num_tokens": int(rows.lengths[r]), "file": rel,
-                    "bytes": nbytes, "sha256": digest}
+                    "bytes": size, "sha256": digest}
     return valid, redone
 
 
@@ -346,7 +350,9 @@ def _refuse_foreign(sd: Path, foreign: list[Path]) -> None:
 
 
 def _clean_stale(sd: Path, temps: list[Path], world: int) -> None:
-    """Remove a killed writer's temp files (ours: ``.<name>.*.tmp``) and journals of ranks that no longer exist."""
+    """Remove a killed writer's temp files (the stage's ``.writing/`` folder and stray temps in the
+    ``rows_*`` folders) and journals of ranks that no longer exist."""
+    hs.clean_temp(sd)
     for p in temps:
         p.unlink(missing_ok=True)
     for p in sd.glob("manifest.part-*.jsonl"):

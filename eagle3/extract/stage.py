@@ -29,7 +29,7 @@ from eagle3.extract.progress import make_progress
 from eagle3.hooks import PrefillCapture
 from eagle3.io import atomic_write_json, atomic_write_text, read_json
 from eagle3.rundir import EXTRACT
-from eagle3.stage import StageRun
+from eagle3.stage import StageRun, check_fresh
 
 __all__ = ["run"]
 
@@ -60,7 +60,8 @@ def run(params: Params, run_dir: str | Path, *, write_fn: Callable | None = None
         ExtractError: missing or malformed Stage 2 output; a row longer than ``vocab.max_seq_len``;
             bad aux layer ids; a folder written for another model / layers / dtype / dataset; a
             foreign file in a ``rows_*`` folder; a preflight refusal (not enough disk, with the
-            numbers and the options); a full disk during the run (resumable).
+            numbers and the options); a full disk during the run (resumable); a finished stage whose
+            input (``train.parquet``) changed since (:func:`eagle3.stage.check_fresh`: redo it).
         NonFiniteError: a sample with NaN/Inf hidden states (names the sample id).
     """
     run_dir = Path(run_dir)
@@ -70,6 +71,7 @@ def run(params: Params, run_dir: str | Path, *, write_fn: Callable | None = None
     sd = extract_dir(run_dir)
     st = read_json(sd / "stats.json", {}) or {}
     if st.get("complete"):
+        check_fresh(run_dir, EXTRACT, params, ExtractError)  # finished on other inputs: refuse, say how to redo
         return ExtractStats.from_dict(st)
     if ep.backend == "vllm":
         from eagle3.extract.vllm_backend import run_vllm

@@ -3,7 +3,9 @@
 A checkpoint holds the trainable weights in float32 (``model.safetensors``), the optimizer and the
 scheduler (``torch.save``), the RNG states (torch CPU/CUDA in ``rng.safetensors``, numpy and Python
 in ``rng.json``), the params (``params.yaml``) and the loop's state (``state.json``: step, tokens
-seen, best step, validation history, global batch, plan digest), so a resumed run continues bit for bit.
+seen, best step, validation history, global batch, plan digest, ``mapping_digest`` of the d2t/t2d it
+trained with), so a resumed run continues bit for bit, and a resume with other data or another vocab
+mapping is refused.
 """
 
 from __future__ import annotations
@@ -147,16 +149,20 @@ def load_checkpoint(path: Path, model, opt, sched, device) -> dict:
     return read_json(path / "state.json")
 
 
-def resume_state(root: Path, params: Params, global_batch: int, digest: str) -> Path | None:
+def resume_state(root: Path, params: Params, global_batch: int, digest: str,
+                 mapping: str | None = None) -> Path | None:
     """The newest checkpoint under ``root`` when this run may resume from it exactly (None: none yet).
 
     Args:
         global_batch: micro-batches per optimizer step now (``data_parallel x grad_accum``).
         digest: :func:`eagle3.train.data.plan_digest` of the training samples now.
+        mapping: :func:`eagle3.contracts.vocab_mapping.mapping_digest` of the d2t/t2d now (a
+            checkpoint written before checkpoints recorded it is not checked).
 
     Raises:
         TrainError: the checkpoint was trained with other params (keys outside the bookkeeping ones
-            listed in ``_RESUME_EXEMPT``), another global batch, or other training samples.
+            listed in ``_RESUME_EXEMPT``), another global batch, other training samples, or another
+            draft vocab mapping.
     """
     steps = list_checkpoints(root)
     if not steps:
@@ -177,7 +183,15 @@ def resume_state(root: Path, params: Params, global_batch: int, digest: str) -> 
     if st.get("plan_digest") != digest:
         raise TrainError(
             f"refusing to resume from {path}: the training samples changed since it was written "
-            f"(stage 3 was re-run?). Delete {root} to start over."
+            f"(stage 3 was re-run?). Start stage 4 over: `eagle3 run PARAMS --stages 4-5 --redo 4`, or delete {root}."
+        )
+    then = st.get("mapping_digest")
+    if mapping is not None and then is not None and then != mapping:
+        raise TrainError(
+            f"refusing to resume from {path}: its steps trained with another draft vocab mapping (d2t/t2d digest "
+            f"{then} there, {mapping} now in Stage 2's vocab_mapping.safetensors: stage 2 was re-run or the file "
+            f"replaced). Restore the mapping it trained with, or start stage 4 over "
+            f"(`eagle3 run PARAMS --stages 4-5 --redo 4`, or delete {root})."
         )
     return path
 

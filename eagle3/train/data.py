@@ -43,17 +43,32 @@ __all__ = [
 
 
 def read_manifest(run_dir: str | Path) -> list[SampleRef]:
-    """Stage 3's samples as :class:`SampleRef` (row, id, token count, file), by row.
+    """Stage 3's samples as :class:`SampleRef` (row, id, token count, file, sha256, bytes), by row.
+
+    The manifest must agree with ``meta.json``'s sample count and with Stage 2's train split (one
+    line per row, the split's ids: :func:`eagle3.contracts.hidden_states.check_manifest`), so a lost
+    line or a Stage 2 re-run after Stage 3 is refused instead of training on a subset.
 
     Raises:
-        TrainError: no manifest (run stage 3 first, or set train.online: true).
+        TrainError: no manifest (run stage 3 first, or set train.online: true); a manifest that
+            disagrees with meta.json or with the train split (first problem named, and the fix).
     """
-    sd = RunDir(run_dir).stage(EXTRACT)
+    from eagle3.contracts import tokenized
+
+    rd = RunDir(run_dir)
+    sd = rd.stage(EXTRACT)
     try:
         entries = hsc.read_manifest(sd)
     except ExtractError as exc:
         raise TrainError(str(exc)) from None
-    return [SampleRef(int(e["row"]), str(e["id"]), int(e["num_tokens"]), sd / e["file"]) for e in entries]
+    ids = tokenized.read_ids(run_dir, "train") if rd.tokenized("train").exists() else None
+    problems = hsc.check_manifest(entries, hsc.read_meta(sd), ids, where=rd.manifest)
+    if problems:
+        raise TrainError(
+            "Stage 3's manifest does not match its inputs:\n  " + "\n  ".join(problems[:5])
+            + f"\n{hsc.REDO_HINT}"
+        )
+    return [hsc.ref_of(sd, e) for e in entries]
 
 
 def online_refs(run_dir: str | Path) -> list[SampleRef]:
@@ -165,8 +180,10 @@ def _strip(batch: dict) -> dict:
 class MicroBatches:
     """Iterate collated micro-batches for a list of index lists (one per micro-batch), in order.
 
-    Offline: a torch ``DataLoader`` over :class:`eagle3.contracts.hidden_states.HiddenStatesDataset` (``num_workers`` background
-    readers). Online: ``fetch(indices) -> list of per-sample dicts`` is called per micro-batch.
+    Offline: a torch ``DataLoader`` over :class:`eagle3.contracts.hidden_states.HiddenStatesDataset`
+    (``num_workers`` background readers; the first read of each file in this call checks its sha256
+    against the manifest). Online: ``fetch(indices) -> list of per-sample dicts`` is called per
+    micro-batch.
     """
 
     def __init__(self, index_lists: Sequence[np.ndarray], collate: Callable, dataset=None,
@@ -186,7 +203,9 @@ class MicroBatches:
             return (_strip(self.collate(self.fetch(b))) for b in self.index_lists)
         from torch.utils.data import DataLoader
 
-        loader = DataLoader(self.dataset, batch_sampler=self.index_lists, collate_fn=self.collate,
+        # keys (i, verify): each file's first read in this call checks its sha256 (HiddenStatesDataset)
+        plan = self.dataset.first_reads(self.index_lists) if hasattr(self.dataset, "first_reads") else self.index_lists
+        loader = DataLoader(self.dataset, batch_sampler=plan, collate_fn=self.collate,
                             num_workers=self.num_workers, pin_memory=self.pin_memory,
                             prefetch_factor=2 if self.num_workers else None,
                             persistent_workers=False)

@@ -272,26 +272,34 @@ class Trainer:
         Raises:
             TrainError: bad inputs (see :func:`eagle3.train.run`); a checkpoint this run may not resume.
         """
+        from eagle3.contracts.vocab_mapping import mapping_digest
         from eagle3.train.model import resolve_inputs
 
         self.inputs = resolve_inputs(self.params, self.run_dir)
+        self.mapping_digest = mapping_digest(self.inputs.d2t, self.inputs.t2d)
         self._data()
         self._plan()
         self.model, self.opt, self.sched = self._model()
         self.state = {"step": 0, "tokens_seen": 0, "elapsed_s": 0.0, "best_step": None, "best_val_tau_hat": None,
                       "val_history": []}
-        path = ckpt.resume_state(self.ckpt_root, self.params, self.ctx.world * self.tp.grad_accum, self.digest)
+        path = ckpt.resume_state(self.ckpt_root, self.params, self.ctx.world * self.tp.grad_accum, self.digest,
+                                 self.mapping_digest)
         if path is not None:
             self.state = ckpt.load_checkpoint(path, self.model, self.opt, self.sched, self.ctx.device)
         return self.state
 
     def clean_for_resume(self) -> None:
-        """Remove a killed run's temp checkpoint folders and the metrics of steps not checkpointed."""
+        """Remove a killed run's temp checkpoint folders (and pruned ones half removed), a killed
+        export's temp folders, and the metrics of steps not checkpointed."""
         if self.ctx.main:
-            for d in self.ckpt_root.glob(".tmp-*") if self.ckpt_root.exists() else []:
-                import shutil
+            import shutil
 
-                shutil.rmtree(d, ignore_errors=True)
+            from eagle3.contracts.drafter import clean_export_temps
+
+            for pat in (".tmp-*", ".trash-*"):
+                for d in self.ckpt_root.glob(pat) if self.ckpt_root.exists() else []:
+                    shutil.rmtree(d, ignore_errors=True)
+            clean_export_temps(RunDir(self.run_dir).drafter_dir)
             ckpt.truncate_metrics(self.metrics_file, int(self.state["step"]))
         self.ctx.barrier()
 
@@ -381,6 +389,7 @@ class Trainer:
         tp, ctx = self.tp, self.ctx
         self.state.update({"step": step, "epoch": epoch, "global_batch": ctx.world * tp.grad_accum,
                            "world_size": ctx.world, "grad_accum": tp.grad_accum, "plan_digest": self.digest,
+                           "mapping_digest": self.mapping_digest,
                            "total_steps": self.total, "params_fingerprint": params_fingerprint(self.params),
                            "val": {k: v for k, v in (ev or {}).items() if k.startswith("val_")}})
 

@@ -24,7 +24,7 @@ from eagle3.distributed import DistContext, in_torchrun, launch_torchrun
 from eagle3.errors import TrainError
 from eagle3.io import atomic_write_json, atomic_write_text, read_json
 from eagle3.rundir import TRAIN, RunDir
-from eagle3.stage import StageRun, Stats
+from eagle3.stage import StageRun, Stats, check_fresh
 from eagle3.train.loop import Trainer, TrainingInterrupted
 
 __all__ = ["TrainStats", "TrainStopped", "run", "main"]
@@ -101,7 +101,9 @@ def run(params: Params, run_dir: str | Path, *, stop_after: int | None = None) -
 
     Raises:
         TrainError: bad inputs (mapping from another run, hidden size / aux count mismatch, empty
-            training split, resume from a checkpoint of different params, ...).
+            training split, a manifest that disagrees with meta.json or the train split, a hidden-state
+            file whose sha256 differs from the manifest, resume from a checkpoint of different params
+            or another vocab mapping, a finished stage whose inputs changed since, ...).
         TrainingDiverged: NaN/Inf loss or gradient (step and sample ids named; checkpoints kept).
         TrainingInterrupted: SIGINT (after saving a checkpoint). SIGTERM raises SystemExit(143).
     """
@@ -136,9 +138,11 @@ def _launch_torchrun(params: Params, run_dir: Path, stop_after: int | None) -> T
 
 def _train(params: Params, run_dir: Path, ctx: DistContext, stop_after: int | None) -> dict:
     t_setup = time.time()
+    done = read_json(RunDir(run_dir).stats(TRAIN)) or {}
+    if done.get("complete"):
+        check_fresh(run_dir, TRAIN, params, TrainError)  # finished on other inputs: refuse, say how to redo
     tr = Trainer(params, run_dir, ctx)
     state = tr.setup()
-    done = read_json(tr.sd / "stats.json") or {}
     if int(state["step"]) == tr.total and done.get("complete") and (RunDir(run_dir).drafter_dir / "config.json").exists():
         return done  # finished earlier: nothing to redo
     tr.clean_for_resume()

@@ -1,0 +1,135 @@
+"""Stale stages through the runner (issue 15 §2): each stage records the digests of the inputs it
+consumed (``inputs.json``); a re-run refuses to skip a finished stage whose inputs changed, and
+``--redo N`` redoes it (and later stages whose inputs change with it). ``eagle3 verify`` names
+stale stages.
+
+The stage notebooks here are small ones made by the test: each goes through ``StageRun`` (which
+records the inputs) and derives its output file from its input file, so that a change upstream
+changes every later input, as in a real run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_notebook
+
+from eagle3.cli import main
+from eagle3.errors import ParamsError, StaleStage
+from eagle3.io import read_json
+from eagle3.rundir import NOTEBOOKS, STAGES
+from eagle3.runner import run_pipeline
+
+PARAMS_CELL = 'params_file = None\nrun_dir = None\noverrides = []'
+
+# stage -> (file it reads, file it writes), relative to the run directory
+FLOW = {
+    1: ("../src.jsonl", "01_synthesize/samples.jsonl"),
+    2: ("01_synthesize/samples.jsonl", "02_vocab/train.parquet"),
+    3: ("02_vocab/train.parquet", "03_extract/manifest.jsonl"),
+    4: ("03_extract/manifest.jsonl", "04_train/drafter/model.safetensors"),
+}
+
+STAGE_BODY = """
+from pathlib import Path
+from eagle3.stage import StageRun
+rd = Path(run_dir)
+with StageRun(params, rd, {s}, total=1) as st:
+    src, dst = rd / {src!r}, rd / {dst!r}
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(src.read_bytes() + b"|{s}")
+    (st.dir / "runs.txt").open("a").write("x")
+    st.progress.update(1)
+    st.finish({{"items": 1}})
+"""
+
+
+def _nb(path: Path, body: str) -> None:
+    p = new_code_cell(PARAMS_CELL)
+    p.metadata["tags"] = ["parameters"]
+    setup = new_code_cell("from eagle3.notebook import setup\nparams, run_dir = setup(params_file, run_dir, overrides)")
+    kernel = {"name": "eagle3", "display_name": "eagle3", "language": "python"}
+    nbformat.write(new_notebook(cells=[p, setup, new_code_cell(body)], metadata={"kernelspec": kernel}), path)
+
+
+@pytest.fixture
+def flow(tmp_path, tmp_params):
+    nbs = tmp_path / "nbs"
+    nbs.mkdir()
+    for s, (src, dst) in FLOW.items():
+        _nb(nbs / NOTEBOOKS[s], STAGE_BODY.format(s=s, src=src, dst=dst))
+    pf = tmp_params("tracking:\n  mode: disabled\n")
+    run_dir = Path(pf).parent / "outputs" / "t"
+    (run_dir.parent / "src.jsonl").parent.mkdir(parents=True, exist_ok=True)
+    (run_dir.parent / "src.jsonl").write_text('{"id": "a"}\n{"id": "b"}\n{"id": "c"}\n')
+    return pf, nbs, run_dir
+
+
+def _runs(run_dir: Path) -> dict[int, int]:
+    return {s: len((run_dir / STAGES[s] / "runs.txt").read_text()) if (run_dir / STAGES[s] / "runs.txt").exists() else 0
+            for s in FLOW}
+
+
+def test_stale_stage_is_refused_then_redone_with_redo(flow, capsys):
+    pf, nbs, rd = flow
+    assert run_pipeline(pf, [1, 2, 3, 4], notebooks=nbs) == rd
+    assert _runs(rd) == {1: 1, 2: 1, 3: 1, 4: 1}
+    rec = read_json(rd / STAGES[3] / "inputs.json")
+    assert rec["complete"] and list(rec["files"]) == ["02_vocab/train.parquet"]
+    run_pipeline(pf, [1, 2, 3, 4], notebooks=nbs)  # nothing changed: every stage skipped
+    assert _runs(rd) == {1: 1, 2: 1, 3: 1, 4: 1}
+
+    # issue 15: a sample removed, stage 2 re-run -> stage 3 must not be "already complete, skipped"
+    samples = rd / STAGES[1] / "samples.jsonl"
+    samples.write_bytes(samples.read_bytes().replace(b'{"id": "b"}\n', b""))
+    (rd / STAGES[2] / "stats.json").unlink()
+    capsys.readouterr()
+    with pytest.raises(StaleStage) as ei:
+        run_pipeline(pf, [1, 2, 3, 4], notebooks=nbs)
+    msg = str(ei.value)
+    assert "stage 3 (03_extract) is complete, but its inputs changed since it ran" in msg
+    assert "02_vocab/train.parquet: sha256 " in msg and f"eagle3 run {pf} --stages 3-5 --redo 3" in msg
+    assert _runs(rd) == {1: 1, 2: 2, 3: 1, 4: 1}  # stage 2 ran again, stage 3 did not, nor stage 4
+    assert "stage 3 (03_extract) already complete, skipped" not in capsys.readouterr().out
+
+    # --redo 3: stage 3 starts over on the new split; stage 4's input changes with it: redone too
+    (rd / STAGES[3] / "keep.txt").write_text("old")
+    run_pipeline(pf, [3, 4], notebooks=nbs, redo=[3])
+    out = capsys.readouterr().out
+    assert "stage 3 (03_extract) starts over: its inputs changed since it ran (02_vocab/train.parquet" in out
+    assert "stage 4 (04_train) starts over" in out
+    assert not (rd / STAGES[3] / "keep.txt").exists()  # the old folder is gone
+    assert _runs(rd) == {1: 1, 2: 2, 3: 1, 4: 1}  # fresh folders, one execution each
+    assert (rd / FLOW[4][1]).read_bytes() == b'{"id": "a"}\n{"id": "c"}\n|1|2|3|4'
+    run_pipeline(pf, [1, 2, 3, 4], notebooks=nbs)
+    assert _runs(rd) == {1: 1, 2: 2, 3: 1, 4: 1}
+    assert main(["verify", str(rd)]) == 0
+
+
+def test_redo_of_an_unchanged_stage_keeps_its_files(flow, capsys):
+    pf, nbs, rd = flow
+    run_pipeline(pf, [1, 2, 3], notebooks=nbs)
+    (rd / STAGES[3] / "keep.txt").write_text("kept")
+    capsys.readouterr()
+    run_pipeline(pf, [3], notebooks=nbs, redo=[3])
+    assert "stage 3 (03_extract) re-opened: it re-checks its files" in capsys.readouterr().out
+    assert (rd / STAGES[3] / "keep.txt").read_text() == "kept" and _runs(rd)[3] == 2
+    with pytest.raises(ParamsError, match=r"--redo 2: stage\(s\) \[2\] not among the stages to run \(\[3\]\)"):
+        run_pipeline(pf, [3], notebooks=nbs, redo=[2])
+
+
+def test_verify_names_a_stale_stage(flow, capsys):
+    pf, nbs, rd = flow
+    run_pipeline(pf, [1, 2, 3], notebooks=nbs)
+    (rd / FLOW[2][1]).write_bytes(b"replaced")
+    capsys.readouterr()
+    assert main(["verify", str(rd)]) == 1
+    out = capsys.readouterr().out
+    assert "stage 3 (03_extract) is stale: 02_vocab/train.parquet: sha256" in out and "1 problem(s)" in out
+    assert main(["run", str(pf), "--stages", "3"]) == 2  # the CLI: one clean line, exit 2
+    assert "--redo 3" in capsys.readouterr().err
+    rec = json.loads((rd / STAGES[3] / "inputs.json").read_text())
+    assert rec["complete"] is True  # nothing was changed by the refusal
