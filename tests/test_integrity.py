@@ -133,3 +133,81 @@ def test_verify_names_a_stale_stage(flow, capsys):
     assert "--redo 3" in capsys.readouterr().err
     rec = json.loads((rd / STAGES[3] / "inputs.json").read_text())
     assert rec["complete"] is True  # nothing was changed by the refusal
+
+
+# ------------------------------------------------------------------------------------------------
+# Stage 2: SIGKILL inside a file write, then resume (stage 1: tests/test_synthesize.py and
+# tests/test_self_prompt_stage.py; stage 3: tests/test_extract.py; stage 4: tests/test_train.py)
+# ------------------------------------------------------------------------------------------------
+
+_VOCAB_KILL = """
+import os, sys, time
+from pathlib import Path
+from eagle3.config import load_params
+from eagle3.vocab import run
+real = os.replace
+def replace(src, dst):
+    if Path(dst).name == "token_counts.npy":  # the temp file is complete, the rename not done
+        Path({marker!r}).touch()
+        time.sleep(600)
+    real(src, dst)
+os.replace = replace
+run(load_params({params!r}), Path({run_dir!r}))
+"""
+
+
+def _vocab_samples() -> list[dict]:
+    out = []
+    for i in range(10):
+        msgs = [{"role": "user", "content": f"Write function number {i}."},
+                {"role": "assistant", "content": f"def f{i}(x):\n    return x * {i}\n" * (1 + i % 3)}]
+        out.append({"id": f"s{i}", "source": "code", "split": "heldout" if i % 4 == 0 else "train",
+                    "prompt_hash": f"h{i}", "messages": msgs, "finish_reasons": ["stop"], "prompt_tokens": 0,
+                    "completion_tokens": 0, "settings": {"enable_thinking": None}})
+    return out
+
+
+@pytest.mark.slow
+def test_sigkill_during_a_stage_2_file_write_then_resume_is_identical(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from eagle3.config import dump_params, load_params
+    from eagle3.contracts.samples import write_samples
+    from eagle3.vocab import run
+
+    params = load_params(None, ["tracking.mode=disabled", "vocab.max_seq_len=60", "vocab.draft_vocab_size=16",
+                                f"vocab.cache_dir={tmp_path / 'cache'}"])
+    ref, killed = tmp_path / "ref", tmp_path / "killed"
+    for rd in (ref, killed):
+        write_samples(rd, _vocab_samples())
+    run(params, ref)
+    (tmp_path / "cache").rename(tmp_path / "cache_ref")  # the killed run builds its own mapping
+    pf, marker = tmp_path / "p.yaml", tmp_path / "hanging"
+    pf.write_text(dump_params(params))
+    script = _VOCAB_KILL.format(marker=str(marker), params=str(pf), run_dir=str(killed))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None and not marker.exists():
+            time.sleep(0.05)
+        assert marker.exists(), proc.stderr.read().decode()[-3000:] if proc.poll() is not None else "no write reached"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    d = killed / STAGES[2]
+    assert list(d.glob(".token_counts.npy.*.tmp")) and not (d / "stats.json").exists()
+    run(params, killed)
+    assert not list(d.glob(".*.tmp")), "the killed write's temp file is removed when the stage starts again"
+    for name in ("train.parquet", "heldout.parquet", "row_lengths_train.npy", "token_counts.npy",
+                 "heldout_token_counts.npy", "vocab_mapping.safetensors", "inputs.json"):
+        assert (ref / STAGES[2] / name).read_bytes() == (d / name).read_bytes(), name
+    a, b = (read_json(r / STAGES[2] / "stats.json") for r in (ref, killed))
+    skip = {"finished_at", "elapsed_s", "tokenize_s", "cache_hit"}
+    assert {k: v for k, v in a.items() if k not in skip and not k.endswith("_s")} == \
+        {k: v for k, v in b.items() if k not in skip and not k.endswith("_s")}
