@@ -65,7 +65,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.cmd == "run":
         from eagle3.runner import parse_stages, render_report, run_pipeline
 
-        redo = parse_stages(args.redo) if args.redo else None
+        redo = parse_stages(args.redo, "--redo") if args.redo else None
         run_dir = run_pipeline(args.params, parse_stages(args.stages), args.run_name, args.overrides, args.kernel,
                                redo=redo)
         if not args.no_report:

@@ -20,8 +20,9 @@ __all__ = ["parse_stages", "run_pipeline", "reopen_stage", "verify_run", "StageF
 KERNEL = "eagle3"
 
 
-def parse_stages(spec: str | None) -> list[int]:
-    """'1-5', '2', '1,3-4' -> sorted stage numbers (None or '' -> all).
+def parse_stages(spec: str | None, flag: str = "--stages") -> list[int]:
+    """'1-5', '2', '1,3-4' -> sorted stage numbers (None or '' -> all); ``flag`` names the option in
+    messages (``--stages``, ``--redo``).
 
     Raises:
         ParamsError: a part that is not a number or a range ``A-B`` with A <= B, or a stage outside 1..5.
@@ -33,13 +34,13 @@ def parse_stages(spec: str | None) -> list[int]:
         part = part.strip()
         a, _, b = part.partition("-")
         if not (a.strip().isdigit() and (not b or b.strip().isdigit())):
-            raise ParamsError(f"--stages {spec!r}: {part!r} is not a stage number or a range like 2-4 (stages are 1-5)")
+            raise ParamsError(f"{flag} {spec!r}: {part!r} is not a stage number or a range like 2-4 (stages are 1-5)")
         lo, hi = int(a), int(b) if b else int(a)
         if lo > hi:
-            raise ParamsError(f"--stages {spec!r}: the range {part!r} is empty; write it low-high, e.g. {hi}-{lo}")
+            raise ParamsError(f"{flag} {spec!r}: the range {part!r} is empty; write it low-high, e.g. {hi}-{lo}")
         for s in range(lo, hi + 1):
             if s not in STAGES:
-                raise ParamsError(f"--stages {spec!r}: stage {s} does not exist (stages are 1-5)")
+                raise ParamsError(f"{flag} {spec!r}: stage {s} does not exist (stages are 1-5)")
             out.add(s)
     return sorted(out)
 
@@ -53,8 +54,6 @@ def reopen_stage(run_dir: str | Path, stage: int, params=None) -> str:
     re-checks its files against their records and redoes the broken ones (stage 3 re-hashes every
     file against the manifest; stage 4 re-exports from its checkpoints; stage 1 keeps its samples).
     """
-    import shutil
-
     rd = RunDir(run_dir)
     sd = rd.stage(stage)
     reasons = stale_inputs(run_dir, stage, params)
@@ -116,6 +115,8 @@ def run_pipeline(
         raise ParamsError(f"--redo {','.join(map(str, sorted(redo_set)))}: stage(s) {sorted(redo_set - set(selected))} "
                           f"not among the stages to run ({selected}); add them to --stages")
     run_dir = prepare_run_dir(params, resolve_run_dir(params))
+    for trash in run_dir.glob(".redo-*"):  # a stage folder a killed --redo was removing
+        shutil.rmtree(trash, ignore_errors=True)
     if not _kernel_available(kernel):
         raise RunnerError(
             f"Jupyter kernel {kernel!r} is not registered. Run `make venv` (it registers the kernel "
@@ -205,19 +206,31 @@ def _fmt_s(s: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def _run_params(run_dir: str | Path):
+    """The run's resolved params (which files a stage consumes depends on a few), None if unreadable."""
+    from eagle3.config import load_params
+
+    try:
+        return load_params(Path(run_dir) / "params.yaml")
+    except Exception:  # noqa: BLE001 - status must show what it can of a damaged run directory
+        return None
+
+
 def status_rows(run_dir: str | Path) -> list[dict]:
     """One dict per stage from its ``progress.json`` and ``stats.json`` (missing -> 'not started').
 
     A 'running' stage whose progress file is older than 60 s is reported as 'stalled?' (its
-    process may have died; re-running resumes it).
+    process may have died; re-running resumes it). A complete stage whose inputs changed size since
+    it ran is 'stale' (sizes only, nothing is read: ``eagle3 verify`` hashes them).
     """
     rows = []
+    params = _run_params(run_dir)
     for s, name in STAGES.items():
         d = Path(run_dir) / name
         prog = read_json(d / "progress.json", None)
         stats = read_json(d / "stats.json", {}) or {}
         if stats.get("complete"):
-            state = "complete"
+            state = "stale" if stale_inputs(run_dir, s, params, quick=True) else "complete"
         elif prog is None:
             state = "not started"
         else:

@@ -94,14 +94,27 @@ def input_digests(run_dir: str | Path, stage: int, params=None) -> dict[str, dic
     return out
 
 
-def stale_inputs(run_dir: str | Path, stage: int, params=None) -> list[str]:
+def stale_inputs(run_dir: str | Path, stage: int, params=None, quick: bool = False) -> list[str]:
     """Why a stage's outputs (finished or partial) no longer match its inputs: one line per changed,
     new or removed input (empty: unchanged, or no ``inputs.json``: a stage that never started, or one
-    that ran before stages recorded their inputs, which is not checked)."""
+    that ran before stages recorded their inputs, which is not checked).
+
+    ``quick`` compares only the sizes (no file is read: ``eagle3 status``); a change that keeps the
+    size is then missed, which the full check (the runner, ``eagle3 verify``) catches."""
     rec = read_json(RunDir(run_dir).inputs(stage), None)
     if not rec or "files" not in rec:
         return []
-    then, now = rec["files"], input_digests(run_dir, stage, params)
+    then = rec["files"]
+    if quick:
+        run_dir = Path(run_dir)
+        now = {_key(run_dir, f): ({"sha256": None, "bytes": f.stat().st_size} if f.is_file() else None)
+               for f in consumed_files(run_dir, stage, params)}
+        same = {k for k in set(then) | set(now)
+                if (then.get(k) is None) == (now.get(k) is None) and (then.get(k) or {}).get("bytes") == (now.get(k) or {}).get("bytes")}
+        for k in same:
+            now[k] = then.get(k)
+    else:
+        now = input_digests(run_dir, stage, params)
     out = []
     for k in sorted(set(then) | set(now)):
         a, b = then.get(k), now.get(k)
@@ -111,6 +124,8 @@ def stale_inputs(run_dir: str | Path, stage: int, params=None) -> list[str]:
             out.append(f"{k}: absent when stage {stage} ran, present now")
         elif b is None:
             out.append(f"{k}: removed since stage {stage} ran")
+        elif b["sha256"] is None:  # quick: sizes only
+            out.append(f"{k}: {a['bytes']} bytes when stage {stage} ran, {b['bytes']} now")
         else:
             out.append(f"{k}: sha256 {a['sha256'][:16]} ({a['bytes']} bytes) when stage {stage} ran, "
                        f"{b['sha256'][:16]} ({b['bytes']} bytes) now")

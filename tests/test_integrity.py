@@ -119,6 +119,9 @@ def test_redo_of_an_unchanged_stage_keeps_its_files(flow, capsys):
     assert (rd / STAGES[3] / "keep.txt").read_text() == "kept" and _runs(rd)[3] == 2
     with pytest.raises(ParamsError, match=r"--redo 2: stage\(s\) \[2\] not among the stages to run \(\[3\]\)"):
         run_pipeline(pf, [3], notebooks=nbs, redo=[2])
+    capsys.readouterr()
+    assert main(["run", str(pf), "--redo", "x"]) == 2
+    assert "--redo 'x': 'x' is not a stage number" in capsys.readouterr().err
 
 
 def test_verify_names_a_stale_stage(flow, capsys):
@@ -129,6 +132,9 @@ def test_verify_names_a_stale_stage(flow, capsys):
     assert main(["verify", str(rd)]) == 1
     out = capsys.readouterr().out
     assert "stage 3 (03_extract) is stale: 02_vocab/train.parquet: sha256" in out and "1 problem(s)" in out
+    from eagle3.runner import status_rows
+
+    assert [r["state"] for r in status_rows(rd)][:3] == ["complete", "complete", "stale"]  # sizes differ
     assert main(["run", str(pf), "--stages", "3"]) == 2  # the CLI: one clean line, exit 2
     assert "--redo 3" in capsys.readouterr().err
     rec = json.loads((rd / STAGES[3] / "inputs.json").read_text())
