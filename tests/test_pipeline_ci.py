@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 from eagle3.io import read_json
+from eagle3.rundir import NOTEBOOKS as NOTEBOOKS_BY_STAGE
 from eagle3.rundir import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,17 +154,9 @@ def test_stage5_parity_and_methods(ci_run):
 
 
 def _chromium() -> str:
-    from _browser import find_chromium
+    from _browser import require_chromium
 
-    exe = find_chromium()
-    if exe is None and shutil.which("apt-get") and os.geteuid() == 0:
-        subprocess.run(["apt-get", "update", "-qq"], capture_output=True, timeout=600)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], capture_output=True, timeout=1200,
-                       env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
-        exe = find_chromium()
-    if exe is None:
-        pytest.skip("Debian's chromium package could not be installed here (not root, or no apt-get)")
-    return exe
+    return require_chromium()
 
 
 def test_report_in_a_real_browser(ci_run):
@@ -183,3 +175,52 @@ def test_report_in_a_real_browser(ci_run):
         assert r.screenshot.stat().st_size > 10_000
     index_check = check_page(index, ci_run / "report" / "screenshot.png", executable=exe)
     assert index_check.images >= 10  # the stages' figures
+
+
+def test_report_pages_read_as_a_person_reads_them(ci_run):
+    """issue 16's report, in Chromium: the answer first (the vLLM comparison), then the stages; every
+    figure cell of every stage page shows its image; no engine log line, no `<Figure size` repr, no
+    progress bar at "0%", no widget repr, no raw LaTeX, no table twice; every page has its stage title;
+    the index figures at their natural width (not shrunk)."""
+    from _browser import launch, page_problems, view_pages
+
+    exe = _chromium()
+    rep = ci_run / "report"
+    st5 = read_json(ci_run / STAGES[5] / "stats.json")
+    with launch(exe) as browser:
+        views = view_pages(browser, [rep / "index.html"] + sorted(rep.glob("0*.html")))
+        index = views.pop("index.html")
+        # the headline block comes first: the first section after the title is the result
+        h2 = [t for tag, t in index.heads if tag == "h2"]
+        assert h2[0] == "Result" and h2[1:6] == [f"{s}. {STAGES[s][3:]}" for s in STAGES], h2
+        head = index.page.evaluate("""() => {
+            const h = document.querySelector('#headline') || document.querySelector('h2').parentElement;
+            const first = document.querySelector('h2');
+            const stage1 = Array.from(document.querySelectorAll('h2')).find(e => e.innerText.startsWith('1. '));
+            return {text: h.innerText, before_stages: !!(first.compareDocumentPosition(stage1) & Node.DOCUMENT_POSITION_FOLLOWING),
+                    headline: !!document.querySelector('#headline'),
+                    rows: Array.from(document.querySelectorAll('table')[0].querySelectorAll('tr')).map(r => r.innerText)};
+        }""")
+        assert head["before_stages"]
+        for word in ("tokens per target forward", "tokens/s", "speed-up", "EAGLE-3 drafter", "n-gram lookup",
+                     "no speculation", "parity"):
+            assert word in head["text"], (word, head["text"][:500])
+        assert f"{st5['tokens_per_s_vllm_eagle3']:.4g}" in head["text"]
+        if st5.get("sets"):  # the headline lists every evaluation set, out-of-domain first
+            assert head["headline"]
+            labels = [r for r in head["rows"] if "prompts" in r]
+            assert len(labels) == len(st5["sets"]), head["rows"]
+            if any(e.get("domain") == "out-of-domain" for e in st5["sets"].values()):
+                assert "out-of-domain" in labels[0], labels
+        wide = [(i["src"], i["natural"], i["shown"]) for i in index.imgs if i["shown"] < min(i["natural"], 1000) - 2]
+        assert index.imgs and wide == [], wide
+        assert [p for p in page_problems(index)] == []
+        assert len(views) == 5
+        for s, name in NOTEBOOKS_BY_STAGE.items():
+            v = views[name.replace(".ipynb", ".html")]
+            assert v.title.startswith(f"Stage {s}: {STAGES[s][3:]}"), v.title
+            assert v.heads[0][0] == "h1" and v.heads[0][1].startswith(f"Stage {s}:"), v.heads[:1]
+            assert v.js_errors == []
+            assert page_problems(v) == [], (v.name, page_problems(v))
+            figure_cells = [c for c in v.cells if c["kind"] == "code" and c["images"]]
+            assert figure_cells, f"{v.name}: no figure at all"
