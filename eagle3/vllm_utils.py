@@ -15,6 +15,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "engine_kwargs",
     "free_port",
     "VllmServer",
+    "engine_logs_to",
 ]
 
 CPU_KVCACHE_GIB = "1"
@@ -159,3 +162,67 @@ class VllmServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextmanager
+def engine_logs_to(log_file: str | Path) -> Iterator[Path]:
+    """Send what an in-process vLLM engine prints to ``log_file`` (appended) instead of the notebook.
+
+    vLLM logs through its ``vllm`` logger, configured when an engine is created (from
+    ``VLLM_LOGGING_CONFIG_PATH``, read then, also by the engine-core child process), and the child
+    writes anything else to the inherited file descriptors 1 and 2; a stage page full of
+    ``INFO``/``WARNING`` lines hides the stage's own output (issue 16). Inside the block: that
+    variable names a logging config with one file handler on ``log_file``, a ``vllm`` logger already
+    configured (an engine made earlier in this process) has its stream handlers pointed at the file,
+    and descriptors 1 and 2 point at it (engine processes started inside keep writing there). All is
+    restored on exit; the caller's Python-level ``print``, warnings and tqdm widgets are not touched.
+
+    Args:
+        log_file: the log file (created with its folder).
+
+    Yields:
+        Path: the log file.
+    """
+    import json
+    import logging
+    import tempfile
+
+    log_file = Path(log_file).resolve()
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    config = {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+                                 "datefmt": "%m-%d %H:%M:%S"}},
+        "handlers": {"file": {"class": "logging.FileHandler", "filename": str(log_file), "mode": "a",
+                              "encoding": "utf-8", "formatter": "plain"}},
+        "loggers": {"vllm": {"handlers": ["file"], "level": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
+                             "propagate": False}},
+    }
+    with tempfile.TemporaryDirectory(prefix="eagle3-vllm-logging-") as tmp, \
+            open(log_file, "a", encoding="utf-8", buffering=1) as fh:
+        cfg = Path(tmp) / "logging.json"
+        cfg.write_text(json.dumps(config))
+        old_env = os.environ.get("VLLM_LOGGING_CONFIG_PATH")
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        saved = {fd: os.dup(fd) for fd in (1, 2)}
+        handlers = [h for h in logging.getLogger("vllm").handlers if type(h) is logging.StreamHandler]
+        old = [h.stream for h in handlers]
+        try:
+            os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(cfg)
+            for h in handlers:
+                h.setStream(fh)
+            for fd in (1, 2):
+                os.dup2(fh.fileno(), fd)
+            yield log_file
+        finally:
+            fh.flush()
+            for fd, dup in saved.items():
+                os.dup2(dup, fd)
+                os.close(dup)
+            for h, stream in zip(handlers, old):
+                h.setStream(stream)
+            if old_env is None:
+                os.environ.pop("VLLM_LOGGING_CONFIG_PATH", None)
+            else:
+                os.environ["VLLM_LOGGING_CONFIG_PATH"] = old_env

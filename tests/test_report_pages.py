@@ -168,3 +168,36 @@ def test_committed_notebooks_have_no_raw_latex_and_default_to_no_run():
             for c in nb.cells:
                 if c.cell_type == "markdown":  # the report has no MathJax (offline): no $...$, no \\commands
                     assert "$" not in c.source and "\\hat" not in c.source and "\\sum" not in c.source, (name, c.source)
+
+
+def test_engine_output_goes_to_its_log_file_not_the_page(tmp_path, capfd, monkeypatch):
+    import os
+    import subprocess
+    import sys
+
+    from eagle3.vllm_utils import engine_logs_to
+
+    log = tmp_path / "01_synthesize" / "vllm_engine.log"
+    monkeypatch.delenv("VLLM_LOGGING_CONFIG_PATH", raising=False)
+    print("before", flush=True)
+    with engine_logs_to(log) as path:
+        # what LLM(...) does when it builds its engine: configure vLLM's logging from the environment
+        from vllm.config.logging import LoggingConfig
+        from vllm.logger import configure_logging_if_needed, init_logger
+
+        configure_logging_if_needed(LoggingConfig())
+        init_logger("vllm.engine").warning("engine says hello")
+        os.write(2, b"(EngineCore_DP0 pid=1) INFO from the engine process\n")
+        subprocess.run([sys.executable, "-c", "import sys; print('child stdout'); print('child stderr', file=sys.stderr)"],
+                       check=True)
+    print("after", flush=True)
+    os.write(2, b"fd 2 is back\n")
+    text = path.read_text()
+    for line in ("engine says hello", "INFO from the engine process", "child stdout", "child stderr"):
+        assert line in text
+    out, err = capfd.readouterr()
+    assert "before" in out and "after" in out and "fd 2 is back" in err
+    assert "engine says hello" not in out + err and "child stdout" not in out + err
+    init_logger("vllm.engine").warning("at shutdown")  # the engine's logger keeps its file
+    assert "at shutdown" in path.read_text() and "at shutdown" not in "".join(capfd.readouterr())
+    assert "VLLM_LOGGING_CONFIG_PATH" not in os.environ

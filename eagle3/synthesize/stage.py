@@ -20,7 +20,7 @@ from eagle3.contracts.samples import SampleStore, read_samples, samples_path
 from eagle3.errors import SynthesisError
 from eagle3.io import atomic_write_json
 from eagle3.prompts import LoadReport, Prompt, load_prompts
-from eagle3.rundir import SYNTHESIZE
+from eagle3.rundir import SYNTHESIZE, stage_dir
 from eagle3.stage import StageRun, Stats, completed_stats
 from eagle3.synthesize.conversation import Session, run_batched
 from eagle3.synthesize.report import make_figures
@@ -32,10 +32,12 @@ from eagle3.synthesize.summary import (
     summarize_samples,
     timeline_path,
 )
+from eagle3.vllm_utils import engine_logs_to
 
 __all__ = ["SynthesizeStats", "run", "make_backend"]
 
 _MAX_LISTED = 50
+ENGINE_LOG = "vllm_engine.log"  # backend vllm: what the in-process engine prints (eagle3.vllm_utils.engine_logs_to)
 
 
 @dataclass
@@ -220,6 +222,15 @@ def run(params: Params, run_dir: str | Path) -> SynthesizeStats:
             written before stay; re-running resumes.
         TargetError: the target cannot be loaded.
     """
+    if params.synthesize.backend != "vllm":
+        return _run(params, Path(run_dir))
+    log = stage_dir(run_dir, SYNTHESIZE) / ENGINE_LOG
+    print(f"vLLM engine log: {log}", flush=True)  # the engine's INFO/WARNING lines go there, not here
+    with engine_logs_to(log):
+        return _run(params, Path(run_dir))
+
+
+def _run(params: Params, run_dir: Path) -> SynthesizeStats:
     t_start, run_dir = time.time(), Path(run_dir)
     syn, self_stats = params.synthesize, []
     if any(src.kind == "self" for src in syn.sources):
