@@ -222,7 +222,8 @@ def run(params: Params, run_dir: str | Path) -> SynthesizeStats:
             written before stay; re-running resumes.
         TargetError: the target cannot be loaded.
     """
-    if params.synthesize.backend != "vllm":
+    if params.synthesize.backend != "vllm" or completed_stats(run_dir, SYNTHESIZE, SynthesizeStats) is not None:
+        # a finished stage normally returns at once (nothing printed, no log file touched)
         return _run(params, Path(run_dir))
     log = stage_dir(run_dir, SYNTHESIZE) / ENGINE_LOG
     print(f"vLLM engine log: {log}", flush=True)  # the engine's INFO/WARNING lines go there, not here
