@@ -2,6 +2,9 @@
 
   python benchmarks/bench_train.py                       # CPU: SmolLM2-135M-shaped target, draft vocab 2048
   python benchmarks/bench_train.py --device cuda         # GPU: Llama-3.1-8B-shaped target (no download)
+  ... --profile          # + torch.profiler of one pass each (top ops, syncs per step)
+  ... --host-profile     # + cProfile of one pass of ours: the loop's time by part
+  ... --hs-dtype float8_e4m3fn                            # Stage 3 files in fp8 (dequantized by the loader)
 
 Both modes write a synthetic run directory (Stage 2 mapping + Stage 3 files of random hidden
 states in the contract layout) and time, on the same packed micro-batches:
@@ -205,6 +208,45 @@ def profiled(fn, label: str, trace_dir: str | None, steps: int):
     return out
 
 
+HOST_PARTS = {  # cProfile cumulative time of these functions inside Trainer.loop
+    "drafter forward (speculators)": "speculators/models/eagle3/core.py:forward",
+    "backward": "torch/_tensor.py:backward",
+    "optimizer step (AdamW)": "torch/optim/adamw.py:step",
+    "clip_grad_norm_": "clip_grad.py:clip_grad_norm_",
+    "next batch (read, collate, hand-over)": "eagle3/train/loop.py:__next__",
+    "metrics reduce (the step's one sync)": "eagle3/train/metrics.py:reduce",
+    "metrics.jsonl / W&B": "eagle3/train/loop.py:_log",
+    "progress.json + bar": "eagle3/io.py:update",
+    "validation": "eagle3/train/loop.py:evaluate",
+    "checkpoints": "eagle3/train/loop.py:_checkpoint",
+}
+
+
+def host_breakdown(fn) -> None:
+    """Run ``fn()`` (ours) under cProfile and print the share of ``Trainer.loop``'s wall time in each
+    part (:data:`HOST_PARTS`): what the loop adds over forward + backward + optimizer. Fractions
+    survive a loaded machine better than tokens/s do. On CUDA the forward/backward rows are launch
+    time only and the sync row holds the GPU's work: use ``--profile`` there."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    fn()
+    pr.disable()
+    st = pstats.Stats(pr).stats
+
+    def cum(pattern: str) -> float:
+        return sum(v[3] for k, v in st.items() if pattern in f"{k[0]}:{k[2]}")
+
+    total = cum("eagle3/train/loop.py:loop")
+    print(f"\nTrainer.loop under cProfile: {total:.2f} s")
+    print("| part | seconds | share of the loop |\n|---|---|---|")
+    for label, pat in HOST_PARTS.items():
+        v = cum(pat)
+        print(f"| {label} | {v:.3f} | {100 * v / max(total, 1e-9):.1f}% |")
+
+
 def train_flops_per_token(shape: dict, draft_vocab: int, n_aux: int, ttt: int, doc_len: float, layers: int = 1) -> float:
     """Training FLOPs per token of the Eagle-3 drafter (one Llama layer), 2 FLOPs per multiply-add.
 
@@ -242,6 +284,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="one extra pass of each loop under torch.profiler: top ops and syncs per step")
     ap.add_argument("--trace-dir", default=None, help="with --profile: write chrome traces here")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="one extra pass of ours under cProfile: the loop's time by part (data, logging, sync, ...)")
     ap.add_argument("--loss-impl", default="auto", choices=["auto", "eager", "fused"],
                     help="train.loss_implementation ('auto': fused Triton kernels on GPU, eager on CPU)")
     a = ap.parse_args(argv)
@@ -281,6 +325,8 @@ def main(argv=None) -> int:
             for name, fn in (("bare", run_bare), ("ours", run_ours)):
                 if not a.only or name == a.only:
                     profiled(lambda fn=fn: fn(params, rd, warmup), name, a.trace_dir, steps)
+        if a.host_profile:
+            host_breakdown(lambda: run_ours(params, rd, warmup))
         best = {k: max(v, key=lambda r: r["tokens_per_s"]) for k, v in res.items() if v}
         fl = train_flops_per_token(shape, draft, 3, 3, doc)
         peak = next((v for k, v in PEAK_BF16.items() if cuda and k in torch.cuda.get_device_name()), None)
