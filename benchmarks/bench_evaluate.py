@@ -4,8 +4,9 @@
 
 Prints one table: target-only greedy decoding (transformers ``generate``) vs offline EAGLE-3
 speculation (:func:`eagle3.evaluate.speculative_generate`), and with ``--vllm`` vLLM with the drafter,
-with n-gram lookup and without speculation (one engine per subprocess, one request at a time).
-The drafter defaults to the run's stage 4 export; the prompts are the run's held-out prompts.
+with n-gram lookup and without speculation (one engine per subprocess: every prompt one request at a
+time, plus the stage's batched acceptance pass over all prompts for eagle3 and n-gram).
+The drafter defaults to the run's stage 4 export; the prompts are every evaluation set's (`--prompts` per set).
 Offline speculation in eager PyTorch is not expected to be faster (Python overhead per round); the
 vLLM rows are the ones that matter for serving.
 """
@@ -71,20 +72,26 @@ def main() -> None:
 
         tmp = Path(tempfile.mkdtemp(prefix="bench-eval-"))
         for method in ("none", "ngram", "eagle3"):
-            job = build_job(params, method, resolve_target(params.target).path, drafter, prompts, None)
+            # every prompt timed one request at a time (the stage times evaluate.speed_prompts per set)
+            job = build_job(params, method, resolve_target(params.target).path, drafter, prompts, None,
+                            speed_ids=[p["id"] for p in prompts])
             job |= {"seed": 0, "temperature": 0.0}  # greedy, one seed: the rows compare like with like
             res = run_vllm_job(job, tmp / f"{method}.json")
-            c = res["counters"]
-            d = c["vllm:spec_decode_num_drafts"]
+            c = res["counters"] or {}
+            d = c.get("vllm:spec_decode_num_drafts")
             tau = f"{1 + c['vllm:spec_decode_num_accepted_tokens'] / d:.2f}" if d else "-"
             rows.append((f"vLLM {method}", res["tokens_per_s"], tau))
+            if res.get("generate_s"):  # the stage's acceptance pass: all prompts batched
+                rows.append((f"  acceptance pass, max_num_seqs={res['max_num_seqs']}",
+                             res["output_tokens"] / res["generate_s"], tau))
     print(f"{'method':<48}{'tokens/s':>10}{'tau':>8}")
     for name, tps, tau in rows:
         print(f"{name:<48}{tps:>10.1f}{tau:>8}")
     base = rows[0][1]
     print(f"\noffline speculation / greedy: {rows[1][1] / base:.2f}x")
     if a.vllm:
-        print(f"vLLM eagle3 / vLLM none: {rows[-1][1] / rows[2][1]:.2f}x")
+        tps = {name: t for name, t, _ in rows}
+        print(f"vLLM eagle3 / vLLM none: {tps['vLLM eagle3'] / tps['vLLM none']:.2f}x")
 
 
 if __name__ == "__main__":
