@@ -94,8 +94,13 @@ def test_the_headline_states_every_set_out_of_domain_first_and_the_warnings_on_t
              "warnings": [{"rule": "drafter_below_ngram", "message": "on general-chat the drafter gives 1.080",
                            "numbers": {}, "fix": "train on more data"}],
              "measured": {"vllm_tokens_per_s": "8 of 114 prompts, one request at a time"}}
-    write_stats(stage_dir(tmp_path, 5), stats)
+    write_stats(stage_dir(tmp_path, 5), stats | {"vllm_serve_where": "Run it from the run directory (x/)."})
+    (stage_dir(tmp_path, 5) / "logs").mkdir()
+    (stage_dir(tmp_path, 5) / "logs" / "vllm_eagle3.log").write_text("INFO engine\n")
     page = index_html(tmp_path, [], {})
+    # engine logs are linked (relative to report/), never inlined
+    assert "Engine logs: <a href='../05_evaluate/logs/vllm_eagle3.log'>vllm_eagle3.log</a>" in page
+    assert "INFO engine" not in page and "<p>Run it from the run directory (x/).</p>" in page
     top = page.index("mismatch-warning")
     assert top < page.index("<h2>Result</h2>") < page.index("general-chat<br>") < page.index("heldout<br>")
     assert page.index("<h2>Result</h2>") < page.index("<h2>1. synthesize</h2>")
