@@ -15,9 +15,7 @@ from pathlib import Path
 from eagle3.contracts import tokenized
 from eagle3.contracts.drafter import DrafterSettings, check_drafter, read_config
 from eagle3.contracts.vocab_mapping import VocabMapping, load_tensors
-from eagle3.errors import EvaluateError
-from eagle3.evaluate.drafter import Eagle3Drafter
-from eagle3.hooks import CachedCapture
+from eagle3.evaluate.layer_ids import layer_fit
 from eagle3.rundir import STAGES, VOCAB, RunDir
 
 __all__ = ["probe_layer_ids", "diagnose"]
@@ -27,8 +25,9 @@ def probe_layer_ids(target, drafter_model, sequences: list[list[int]], candidate
 
     For each candidate id list, the target's states at those layers feed the drafter's first pass
     over each sequence (teacher forced); returned is the fraction of positions where the drafter's
-    argmax (mapped to target ids) equals the target's argmax. The ids the drafter was trained on
-    score clearly higher than wrong ones.
+    argmax (mapped to target ids) equals the target's argmax. A drafter that reads its states scores
+    higher with the ids it was trained on; a weak one may barely tell them apart (the warning rule with
+    a significance test is :func:`eagle3.evaluate.layer_ids.layer_id_warnings`).
 
     Args:
         sequences: token id lists (e.g. prompt + generated continuation).
@@ -37,33 +36,14 @@ def probe_layer_ids(target, drafter_model, sequences: list[list[int]], candidate
     Returns:
         dict: name -> accuracy in [0, 1] (NaN when no position was scored).
     """
-    import torch
-    from transformers import DynamicCache
-
-    res = {}
-    dev = next(target.parameters()).device
-    for name, ids in candidates.items():
-        hit = tot = 0
-        runner = CachedCapture(target, ids, error=EvaluateError)
-        try:
-            with torch.no_grad():
-                for seq in sequences:
-                    if len(seq) < 3:
-                        continue
-                    logits, aux = runner.forward(torch.tensor([seq], device=dev), DynamicCache())
-                    dr = Eagle3Drafter(drafter_model)
-                    if dr.m.fc.in_features != aux.shape[-1]:
-                        break
-                    dl, _ = dr.step(torch.tensor(seq[1:], device=dev), dr.combine(aux[:-1]),
-                                    torch.arange(len(seq) - 1, device=dev))
-                    pred = dr.to_target(dl.argmax(-1))
-                    tgt = logits[1:].argmax(-1)
-                    hit += int((pred == tgt).sum())
-                    tot += int(tgt.numel())
-        finally:
-            runner.close()
-        res[name] = hit / tot if tot else float("nan")
-    return res
+    # One target pass for all candidates (layer_ids.layer_fit); a candidate whose id count does not
+    # match the drafter's fc input cannot be scored and gets NaN.
+    width = drafter_model.fc.in_features
+    hidden = target.config.hidden_size
+    scorable = {name: ids for name, ids in candidates.items() if len(ids) * hidden == width}
+    hits = layer_fit(target, drafter_model, sequences, scorable) if scorable else {}
+    return {name: (sum(hits[name]) / len(hits[name]) if hits.get(name) else float("nan"))
+            for name in candidates}
 
 
 def _config_ids(drafter_dir: str | Path) -> list:
