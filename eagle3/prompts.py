@@ -290,7 +290,7 @@ def _bad(report: LoadReport, on_bad_line: str, kind: str, where: str, msg: str) 
 def _iter_file(source: PromptSource, report: LoadReport, on_bad_line: str) -> Iterator[tuple[dict, str]]:
     if not source.path:
         raise PromptError("synthesize.sources: kind 'file' needs a path (JSON, JSONL or Parquet)")
-    path = Path(source.path).expanduser()
+    path = source.file_path()
     if not path.is_file():
         raise PromptError(f"synthesize.sources: prompt file {path} does not exist")
     suffix = "".join(path.suffixes[-1:]).lower()

@@ -49,16 +49,23 @@ __all__ = ["Stats", "StageRun", "completed_stats", "consumed_files", "input_dige
 def consumed_files(run_dir: str | Path, stage: int, params=None) -> list[Path]:
     """The earlier stages' files that stage ``stage`` reads (docs/DESIGN.md "Stage contracts").
 
-    1: none inside the run (its prompts come from params). 2: ``samples.jsonl``. 3: ``train.parquet``.
-    4: both tokenized splits, the vocab mapping (``vocab_mapping.safetensors``, ``mapping.json``) and,
-    offline, Stage 3's ``meta.json`` and ``manifest.jsonl`` (whose sha256 lines stand for the
-    hidden-state files). 5: ``samples.jsonl``, the vocab mapping, Stage 3's ``meta.json`` and the
-    drafter (``config.json``, ``model.safetensors``; ``evaluate.drafter_dir`` when set).
+    1: the local prompt files (``kind: file`` sources of ``synthesize.sources``; embedded sets and
+    Hugging Face datasets are versioned by the package / the hub). 2: ``samples.jsonl``.
+    3: ``train.parquet``. 4: both tokenized splits, the vocab mapping (``vocab_mapping.safetensors``,
+    ``mapping.json``) and, offline, Stage 3's ``meta.json`` and ``manifest.jsonl`` (whose sha256 lines
+    stand for the hidden-state files). 5: ``samples.jsonl``, both tokenized splits (training prompts
+    are excluded by their ids; the diagnosis reads held-out rows), the vocab mapping, Stage 3's
+    ``meta.json``, the drafter (``config.json``, ``model.safetensors``; ``evaluate.drafter_dir`` when
+    set) and the local files of ``evaluate.sources``.
     A file that does not exist is recorded as absent (a full-size vocab has no mapping file).
     """
     rd = RunDir(run_dir)
+
+    def local_files(section) -> list[Path]:
+        return [f for src in getattr(section, "sources", None) or [] if (f := src.file_path()) is not None]
+
     if stage == SYNTHESIZE:
-        return []
+        return local_files(getattr(params, "synthesize", None))
     if stage == VOCAB:
         return [rd.samples]
     if stage == EXTRACT:
@@ -71,8 +78,13 @@ def consumed_files(run_dir: str | Path, stage: int, params=None) -> list[Path]:
     if stage == EVALUATE:
         ext = getattr(getattr(params, "evaluate", None), "drafter_dir", None)
         drafter = Path(ext) if ext else rd.drafter_dir
-        return [rd.samples, *mapping, rd.extract_meta, drafter / "config.json", drafter / "model.safetensors"]
+        return [rd.samples, rd.tokenized("train"), rd.tokenized("heldout"), *mapping, rd.extract_meta,
+                drafter / "config.json", drafter / "model.safetensors", *local_files(getattr(params, "evaluate", None))]
     raise ValueError(f"no stage {stage}")
+
+
+# eagle3 status hashes an input of at most this size (sha256 ~450 MiB/s per core on the CI machine)
+QUICK_HASH_BYTES = 32 * 2**20
 
 
 def _key(run_dir: Path, f: Path) -> str:
@@ -99,8 +111,10 @@ def stale_inputs(run_dir: str | Path, stage: int, params=None, quick: bool = Fal
     new or removed input (empty: unchanged, or no ``inputs.json``: a stage that never started, or one
     that ran before stages recorded their inputs, which is not checked).
 
-    ``quick`` compares only the sizes (no file is read: ``eagle3 status``); a change that keeps the
-    size is then missed, which the full check (the runner, ``eagle3 verify``) catches."""
+    ``quick`` (``eagle3 status``) compares the sizes and hashes only files of at most
+    :data:`QUICK_HASH_BYTES` (prompt files, splits, mappings, the drafter: well under a second in
+    all); a change that keeps the size of a larger file is then missed, which the full check (the
+    runner, ``eagle3 verify``) catches."""
     rec = read_json(RunDir(run_dir).inputs(stage), None)
     if not rec or "files" not in rec:
         return []
@@ -112,11 +126,16 @@ def stale_inputs(run_dir: str | Path, stage: int, params=None, quick: bool = Fal
         same = {k for k in set(then) | set(now)
                 if (then.get(k) is None) == (now.get(k) is None) and (then.get(k) or {}).get("bytes") == (now.get(k) or {}).get("bytes")}
         for k in same:
-            now[k] = then.get(k)
+            a = then.get(k)
+            f = run_dir / k  # an absolute key (a file outside the run) stays itself
+            now[k] = a if a is None or a["bytes"] > QUICK_HASH_BYTES else {"sha256": file_sha256(f), "bytes": a["bytes"]}
     else:
         now = input_digests(run_dir, stage, params)
     out = []
-    for k in sorted(set(then) | set(now)):
+    # A file the record does not name at all was not an input when the stage ran (an older version
+    # of consumed_files): nothing to compare it with, as for a folder without inputs.json. Absent
+    # files are recorded as null, so a file that appeared since is still caught.
+    for k in sorted(then):
         a, b = then.get(k), now.get(k)
         if (a or {}).get("sha256") == (b or {}).get("sha256"):
             continue

