@@ -11,7 +11,7 @@ from pathlib import Path
 from eagle3.config import load_params
 from eagle3.errors import ParamsError, RunnerError, StageFailed, StaleStage
 from eagle3.io import format_bytes, read_json
-from eagle3.rundir import NOTEBOOKS, STAGES, RunDir, notebooks_dir, prepare_run_dir, resolve_run_dir, stage_complete
+from eagle3.rundir import NOTEBOOKS, STAGES, SYNTHESIZE, TRAIN, RunDir, notebooks_dir, prepare_run_dir, resolve_run_dir, stage_complete
 from eagle3.stage import stale_inputs, stale_message
 
 __all__ = ["parse_stages", "run_pipeline", "reopen_stage", "verify_run", "StageFailed", "StaleStage", "status_rows",
@@ -53,17 +53,27 @@ def reopen_stage(run_dir: str | Path, stage: int, params=None) -> str:
     only its completion is dropped (``stats.json``, ``inputs.json``'s mark) and the stage's own resume
     re-checks its files against their records and redoes the broken ones (stage 3 re-hashes every
     file against the manifest; stage 4 re-exports from its checkpoints; stage 1 keeps its samples).
+    Stage 1 starting over keeps its self-written prompts (``self_prompts/``): they depend on the
+    target and the self-prompting settings, never on the prompt files, and resume on their own checks.
     """
     rd = RunDir(run_dir)
     sd = rd.stage(stage)
     reasons = stale_inputs(run_dir, stage, params)
     if reasons:
+        kept = ""
         if sd.exists():
             trash = rd.root / f".redo-{sd.name}-{int(time.time())}"
             sd.rename(trash)  # one rename, then the slow removal: a kill leaves no half-removed folder
+            if stage == SYNTHESIZE:
+                from eagle3.self_prompt import SELF_PROMPTS_DIR
+
+                if (trash / SELF_PROMPTS_DIR).is_dir():
+                    rd.stage(stage).mkdir(exist_ok=True)
+                    (trash / SELF_PROMPTS_DIR).rename(sd / SELF_PROMPTS_DIR)
+                    kept = f"; its self-written prompts ({SELF_PROMPTS_DIR}/) are kept"
             shutil.rmtree(trash, ignore_errors=True)
         return (f"stage {stage} ({STAGES[stage]}) starts over: its inputs changed since it ran ("
-                + "; ".join(reasons) + ")")
+                + "; ".join(reasons) + ")" + kept)
     rd.stats(stage).unlink(missing_ok=True)
     return f"stage {stage} ({STAGES[stage]}) re-opened: it re-checks its files and redoes what is broken or missing"
 
@@ -170,8 +180,12 @@ def verify_run(run_dir: str | Path, check_values: bool = True) -> list[str]:
     Checks: each complete stage's recorded inputs against the files now (stale stages); Stage 3's
     manifest against ``meta.json``'s count and Stage 2's train split, and every hidden-state file
     against its manifest line (size, sha256, header, shapes, token ids, loss mask, finite values:
-    :func:`eagle3.contracts.hidden_states.verify_folder`). Cost: one read and one sha256 pass over
-    the hidden states (~450 MiB/s per core measured on the CI machine).
+    :func:`eagle3.contracts.hidden_states.verify_folder`); Stage 4's checkpoints (every file loads,
+    finite weights, their ``mapping_digest`` vs Stage 2's d2t/t2d:
+    :func:`eagle3.train.checkpoint.verify_checkpoints`) and its exported drafter (loads, finite, its
+    d2t/t2d are Stage 2's: :func:`eagle3.contracts.drafter.verify_export`). Cost: one read and one
+    sha256 pass over the hidden states (~450 MiB/s per core measured on the CI machine), one read of
+    each checkpoint.
 
     Raises:
         RunnerError: ``run_dir`` is not a run directory (no ``params.yaml``).
@@ -196,6 +210,34 @@ def verify_run(run_dir: str | Path, check_values: bool = True) -> list[str]:
         problems += hsc.check_manifest(hsc.read_manifest(sd), hsc.read_meta(sd), rows.ids, where=rd.manifest)
         rep = hsc.verify_folder(sd, rows, check_hashes=True, check_values=check_values)
         problems += [f"{p['file']}: row {p['row']} (id {p['id']}): {p['problem']}" for p in rep["problems"]]
+    problems += _verify_train(rd)
+    return problems
+
+
+def _verify_train(rd: RunDir) -> list[str]:
+    """Stage 4's part of :func:`verify_run`: its checkpoints and its exported drafter, each against
+    Stage 2's draft vocab mapping as it is now."""
+    if not rd.stage(TRAIN).is_dir():
+        return []
+    from eagle3.contracts.drafter import verify_export
+    from eagle3.contracts.vocab_mapping import VocabMappingError, mapping_digest, read_mapping
+    from eagle3.train.checkpoint import verify_checkpoints
+
+    problems, mapping = [], None
+    if rd.mapping_json.exists():
+        try:
+            mapping = read_mapping(rd.root)
+        except VocabMappingError as exc:
+            problems.append(f"stage 2's draft vocab mapping: {exc}")
+    problems += verify_checkpoints(rd.checkpoints_dir, mapping_digest(mapping.d2t, mapping.t2d) if mapping else None)
+    st = read_json(rd.stats(TRAIN), {}) or {}
+    drafter = rd.drafter_dir  # the export's own place; stats.json's path is absolute (a moved run: elsewhere)
+    if not drafter.is_dir() and st.get("drafter_dir"):
+        drafter = Path(st["drafter_dir"]) if Path(st["drafter_dir"]).is_absolute() else rd.root / st["drafter_dir"]
+    if st.get("complete") and not drafter.is_dir():
+        problems.append(f"{drafter}: stage 4 is complete but its exported drafter is missing")
+    elif (drafter / "config.json").is_file():
+        problems += verify_export(drafter, mapping)
     return problems
 
 

@@ -929,3 +929,44 @@ def test_sigkill_during_the_export_then_resume_is_identical(ref_run, tmp_path):
     assert final.best_step == stats.best_step
     assert not list(sd.glob(".drafter.*")), "the killed export's temp folder is removed"
     _assert_same_drafter(rd, rd2)
+
+
+def test_verify_checks_the_checkpoints_and_the_exported_drafter(ref_run, tmp_path):
+    """Issue 15: `eagle3 verify` covers stage 4: a damaged or incomplete checkpoint, and a draft vocab
+    mapping replaced after training (every checkpoint's mapping_digest, the drafter's d2t/t2d and
+    the stale stage 4 are named)."""
+    from eagle3.contracts.vocab_mapping import VocabMapping, mapping_digest, read_mapping, write_mapping
+    from eagle3.runner import verify_run
+
+    rd, _, params = ref_run
+    rd2 = tmp_path / "run"
+    shutil.copytree(rd, rd2)
+    (rd2 / "params.yaml").write_text(dump_params(params))
+    assert verify_run(rd2) == []
+    ck = rd2 / TRAIN_DIR / "checkpoints"
+    steps = sorted(ck.glob("step_*"))
+    assert len(steps) >= 2
+    w = steps[0] / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[0] ^= 0xFF  # the header length: not a safetensors file any more
+    w.write_bytes(bytes(data))
+    (steps[-1] / "optimizer.pt").unlink()
+    probs = verify_run(rd2)
+    assert len(probs) == 2 and probs[0].startswith(f"{steps[0]}: not loadable (")
+    assert probs[1] == f"{steps[-1]}: missing optimizer.pt"
+
+    shutil.rmtree(rd2)
+    shutil.copytree(rd, rd2)
+    (rd2 / "params.yaml").write_text(dump_params(params))
+    old = read_mapping(rd2, 512)
+    new = VocabMapping.build(np.arange(512, 0, -1), old.draft_vocab_size, cache_key=old.cache_key)
+    write_mapping(rd2, new, coverage=1.0)
+    d_old, d_new = mapping_digest(old.d2t, old.t2d), mapping_digest(new.d2t, new.t2d)
+    probs = verify_run(rd2)
+    assert probs[0].startswith(f"stage 4 ({TRAIN_DIR}) is stale: {VOCAB_DIR}/vocab_mapping.safetensors: sha256 "), probs
+    ck_lines = [p for p in probs if "trained with draft vocab mapping" in p]
+    assert ck_lines == [f"{s / 'state.json'}: trained with draft vocab mapping {d_old}, Stage 2's is {d_new} now: a "
+                        f"resume from it is refused; redo stage 4 (`--stages 4-5 --redo 4`)" for s in steps]
+    assert probs[-1].startswith(f"{rd2 / TRAIN_DIR / 'drafter' / 'model.safetensors'}: d2t/t2d digest {d_old}, but "
+                                f"Stage 2's vocab_mapping.safetensors is {d_new}")
+    assert len(probs) == 1 + len(steps) + 1

@@ -42,6 +42,7 @@ __all__ = [
     "check_drafter",
     "hidden_size_problems",
     "check_hidden_size",
+    "verify_export",
 ]
 
 # The four Eagle-3 norm switches. vLLM's converter and speculators disagree on the default of
@@ -435,4 +436,55 @@ def check_drafter(drafter_dir: str | Path, target_dir: str | Path, raise_on_erro
                     *(_check_reference(cfg, reference) if reference is not None else [])]
     if raise_on_error and problems:
         raise DrafterCheckError(drafter_dir, problems)
+    return problems
+
+
+def verify_export(drafter_dir: str | Path, mapping: VocabMapping | None) -> list[str]:
+    """``eagle3 verify``'s check of an exported drafter on its own (no target needed): ``config.json``
+    parses and names the layer ids and draft vocab size; every tensor of ``model.safetensors`` loads
+    and is finite; its ``d2t``/``t2d`` are the mapping of Stage 2 (``mapping``; digests compared:
+    :func:`eagle3.contracts.vocab_mapping.mapping_digest`), or both absent for a full-size vocab.
+
+    Args:
+        drafter_dir: the export folder.
+        mapping: Stage 2's mapping as read now (None: unreadable or absent, the mapping is not compared).
+
+    Returns:
+        list[str]: one line per problem, each naming the file.
+    """
+    import torch
+    from safetensors import safe_open
+
+    from eagle3.contracts.vocab_mapping import mapping_digest
+
+    d = Path(drafter_dir)
+    cfg_file, w_file = d / "config.json", d / "model.safetensors"
+    problems = []
+    try:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+        missing = [k for k in ("eagle_aux_hidden_state_layer_ids", "draft_vocab_size") if k not in cfg]
+        if missing:
+            problems.append(f"{cfg_file}: no {', '.join(missing)}")
+    except (OSError, ValueError) as exc:
+        problems.append(f"{cfg_file}: unreadable ({type(exc).__name__}: {exc})")
+    tensors = {}
+    try:
+        with safe_open(str(w_file), framework="pt") as f:
+            for k in f.keys():
+                t = f.get_tensor(k)
+                if t.is_floating_point() and not torch.isfinite(t).all():
+                    problems.append(f"{w_file}: tensor {k} has NaN/Inf values")
+                if k in ("d2t", "t2d"):
+                    tensors[k] = t
+    except Exception as exc:  # noqa: BLE001 - safetensors raises several types; name the file
+        problems.append(f"{w_file}: not a readable safetensors file ({type(exc).__name__}: {exc})")
+        return problems
+    if mapping is not None:
+        want = mapping_digest(mapping.d2t, mapping.t2d)
+        got = mapping_digest(tensors.get("d2t"), tensors.get("t2d")) if len(tensors) == 2 else (
+            "full-size" if not tensors else f"only {sorted(tensors)}")
+        if got != want:
+            problems.append(f"{w_file}: d2t/t2d digest {got}, but Stage 2's vocab_mapping.safetensors is {want}: the "
+                            f"drafter was exported with another draft vocab mapping (stage 2 re-run after stage 4?); "
+                            f"redo stage 4: `eagle3 run PARAMS --stages 4-5 --redo 4`")
     return problems

@@ -24,7 +24,11 @@ from eagle3.io import atomic_write_json, atomic_write_text, read_json
 from eagle3.train.model import trainable_state
 
 __all__ = ["list_checkpoints", "checkpoint_path", "save_checkpoint", "load_checkpoint", "resume_state", "prune",
-           "truncate_metrics"]
+           "truncate_metrics", "verify_checkpoints", "CHECKPOINT_FILES"]
+
+# What save_checkpoint writes into every step folder (state.json last: its presence marks the folder complete).
+CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng.safetensors", "rng.json",
+                    "params.yaml", "state.json")
 
 # Keys that may change between an interrupted run and its resumption without changing the weights.
 _RESUME_EXEMPT = (
@@ -194,6 +198,51 @@ def resume_state(root: Path, params: Params, global_batch: int, digest: str,
             f"(`eagle3 run PARAMS --stages 4-5 --redo 4`, or delete {root})."
         )
     return path
+
+
+def verify_checkpoints(root: str | Path, mapping: str | None = None) -> list[str]:
+    """``eagle3 verify``'s check of Stage 4's checkpoints: for each ``step_NNNNNN``, every file of
+    :data:`CHECKPOINT_FILES` present and loadable (the weights finite; the optimizer and scheduler
+    through ``torch.load(weights_only=True)``, as a resume reads them), ``state.json``'s step equal
+    to the folder's, and its ``mapping_digest`` equal to ``mapping`` (Stage 2's d2t/t2d now; None:
+    not compared). Cost: one read of each checkpoint (the optimizer is 2x the weights).
+
+    Returns:
+        list[str]: one line per problem, naming the folder or file. Temp folders of a killed write
+        (``.tmp-step_*``) are not problems: the next stage-4 run removes them.
+    """
+    import torch
+    from safetensors.torch import load_file
+
+    problems = []
+    root = Path(root)
+    for d in sorted(root.glob("step_*")) if root.is_dir() else []:
+        if not d.name[5:].isdigit():
+            continue
+        missing = [f for f in CHECKPOINT_FILES if not (d / f).is_file()]
+        if missing:
+            problems.append(f"{d}: missing {', '.join(missing)}" + (" (an incomplete checkpoint)" if "state.json" in missing else ""))
+            continue
+        try:
+            w = load_file(str(d / "model.safetensors"))
+            bad = [k for k, t in w.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+            if bad:
+                problems.append(f"{d / 'model.safetensors'}: NaN/Inf in {', '.join(bad[:3])}")
+            for f in ("optimizer.pt", "scheduler.pt"):
+                torch.load(d / f, map_location="cpu", weights_only=True)
+            load_file(str(d / "rng.safetensors"))
+            rng = json.loads((d / "rng.json").read_text())
+            st = json.loads((d / "state.json").read_text())
+            load_params(d / "params.yaml")
+        except Exception as exc:  # noqa: BLE001 - any failure to load is the finding; name the folder
+            problems.append(f"{d}: not loadable ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+            continue
+        if not isinstance(rng, dict) or st.get("step") != int(d.name[5:]):
+            problems.append(f"{d / 'state.json'}: step {st.get('step')} in a folder named {d.name}")
+        if mapping is not None and st.get("mapping_digest") not in (None, mapping):
+            problems.append(f"{d / 'state.json'}: trained with draft vocab mapping {st['mapping_digest']}, Stage 2's is "
+                            f"{mapping} now: a resume from it is refused; redo stage 4 (`--stages 4-5 --redo 4`)")
+    return problems
 
 
 def prune(root: Path, keep: int, protect: set[int]) -> None:
