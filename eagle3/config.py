@@ -138,19 +138,6 @@ class PromptSource(_Section):
     label: str | None = Field(None, description="the 'source' recorded per sample (default: name/path; 'self')")
     self_prompt: SelfPromptParams | None = Field(None, description="kind=self only (default settings when omitted)")
 
-    def file_path(self) -> Path | None:
-        """``kind: file``: the prompt file, ``~`` expanded and a relative path taken from the project
-        root (as ``run.output_dir``: the notebooks run with their own folder as working directory, so
-        the caller's cwd cannot be the rule); None for other kinds or when ``path`` is unset."""
-        if self.kind != "file" or not self.path:
-            return None
-        p = Path(self.path).expanduser()
-        if not p.is_absolute():
-            from eagle3.rundir import project_root  # rundir imports only errors: no cycle
-
-            p = project_root() / p
-        return p
-
     @model_validator(mode="after")
     def _self_prompt_only_for_self(self) -> PromptSource:
         if self.kind == "self" and self.self_prompt is None:

@@ -57,6 +57,7 @@ from eagle3.errors import PromptsError as PromptError
 
 __all__ = [
     "PromptError",
+    "source_file",
     "Prompt",
     "LoadReport",
     "BAD_INPUT_KINDS",
@@ -287,10 +288,24 @@ def _bad(report: LoadReport, on_bad_line: str, kind: str, where: str, msg: str) 
     report.add_bad(kind, where, msg)
 
 
+def source_file(source: PromptSource) -> Path | None:
+    """``kind: file``: the prompt file, ``~`` expanded and a relative path taken from the project root
+    (as ``run.output_dir``: the notebooks run with their own folder as working directory, so the
+    caller's cwd cannot be the rule); None for other kinds or when ``path`` is unset."""
+    if source.kind != "file" or not source.path:
+        return None
+    p = Path(source.path).expanduser()
+    if not p.is_absolute():
+        from eagle3.rundir import project_root
+
+        p = project_root() / p
+    return p
+
+
 def _iter_file(source: PromptSource, report: LoadReport, on_bad_line: str) -> Iterator[tuple[dict, str]]:
     if not source.path:
         raise PromptError("synthesize.sources: kind 'file' needs a path (JSON, JSONL or Parquet)")
-    path = source.file_path()
+    path = source_file(source)
     if not path.is_file():
         raise PromptError(f"synthesize.sources: prompt file {path} does not exist")
     suffix = "".join(path.suffixes[-1:]).lower()

@@ -62,7 +62,9 @@ def consumed_files(run_dir: str | Path, stage: int, params=None) -> list[Path]:
     rd = RunDir(run_dir)
 
     def local_files(section) -> list[Path]:
-        return [f for src in getattr(section, "sources", None) or [] if (f := src.file_path()) is not None]
+        from eagle3.prompts import source_file
+
+        return [f for src in getattr(section, "sources", None) or [] if (f := source_file(src)) is not None]
 
     if stage == SYNTHESIZE:
         return local_files(getattr(params, "synthesize", None))

@@ -146,12 +146,13 @@ def test_a_changed_local_prompt_file_makes_stage_1_and_later_stages_stale(flow, 
 
 def test_relative_prompt_paths_are_taken_from_the_project_root(tmp_path):
     from eagle3.config import PromptSource
+    from eagle3.prompts import source_file
     from eagle3.rundir import project_root
     from eagle3.stage import consumed_files
 
-    assert PromptSource(kind="file", path="data/p.jsonl").file_path() == project_root() / "data" / "p.jsonl"
-    assert PromptSource(kind="file", path=str(tmp_path / "x.jsonl")).file_path() == tmp_path / "x.jsonl"
-    assert PromptSource(kind="embedded", name="human-eval").file_path() is None
+    assert source_file(PromptSource(kind="file", path="data/p.jsonl")) == project_root() / "data" / "p.jsonl"
+    assert source_file(PromptSource(kind="file", path=str(tmp_path / "x.jsonl"))) == tmp_path / "x.jsonl"
+    assert source_file(PromptSource(kind="embedded", name="human-eval")) is None
     from eagle3.config import load_params
 
     params = load_params(None, {"synthesize": {"sources": [{"kind": "file", "path": "a.jsonl"}, {"kind": "embedded"}]},
