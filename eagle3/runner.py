@@ -11,7 +11,17 @@ from pathlib import Path
 from eagle3.config import load_params
 from eagle3.errors import ParamsError, RunnerError, StageFailed, StaleStage
 from eagle3.io import format_bytes, read_json
-from eagle3.rundir import NOTEBOOKS, STAGES, SYNTHESIZE, TRAIN, RunDir, notebooks_dir, prepare_run_dir, resolve_run_dir, stage_complete
+from eagle3.rundir import (
+    NOTEBOOKS,
+    STAGES,
+    SYNTHESIZE,
+    TRAIN,
+    RunDir,
+    notebooks_dir,
+    prepare_run_dir,
+    resolve_run_dir,
+    stage_complete,
+)
 from eagle3.stage import stale_inputs, stale_message
 
 __all__ = ["parse_stages", "run_pipeline", "reopen_stage", "verify_run", "StageFailed", "StaleStage", "status_rows",
