@@ -664,3 +664,61 @@ def test_loss_mask_of_a_mis_converted_tokenizer_is_unchanged(tok, embedded_targe
     assert [(r.id, r.input_ids.tolist(), r.loss_mask.tolist()) for r in got] == \
         [(r.id, r.input_ids.tolist(), r.loss_mask.tolist()) for r in want]
     assert supervised_text(tok, got[0]) == "Hello!<|im_end|>See you.<|im_end|>"
+
+
+# DeepSeek-V3.1-style (the relevant parts of its template, SmolLM2's ChatML markers instead of
+# <｜User｜>/<｜Assistant｜>/<｜end▁of▁sentence｜>): the generation prompt ends in "<think>" (thinking)
+# or "</think>" (not); an assistant turn is rendered as "</think>" + answer, its reasoning dropped.
+DEEPSEEK_V31_STYLE = """{%- set ns = namespace(is_last_user=false) -%}
+{%- for m in messages -%}
+{%- if m.role == 'user' -%}{%- set ns.is_last_user = true -%}{{- '<|im_start|>user\\n' + m.content + '<|im_end|>\\n' -}}
+{%- elif m.role == 'assistant' -%}
+{%- if ns.is_last_user -%}{{- '<|im_start|>assistant\\n</think>' -}}{%- endif -%}
+{%- set ns.is_last_user = false -%}
+{{- m.content + '<|im_end|>\\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt and ns.is_last_user -%}{{- '<|im_start|>assistant\\n' -}}
+{%- if thinking is defined and thinking -%}{{- '<think>' -}}{%- else -%}{{- '</think>' -}}{%- endif -%}
+{%- endif -%}"""
+
+
+def test_deepseek_v31_style_prompt_that_opens_the_think_block(embedded_target):
+    """Issue 15 §5: only what the target generated is supervised. Non-thinking: the prompt ends in
+    "</think>", the answer alone is supervised. Thinking: the prompt ends in "<think>", the target
+    wrote reasoning + "</think>" + answer (the template's turn render has "</think>" + answer):
+    the row is the served prompt followed by exactly that, all of it supervised."""
+    t = _with_template(embedded_target, DEEPSEEK_V31_STYLE)
+    r = LossMaskRenderer(t, {2})
+    assert r.empty_reasoning_block() is None and r.empty_reasoning_block({"thinking": True}) is None
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    rows, rep = rows_of([sample(msgs=msgs)], r)
+    P = t.apply_chat_template(msgs[:1], tokenize=True, return_dict=False, add_generation_prompt=True)
+    assert t.decode(P).endswith("<|im_start|>assistant\n</think>")
+    assert rows[0].input_ids[: len(P)].tolist() == P and not rows[0].loss_mask[: len(P)].any()
+    assert supervised_text(t, rows[0]) == "Hello!<|im_end|>" and rep.reasoning_opened_by_prompt_turns == 0
+
+    think = {"chat_template_kwargs": {"thinking": True}}
+    msgs_r = [msgs[0], {"role": "assistant", "content": "Hello!", "reasoning": "A greeting; greet back."}]
+    rows, rep = rows_of([sample(msgs=msgs_r, settings=think)], r)
+    P = t.apply_chat_template(msgs[:1], tokenize=True, return_dict=False, add_generation_prompt=True, thinking=True)
+    assert t.decode(P).endswith("<|im_start|>assistant\n<think>")
+    row = rows[0]
+    gen = t("A greeting; greet back.</think>Hello!<|im_end|>\n", add_special_tokens=False)["input_ids"]
+    assert row.input_ids.tolist() == P + gen  # what the server saw, then what the target wrote
+    assert np.flatnonzero(row.loss_mask).tolist() == list(range(len(P), len(P) + len(gen) - 1))  # not the "\n"
+    assert supervised_text(t, row) == "A greeting; greet back.</think>Hello!<|im_end|>"
+    assert rep.reasoning_opened_by_prompt_turns == 1 and rep.boundary_fallback_turns == 0
+    assert rep.reasoning_not_rendered_turns == 0
+    # thinking, the target closed the block at once (no reasoning): "</think>" is its first token
+    rows, rep = rows_of([sample(msgs=msgs, settings=think)], r)
+    assert rows[0].input_ids.tolist()[: len(P)] == P and supervised_text(t, rows[0]) == "</think>Hello!<|im_end|>"
+    # two turns in thinking mode: the second turn's context holds the first as the template re-renders
+    # it ("</think>" + answer, reasoning dropped): one row per turn, each as served
+    two = [*msgs_r, {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "See you.", "reasoning": "Leave."}]
+    rows, rep = rows_of([sample(msgs=two, settings=think)], r)
+    assert [x.id for x in rows] == ["s0#0", "s0#1"] and rep.reasoning_opened_by_prompt_turns == 2
+    assert supervised_text(t, rows[1]) == "Leave.</think>See you.<|im_end|>"
+    assert t.decode(rows[1].input_ids).startswith(
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n</think>Hello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
+        "<|im_start|>assistant\n<think>")

@@ -32,6 +32,15 @@ recorded the turn's completion tokens and they count the block (the target wrote
 itself, e.g. Qwen3 thinking on a trivial prompt): then the render is kept
 (``empty_reasoning_block_kept``).
 
+A generation prompt that opens the reasoning block itself (DeepSeek-V3.1 in thinking mode ends it in
+``<think>``) while the template writes the turn as the closing tag and the answer
+(``</think>answer``, the reasoning dropped): the target generated the reasoning, the closing tag and
+the answer after that prompt, so the row is ``P_j`` followed by the tokens of
+``reasoning + "</think>answer..."`` (the render's text after the role header) and all of it is
+supervised (flag ``reasoning_opened_by_prompt``); the tags are ``synthesize.think_tags``. In
+non-thinking mode its generation prompt ends in ``</think>`` and the turn render extends it: only
+the answer is supervised, by the rule above.
+
 When ``F_j`` does not start with ``P_j`` (a generation prompt that the recorded turn renders
 differently, or a BPE merge across the boundary), the boundary falls back to their common prefix,
 valid only when the history render ``messages[:j]`` is itself a prefix of ``F_j`` (the same rule as
@@ -96,6 +105,8 @@ class LossMaskRenderer(ChatRenderer):
         history_reasoning: ``"drop"`` (default) - earlier assistant turns go into the context
             without their reasoning, as stage 1 and OpenAI-style clients send history (content
             only); ``"keep"`` - their reasoning is sent back too (interleaved thinking).
+        think_tags: the reasoning block's opening and closing tags (``synthesize.think_tags``), for a
+            generation prompt that opens the block itself (module docstring).
 
     Raises:
         VocabError: the tokenizer has no chat template; an unknown ``history_reasoning``.
@@ -107,6 +118,7 @@ class LossMaskRenderer(ChatRenderer):
         stop_ids: Iterable[int] | None = None,
         chat_template_kwargs: dict | None = None,
         history_reasoning: str = "drop",
+        think_tags: tuple[str, str] = ("<think>", "</think>"),
     ):
         if history_reasoning not in ("drop", "keep"):
             raise VocabError(f"vocab.history_reasoning must be 'drop' or 'keep' (got {history_reasoning!r})")
@@ -117,6 +129,7 @@ class LossMaskRenderer(ChatRenderer):
             )
         super().__init__(tokenizer, chat_template_kwargs)
         self.history_reasoning = history_reasoning
+        self.think_tags = tuple(think_tags)
         self.stop_ids = set(stop_ids) if stop_ids is not None else set(stop_token_ids(tokenizer, kwargs=self.kwargs))
         self._blocks: dict[str, str | None] = {}
 
@@ -254,6 +267,7 @@ class TokenizeReport:
     length_cut_turns: int = 0
     empty_reasoning_block_removed_turns: int = 0
     empty_reasoning_block_kept_turns: int = 0
+    reasoning_opened_by_prompt_turns: int = 0
     leading_assistant_turns: int = 0
     reasoning_not_rendered_turns: int = 0
     turns_with_completion_tokens: int = 0
@@ -298,6 +312,23 @@ def _without_block(r: LossMaskRenderer, P: list[int], texts: Callable[[], tuple[
     return list(P) + r.encode(f_text[len(p_text) + len(block) :])
 
 
+def _opened_by_prompt(r: LossMaskRenderer, P: list[int], texts: Callable[[], tuple[str, str]],
+                      reasoning: str | None) -> list[int] | None:
+    """The served row of a turn whose generation prompt opens the reasoning block (module
+    docstring): ``P`` followed by the tokens of ``reasoning`` + the turn render after the role
+    header, when that render goes on with the closing tag; else None (other rules apply)."""
+    open_, close = r.think_tags
+    p_text, f_text = texts()
+    core = p_text.rstrip()
+    if not core.endswith(open_):
+        return None
+    head = core[: -len(open_)]
+    rest = f_text[len(head) :] if f_text.startswith(head) else ""
+    if not rest.startswith(close):
+        return None
+    return list(P) + r.encode((reasoning or "") + rest)
+
+
 def _sample_rows(
     r: LossMaskRenderer,
     sample: dict,
@@ -322,8 +353,13 @@ def _sample_rows(
             continue
         done = usage[k].get("completion_tokens") if isinstance(usage[k], dict) else None
         texts = lambda j=j: (r.text(r.prompt(msgs, j), True, kwargs), r.text(r.turn(msgs, j), False, kwargs))  # noqa: E731
-        R[j], s, e, flags = r.turn_span(P[j], F[j], texts, lambda j=j: r.render_ids([r.prompt(msgs, j)], False, kwargs)[0],
-                                        finish[k])
+        opened = _opened_by_prompt(r, P[j], texts, msgs[j].get("reasoning")) if F[j][: len(P[j])] != P[j] else None
+        if opened is not None:
+            R[j], s, e, flags = r.turn_span(P[j], opened, texts, lambda: [], finish[k])
+            flags.add("reasoning_opened_by_prompt")
+        else:
+            R[j], s, e, flags = r.turn_span(P[j], F[j], texts,
+                                            lambda j=j: r.render_ids([r.prompt(msgs, j)], False, kwargs)[0], finish[k])
         if block is not None and not msgs[j].get("reasoning"):
             aligned = _without_block(r, P[j], texts, block)
             if aligned is not None:

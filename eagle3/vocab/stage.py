@@ -220,7 +220,8 @@ def _load(params: Params, run_dir: Path):
     target = resolve_target(params.target)
     tok = load_tokenizer(target, params.target.trust_remote_code)
     kw = template_kwargs(params)
-    renderer = LossMaskRenderer(tok, stop_token_ids(tok, target.path, kwargs=kw), kw, params.vocab.history_reasoning)
+    renderer = LossMaskRenderer(tok, stop_token_ids(tok, target.path, kwargs=kw), kw, params.vocab.history_reasoning,
+                                params.synthesize.think_tags)
     V = target_vocab_size(target.path, params.target.trust_remote_code)
     if params.vocab.draft_vocab_size is not None and params.vocab.draft_vocab_size > V:
         raise VocabError(
@@ -255,6 +256,8 @@ def run(params: Params, run_dir: str | Path) -> VocabStats:
         "template_kwargs": template_kwargs(params),
         "format": 3,  # bump when tokenization or its report changes: earlier splits are redone
     }
+    if tuple(params.synthesize.think_tags) != ("<think>", "</think>"):  # in the key only when not the
+        settings["think_tags"] = list(params.synthesize.think_tags)  # default: earlier runs keep their hashes
     hashes = {split: corpus_hash(by_split[split], settings) for split in SPLITS}
     finished = _finished(params, run_dir, hashes, tok_hash)
     if finished is not None:
