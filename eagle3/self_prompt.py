@@ -188,6 +188,10 @@ class SelfPromptSettings:
             ``topic_template`` to steer what the user asks about (empty: no steering).
         topic_template: format string with ``{topic}``.
         multi_turn: also let the target write a follow-up user turn after its first answer.
+        keep_system_prompt: keep the steering system prompt in the conversation stage 1 answers (and
+            the drafter trains on). False: it only steers the user turn; the answer is written under
+            the template's default system prompt, as general chat is served (a drafter trained under
+            "The user will ask you about physics." saw another context than it serves in).
         seed: base seed; request ``i`` samples with :func:`_request_seed` of (seed, kind, i).
         min_chars, max_chars: length filter of a user turn (characters after stripping).
         min_words: fewer words than this is ``too_short``.
@@ -204,6 +208,7 @@ class SelfPromptSettings:
     seed_topics: list[str] = field(default_factory=list)
     topic_template: str = "The user will ask you about {topic}."
     multi_turn: bool = False
+    keep_system_prompt: bool = False
     seed: int = 0
     min_chars: int = 12
     max_chars: int = 2000
@@ -887,9 +892,14 @@ def _complete_batches(rows: list[dict], batch_size: int, limit: int) -> list[dic
         b += 1
 
 
-def _open_driver(params, settings: SelfPromptSettings, tkw: dict):
-    """``(driver, tokenizer, close)`` for ``synthesize.backend`` (transformers, vllm or server)."""
+def _open_driver(params, settings: SelfPromptSettings, tkw: dict, backend=None):
+    """``(driver, tokenizer, close)`` for ``synthesize.backend`` (transformers, vllm or server).
+
+    ``backend``: an open :class:`eagle3.synthesize.local.VllmBackend` to write the prompts with (stage 1
+    then answers them on the same engine: one engine start instead of two); the caller closes it."""
     syn = params.synthesize
+    if backend is not None:
+        return VllmDriver(backend.llm, backend.tok, settings, syn.max_new_tokens, tkw), backend.tok, lambda: None
     if syn.backend == "transformers":
         from eagle3.target import load_target
 
@@ -932,7 +942,7 @@ def self_sources_pending(params, run_dir) -> bool:
                for i, src in enumerate(params.synthesize.sources))
 
 
-def prepare_self_sources(params, run_dir, progress=None) -> tuple[list, list[dict]]:
+def prepare_self_sources(params, run_dir, progress=None, backend=None) -> tuple[list, list[dict]]:
     """Write the prompts of every ``kind: self`` source of ``synthesize.sources`` with the target,
     and return the sources with each such source replaced by a ``kind: file`` source of them.
 
@@ -943,9 +953,10 @@ def prepare_self_sources(params, run_dir, progress=None) -> tuple[list, list[dic
     * ``source_N.candidates.jsonl``: every sampled first-turn candidate, appended one whole batch at
       a time (``{"batch", "index", "text", "finish_reason", "num_tokens"}``). A killed run resumes
       from its whole batches, and as sampling is seeded per batch, writes the same prompts.
-    * ``source_N.jsonl``: the kept prompts as OpenAI-style records (``messages``: system?, user, and
-      with a follow-up an empty assistant placeholder and the second user turn; ``self_prompt``:
-      index, topic), written atomically once complete; a finished source is not sampled again.
+    * ``source_N.jsonl``: the kept prompts as OpenAI-style records (``messages``: the steering system
+      prompt only with ``keep_system_prompt``, user, and with a follow-up an empty assistant
+      placeholder and the second user turn; ``self_prompt``: index, topic, system), written
+      atomically once complete; a finished source is not sampled again.
     * ``source_N.stats.json``: :meth:`SelfPromptResult.stats` (filter counts, distinct-1/2, ...).
 
     The replacing source has ``label`` ``"self"`` (unless the source names one), so each sample
@@ -958,6 +969,8 @@ def prepare_self_sources(params, run_dir, progress=None) -> tuple[list, list[dic
             prompts): ``done`` = prompts kept over all self sources, ``total`` = their ``count`` sum,
             ``tokens`` = tokens sampled, ``extra`` = ``{"phase": "self-prompting", "self_source",
             "candidates"}``. None: no progress file.
+        backend: an open vLLM backend of stage 1 (``synthesize.backend: vllm``) to sample with instead
+            of starting an engine here; left open (the same settings: :func:`_open_driver`).
 
     Returns:
         ``(sources, stats)``: the new source list and one stats dict per self source (with
@@ -1009,7 +1022,7 @@ def prepare_self_sources(params, run_dir, progress=None) -> tuple[list, list[dic
             if not (final_p.is_file() and stats_p.is_file()):
                 atomic_write_json(meta_p, meta)
                 if drv is None:  # one backend for all self sources (the settings differ per source, not the model)
-                    drv, tok, close = _open_driver(params, settings, tkw)
+                    drv, tok, close = _open_driver(params, settings, tkw, backend)
                 drv.s = settings
                 rows = _complete_batches(read_jsonl(cand_p, missing_ok=True), syn.batch_size, settings.attempts())
                 atomic_write_text(cand_p, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
@@ -1032,11 +1045,15 @@ def prepare_self_sources(params, run_dir, progress=None) -> tuple[list, list[dic
                                              template_kwargs=tkw, done=done, on_batch=persist, on_progress=report)
                 recs = []
                 for p in res.prompts:
-                    msgs = ([{"role": "system", "content": p.system}] if p.system else []) + [
+                    # the steering system prompt stays only when asked for (keep_system_prompt): by
+                    # default the target answers, and the drafter trains, under the template's default
+                    keep = settings.keep_system_prompt and p.system
+                    msgs = ([{"role": "system", "content": p.system}] if keep else []) + [
                         {"role": "user", "content": p.user}]
                     if p.followup:
                         msgs += [{"role": "assistant", "content": ""}, {"role": "user", "content": p.followup}]
-                    recs.append({"messages": msgs, "self_prompt": {"index": p.index, "topic": p.topic}})
+                    recs.append({"messages": msgs,
+                                 "self_prompt": {"index": p.index, "topic": p.topic, "system": p.system}})
                 if not recs:
                     raise SynthesisError(f"synthesize.sources[{i}] (kind: self): no prompt survived the filters "
                                          f"({res.counts}); raise max_new_tokens or max_attempts")
@@ -1076,7 +1093,8 @@ def read_self_prompts(run_dir) -> list[dict]:
             rec = json.loads(line)
             msgs = rec["messages"]
             users = [m["content"] for m in msgs if m["role"] == "user"]
-            system = next((m["content"] for m in msgs if m["role"] == "system"), None)
+            system = next((m["content"] for m in msgs if m["role"] == "system"),
+                          rec.get("self_prompt", {}).get("system"))  # the steering one, when not kept
             out.append({"source_index": idx, "system": system, "user": users[0],
                         "followup": users[1] if len(users) > 1 else None, "topic": rec.get("self_prompt", {}).get("topic")})
     return out

@@ -132,11 +132,11 @@ def test_run_dir_refuses_other_params(tmp_params):
 
 
 # What params/smollm2-135m.yaml (the embedded default, `make run`) deliberately sets differently
-# from Params(): the run's name and a CPU/float32 pin. Everything else of the default run is
+# from Params(): the run's name and a CPU/bfloat16 pin. Everything else of the default run is
 # Params' defaults, so the defaults live in one place (eagle3/config.py).
 DEFAULT_YAML_OVERRIDES = {
     "run.name": "smollm2-135m",
-    "target.dtype": "float32",
+    "target.dtype": "bfloat16",
     "target.device": "cpu",
 }
 

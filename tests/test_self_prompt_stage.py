@@ -62,8 +62,10 @@ def test_prepare_self_sources_writes_reuses_and_refuses_other_settings(tmp_path,
     cands = (d / "source_1.candidates.jsonl").read_text().splitlines()
     assert len(cands) >= st["attempts"] and len(cands) % 2 == 0  # whole batches of 2
     for r in recs:
-        sys_msg, user = r["messages"][0], r["messages"][1]
-        assert sys_msg["role"] == "system" and r["self_prompt"]["topic"] in sys_msg["content"]
+        # the steering system prompt wrote the user turn but is not in the conversation stage 1
+        # answers (keep_system_prompt: false), so the drafter trains under the template's default
+        (user,) = r["messages"]
+        assert r["self_prompt"]["topic"] in r["self_prompt"]["system"]
         assert user["role"] == "user" and user["content"].strip() == user["content"] != ""
 
     # the prompts load like any file source: source "self", dedup/split as usual
@@ -71,13 +73,15 @@ def test_prepare_self_sources_writes_reuses_and_refuses_other_settings(tmp_path,
 
     prompts, _ = load_prompts(params.synthesize.model_copy(update={"sources": sources}))
     mine = [p for p in prompts if p.source == "self"]
-    assert sorted(p.turns[0][1]["content"] for p in mine) == sorted(r["messages"][1]["content"] for r in recs)
+    assert sorted(p.turns[0][0]["content"] for p in mine) == sorted(r["messages"][0]["content"] for r in recs)
     assert all(p.id.startswith("self-") for p in mine)
 
     # what notebook 01 shows: the prompts and one figure (lengths, filter counts, distinct-1/2)
     from eagle3.self_prompt import read_self_prompts, self_prompt_figures
 
-    assert [p["user"] for p in read_self_prompts(run_dir)] == [r["messages"][1]["content"] for r in recs]
+    shown = read_self_prompts(run_dir)
+    assert [p["user"] for p in shown] == [r["messages"][0]["content"] for r in recs]
+    assert [p["system"] for p in shown] == [r["self_prompt"]["system"] for r in recs]
     fig = self_prompt_figures(run_dir)["self_prompts"]
     assert len(fig.axes) == 3 and fig.axes[1].get_title() == "candidates by filter"
 
@@ -180,7 +184,7 @@ def test_stage1_with_a_self_source(tmp_path, embedded_target):
     from eagle3.synthesize import run as synthesize_run
 
     torch.set_num_threads(2)
-    params = _params(tmp_path, "stage")
+    params = _params(tmp_path, "stage", keep_system_prompt=True)  # the steering system prompt is answered under
     params.synthesize.sources[0].limit = 1
     run_dir = params.run_dir()
     stats = synthesize_run(params, run_dir)

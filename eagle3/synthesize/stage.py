@@ -123,15 +123,17 @@ class _Outcome:
     gen_s: float = 0.0
 
 
-def _generate(params: Params, pending: list[Prompt], sess: Session) -> _Outcome:
-    """Load the backend and generate every pending prompt (nothing when none is pending)."""
+def _generate(params: Params, pending: list[Prompt], sess: Session, backend=None) -> _Outcome:
+    """Load the backend and generate every pending prompt (nothing when none is pending). An open
+    ``backend`` (the engine that wrote the self-prompts) is used instead, and left to its owner to close."""
     syn = params.synthesize
     out = _Outcome()
     if not pending:
         return out
     t0 = time.time()
+    own = backend is None
     try:
-        out.backend = make_backend(params)
+        out.backend = make_backend(params) if own else backend
         sess.settings["model"] = out.backend.model_name
         server = out.backend.name == "server"
         if server:
@@ -148,7 +150,7 @@ def _generate(params: Params, pending: list[Prompt], sess: Session) -> _Outcome:
             run_batched(out.backend, pending, sess, syn.batch_size, syn.max_new_tokens)
         out.gen_s = time.time() - t1
     finally:
-        if out.backend is not None:
+        if own and out.backend is not None:
             out.backend.close()
     return out
 
@@ -232,7 +234,16 @@ def run(params: Params, run_dir: str | Path) -> SynthesizeStats:
 
 
 def _run(params: Params, run_dir: Path) -> SynthesizeStats:
-    t_start, run_dir = time.time(), Path(run_dir)
+    shared: list = []  # vLLM: the engine that writes the self-prompts answers them too (one engine start)
+    try:
+        return _run_stage(params, Path(run_dir), shared)
+    finally:
+        for be in shared:
+            be.close()
+
+
+def _run_stage(params: Params, run_dir: Path, shared: list) -> SynthesizeStats:
+    t_start = time.time()
     syn, self_stats = params.synthesize, []
     if any(src.kind == "self" for src in syn.sources):
         # the target writes these prompts first (resumable, 01_synthesize/self_prompts/); they then
@@ -249,7 +260,10 @@ def _run(params: Params, run_dir: Path) -> SynthesizeStats:
             sdir = stage_dir(run_dir, SYNTHESIZE)
             prog = Progress(sdir, total=total, unit="self prompts", desc=f"{sdir.name} self-prompting")
         try:
-            sources, self_stats = prepare_self_sources(params, run_dir, progress=prog)
+            if prog is not None and syn.backend == "vllm":
+                shared.append(make_backend(params))
+            sources, self_stats = prepare_self_sources(params, run_dir, progress=prog,
+                                                       backend=shared[0] if shared else None)
         except BaseException as exc:
             if prog is not None:
                 prog.extra["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -275,7 +289,8 @@ def _run(params: Params, run_dir: Path) -> SynthesizeStats:
                 if self_stats:  # each sample records the self-prompting settings beside the generation ones
                     settings["self_prompt"] = {str(x["source_index"]): x["settings"] for x in self_stats}
                 sess = Session(store=store, progress=st.progress, settings=settings, timeline=timeline)
-                out = _generate(params, [p for p in prompts if p.id not in store.done], sess)
+                out = _generate(params, [p for p in prompts if p.id not in store.done], sess,
+                                backend=shared[0] if shared else None)
             ok = not out.tripped and len(sess.failed) <= params.synthesize.max_failed_samples
             extra = store.finalize(ids) if ok else 0
             store.close()
