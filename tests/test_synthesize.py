@@ -302,6 +302,14 @@ def test_bad_input_lines_counted_in_stats(tmp_path, capsys):
     assert line == [f"eagle3 synthesize: 2 samples from 2 prompts selected of 7 records; 5 bad prompt record(s) "
                     f"(malformed_json 1, invalid_utf8 1, empty_prompt 1, no_user_turn 1, assistant_only 1; first "
                     f"{f}:2 a user turn is empty)"] and stats["finish_reasons"] == {"stop": 2}
+    # opened again on the finished stage (notebook 01 on a finished run): the same line, no file rewritten
+    kept = {n: (RunDir(rd).stage(SYNTHESIZE) / n).read_bytes() for n in ("stats.json", "progress.json", "samples.jsonl")}
+    with FakeChatServer() as srv:
+        again = run(_params(tmp_path, srv.base_url, f, sources=[{"kind": "file", "path": str(f), "format": "auto"}]), rd)
+    assert srv.actions() == [] and again["samples"] == 2
+    assert [x for x in capsys.readouterr().out.splitlines() if x.startswith("eagle3 synthesize: ")] == [
+        line[0] + " (stage 1 already complete)"]
+    assert {n: (RunDir(rd).stage(SYNTHESIZE) / n).read_bytes() for n in kept} == kept
 
 
 def test_skip_summary_names_every_kind_of_loss():

@@ -277,8 +277,10 @@ def _run_stage(params: Params, run_dir: Path, shared: list) -> SynthesizeStats:
     store = SampleStore(samples_path(run_dir))
     finished = completed_stats(run_dir, SYNTHESIZE, SynthesizeStats)
     if finished is not None and set(store.done) == set(ids):
-        # nothing to generate: a finished stage is returned as it is, no file rewritten (issue 16)
+        # nothing to generate: a finished stage is returned as it is, no file rewritten (issue 16);
+        # the console (and notebook 01 opened on the run) still get the one line of what was skipped
         store.close()
+        print(f"eagle3 synthesize: {skip_summary(finished.to_dict())} (stage 1 already complete)", flush=True)
         return finished
     try:
         resumed_from = sum(1 for i in ids if i in store.done)
