@@ -618,3 +618,159 @@ def test_stage_parity_fails_on_a_vocab_mapping_changed_after_training(fitted_dra
     # while the offline decoder, which uses the mapping the drafter was trained with, keeps its τ
     # (measured 1.26 on the 2 offline prompts; the gap is relative to a weak fitted drafter).
     assert st["tau_vllm"] < 1.05 < 1.15 < st["tau_offline"]
+
+
+# ------------------------------------------------------------------------------- kill and resume
+
+
+def _pgroup_members(pgid: int) -> list[int]:
+    """Live process ids whose process group is ``pgid`` (from /proc; zombies do not count)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(d.name))
+    return out
+
+
+def _worker_pid(job_file: Path) -> int | None:
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"eagle3.evaluate.vllm_worker" in cmd and str(job_file).encode() in cmd:
+                return int(d.name)
+    return None
+
+
+def _deterministic(obj):
+    """``obj`` without what differs between two runs of the same measurement: times and tokens/s."""
+    if isinstance(obj, dict):
+        return {k: _deterministic(v) for k, v in obj.items()
+                if not (k.endswith("_s") or k.startswith(("tokens_per_s", "speedup"))
+                        or k in {"speed_by_set", "speed", "finished_at"})}
+    if isinstance(obj, list):
+        return [_deterministic(v) for v in obj]
+    return obj
+
+
+_WATCHED = """
+import os, subprocess, sys, time
+from eagle3.evaluate.vllm_worker import watch_parent
+watch_parent(int(os.environ["EAGLE3_PARENT_PID"]), 0.1)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # an engine process
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+_PARENT = """
+import os, subprocess, sys, time
+env = {**os.environ, "EAGLE3_PARENT_PID": str(os.getpid())}
+w = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env=env, start_new_session=True, stdout=subprocess.PIPE, text=True)
+print(w.pid, w.stdout.readline().strip(), flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_worker_whose_parent_is_killed_kills_its_process_group():
+    """The vLLM worker's watchdog (:func:`eagle3.evaluate.vllm_worker.watch_parent`): SIGKILL of the
+    process that started it (here a stand-in for the stage) ends the worker and the engine process
+    it started within a second, although both are in another session."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root = Path(__file__).resolve().parents[1]
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, _WATCHED], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(root)})
+    worker = child = None
+    try:
+        worker, child = map(int, parent.stdout.readline().split())
+        assert set(_pgroup_members(worker)) == {worker, child}
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(timeout=10)
+        deadline = time.time() + 10
+        while time.time() < deadline and _pgroup_members(worker):
+            time.sleep(0.1)
+        assert _pgroup_members(worker) == []
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        for pid in _pgroup_members(worker) if worker else []:
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_sigkill_of_eagle3_run_during_a_vllm_job_then_resume_is_identical(fitted_drafter, tmp_params, tmp_path):
+    """Issue 15: SIGKILL of the ``eagle3 run --stages 5`` process group while the vLLM worker runs.
+    The worker lives in its own session (out of the signal's reach): it must kill its engine and
+    itself once its parent is gone; the re-run reuses the offline records and measures vLLM again,
+    ending with the uninterrupted run's numbers (T=0: τ, per-position acceptance, tokens)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from eagle3.cli import main
+    from eagle3.evaluate import run
+    from eagle3.io import read_json
+
+    params, run_dir = _stage_run_dir(tmp_params, fitted_drafter)
+    sd = RunDir(run_dir).stage(5)
+    run(params, run_dir)  # the uninterrupted reference
+    ref = {f: read_json(sd / f) for f in ("results.json", "stats.json", "vllm_eagle3.json")}
+    ref_offline = (sd / "offline_records.jsonl").read_text().splitlines()
+    shutil.rmtree(sd)
+
+    pf = tmp_path / "p.yaml"
+    root = Path(__file__).resolve().parents[1]
+    log = open(tmp_path / "killed.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3", "run", str(pf), "--stages", "5"], cwd=root,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    worker = None
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline and proc.poll() is None and worker is None:
+            worker = _worker_pid(sd / "vllm_eagle3.job.json")
+            time.sleep(0.2)
+        assert worker, (tmp_path / "killed.log").read_text()[-3000:]
+        time.sleep(8)  # the engine is loading or generating
+        assert not (sd / "vllm_eagle3.json").exists(), "the job ended before the kill"
+        os.killpg(proc.pid, signal.SIGKILL)  # eagle3 run and papermill; the kernel and the worker have their own sessions
+        proc.wait(timeout=30)
+        deadline = time.time() + 60
+        while time.time() < deadline and _pgroup_members(worker):
+            time.sleep(0.5)
+        assert not _pgroup_members(worker), "the vLLM worker (or its engine) outlived the killed stage"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in _pgroup_members(worker) if worker else []:
+            os.kill(pid, signal.SIGKILL)
+        log.close()
+    assert not (sd / "stats.json").exists() and read_json(sd / "inputs.json")["complete"] is False
+    offline_before = (sd / "offline_records.jsonl").read_text().splitlines()
+    assert len(offline_before) == 4  # the offline measurement had finished before vLLM started
+
+    assert main(["run", str(pf), "--stages", "5"]) == 0
+    assert (sd / "offline_records.jsonl").read_text().splitlines() == offline_before  # reused, not redone
+    strip = [{k: v for k, v in json.loads(r).items() if k != "time_s"} for r in offline_before]
+    assert strip == [{k: v for k, v in json.loads(r).items() if k != "time_s"} for r in ref_offline]
+    for f, want in ref.items():
+        got = read_json(sd / f)
+        assert _deterministic(got) == _deterministic(want), f
+    st = read_json(sd / "stats.json")
+    assert st["complete"] and st["tau_vllm"] == ref["stats.json"]["tau_vllm"] > 1.1  # measured 1.196 (pooled)
+    assert st["sets"]["heldout"]["tau_vllm"] == ref["stats.json"]["sets"]["heldout"]["tau_vllm"] > 1.5  # 1.679
+    assert st["tau_offline"] == ref["stats.json"]["tau_offline"] and st["parity_ok"] is True
+    assert not list(sd.glob(".*.tmp"))

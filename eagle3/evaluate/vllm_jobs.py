@@ -56,7 +56,10 @@ def run_vllm_job(job: dict, out_path: str | Path, log_path: str | Path | None = 
     """Run ``python -m eagle3.evaluate.vllm_worker`` on ``job`` in a subprocess and return its result.
 
     The job file is written beside ``out_path`` (``<out>.job.json``); the child's output goes to
-    ``log_path`` (default ``<out>.log``). The child runs in its own process group, killed on timeout.
+    ``log_path`` (default ``<out>.log``). The child runs in its own process group, killed on timeout;
+    it is told this process's id (``EAGLE3_PARENT_PID``) and kills its group when this process dies
+    (:func:`eagle3.evaluate.vllm_worker.watch_parent`): a SIGKILLed stage leaves no engine behind, and
+    the re-run measures again (the result file is only kept with its job key).
 
     Raises:
         EvaluateError: the child failed or timed out (the message holds the log tail).
@@ -69,6 +72,7 @@ def run_vllm_job(job: dict, out_path: str | Path, log_path: str | Path | None = 
     log_path = Path(log_path) if log_path else out_path.with_suffix(".log")
     env = cpu_env()
     env["PYTHONPATH"] = str(_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["EAGLE3_PARENT_PID"] = str(os.getpid())
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "eagle3.evaluate.vllm_worker", str(job_path), str(out_path)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

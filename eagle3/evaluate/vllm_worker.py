@@ -26,13 +26,21 @@ its own rendering. One engine, without prefix caching (every prompt is prefilled
   (``per_request_spec_decode_metrics="detailed"``) are returned too: the per-set numbers.
 * **speed**: the ``speed_ids`` prompts one ``LLM.chat`` call each, so one request is in the engine
   at a time (the single-stream setting where speculation pays); output tokens and seconds per prompt.
+
+The worker runs in its own session (so that a timeout kills its engine's processes with it), which
+also puts it out of reach of a signal sent to the stage's process group: when ``EAGLE3_PARENT_PID``
+is set (:func:`eagle3.evaluate.vllm_jobs.run_vllm_job` sets it), a watchdog thread kills the
+worker's whole process group as soon as that parent is gone (a SIGKILLed ``eagle3 run``, a kernel
+that exited), so that no orphaned engine keeps its memory or races the re-run (issue 15).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -189,12 +197,32 @@ def run_job(job: dict) -> dict:
     }
 
 
+def watch_parent(parent_pid: int, interval_s: float = 0.5) -> threading.Thread:
+    """Start a daemon thread that SIGKILLs this process group once ``parent_pid`` is no longer our
+    parent (it died: we were re-parented to init or a subreaper).
+
+    The worker is its session's leader (``start_new_session``), so the group is the worker and the
+    engine processes it spawned; nothing else is in it.
+    """
+    def loop() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    t = threading.Thread(target=loop, name="eagle3-parent-watchdog", daemon=True)
+    t.start()
+    return t
+
+
 def main(argv: list[str] | None = None) -> int:
     """Command line: ``python -m eagle3.evaluate.vllm_worker JOB.json OUT.json`` (OUT written atomically)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 2:
         print("usage: python -m eagle3.evaluate.vllm_worker JOB.json OUT.json", file=sys.stderr)
         return 2
+    parent = os.environ.get("EAGLE3_PARENT_PID")
+    if parent and os.getpgrp() == os.getpid():  # only as a session/group leader: never kill a caller's group
+        watch_parent(int(parent))
     job = json.loads(Path(argv[0]).read_text())
     result = run_job(job)
     from eagle3.io import atomic_write_json
