@@ -301,6 +301,26 @@ def write_stats(stage_dir: str | Path, stats: dict, complete: bool = True) -> di
     return out
 
 
+def is_disk_full(exc: BaseException, folder: str | Path | None = None) -> bool:
+    """Whether ``exc`` (raised by a write) means the disk is full: ``ENOSPC``, its text ("No space left
+    on device", Rust's "os error 28"), or - with ``folder`` - any OSError/RuntimeError while that
+    folder's file system has less than 64 MiB free (``torch.save`` reports a full disk as
+    ``RuntimeError: [enforce fail at inline_container.cc:...] unexpected pos``)."""
+    import errno
+
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    msg = str(exc)
+    if "No space left on device" in msg or "os error 28" in msg:
+        return True
+    if folder is None or not isinstance(exc, (OSError, RuntimeError)):
+        return False
+    try:
+        return free_bytes(folder) < 64 * 2**20
+    except OSError:
+        return False
+
+
 def free_bytes(path: str | Path) -> int:
     """Free bytes on the filesystem holding ``path`` (its nearest existing parent)."""
     p = Path(path).resolve()

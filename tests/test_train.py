@@ -970,3 +970,38 @@ def test_verify_checks_the_checkpoints_and_the_exported_drafter(ref_run, tmp_pat
     assert probs[-1].startswith(f"{rd2 / TRAIN_DIR / 'drafter' / 'model.safetensors'}: d2t/t2d digest {d_old}, but "
                                 f"Stage 2's vocab_mapping.safetensors is {d_new}")
     assert len(probs) == 1 + len(steps) + 1
+
+
+def test_a_full_disk_at_a_checkpoint_is_a_clear_error(tmp_path, monkeypatch):
+    """Issue 15 §3: torch.save reports a full disk as `RuntimeError: [enforce fail at
+    inline_container.cc:672] unexpected pos`: the error says disk full, how much is free, and where a
+    re-run resumes; the temp folder is gone and the earlier checkpoint is intact."""
+    from collections import namedtuple
+
+    from eagle3.config import load_params
+    from eagle3.errors import TrainError
+    from eagle3.train import checkpoint as ckpt
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    params, root = load_params(None), tmp_path / "checkpoints"
+    ckpt.save_checkpoint(root, 1, model, opt, sched, {"step": 1}, params)
+
+    def full(*a, **k):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 4864 vs 4752")
+
+    monkeypatch.setattr(torch, "save", full)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * 2**30, 10 * 2**30 - 2**20, 2**20))
+    with pytest.raises(TrainError) as ei:
+        ckpt.save_checkpoint(root, 2, model, opt, sched, {"step": 2}, params)
+    msg = str(ei.value)
+    assert msg.startswith(f"disk full while writing checkpoint {root / 'step_000002'} (RuntimeError: [enforce fail")
+    assert "1.0 MiB free" in msg and "re-run: training resumes from step_000001" in msg
+    assert [p.name for p in root.iterdir()] == ["step_000001"] and ckpt.list_checkpoints(root) == [1]
+    # the same error with plenty of room is not a full disk: it propagates as it is
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 * 2**30, 0, 10 * 2**30))
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        ckpt.save_checkpoint(root, 3, model, opt, sched, {"step": 3}, params)
+    assert ckpt.verify_checkpoints(root) == []

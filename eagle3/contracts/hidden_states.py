@@ -33,7 +33,6 @@ Needs torch, numpy and safetensors, plus the package's own io/rundir/errors (no 
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -52,7 +51,7 @@ import numpy as np
 import torch
 
 from eagle3.errors import ExtractError, TrainError
-from eagle3.io import atomic_write_json, atomic_write_text, file_sha256, read_jsonl
+from eagle3.io import atomic_write_json, atomic_write_text, file_sha256, is_disk_full, read_jsonl
 from eagle3.rundir import EXTRACT_META_FILE, MANIFEST_FILE
 
 __all__ = [
@@ -293,13 +292,6 @@ def save_sample(tmp_path: Path, tensors: dict[str, torch.Tensor], metadata: dict
     save_file(tensors, str(tmp_path), metadata=metadata)
 
 
-def _is_disk_full(exc: BaseException) -> bool:
-    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-        return True
-    msg = str(exc)
-    return "No space left on device" in msg or "os error 28" in msg
-
-
 def _atomic_save(path: Path, tmp_dir: Path, tensors: dict, metadata: dict, write_fn: Callable) -> tuple[int, str]:
     """Save to a temp file in ``tmp_dir`` (via ``write_fn``), hash it, rename it over ``path``.
 
@@ -397,7 +389,7 @@ class SampleWriter:
             return _atomic_save(path, self.stage_dir / TMP_DIR, {k: v.contiguous() for k, v in tensors.items()}, meta,
                                 self.write_fn)
         except Exception as exc:
-            if _is_disk_full(exc):
+            if is_disk_full(exc):
                 raise ExtractError(
                     f"disk full while writing {path}: {exc}. Free space now: "
                     f"{shutil.disk_usage(self.stage_dir).free} bytes; this run wrote {self.bytes_written} bytes in "

@@ -20,7 +20,7 @@ import numpy as np
 
 from eagle3.config import Params, diff_params, dump_params, load_params
 from eagle3.errors import TrainError
-from eagle3.io import atomic_write_json, atomic_write_text, read_json
+from eagle3.io import atomic_write_json, atomic_write_text, format_bytes, free_bytes, is_disk_full, read_json
 from eagle3.train.model import trainable_state
 
 __all__ = ["list_checkpoints", "checkpoint_path", "save_checkpoint", "load_checkpoint", "resume_state", "prune",
@@ -99,7 +99,13 @@ def _set_rng_state(tensors: dict, meta: dict, device) -> None:
 
 
 def save_checkpoint(root: Path, step: int, model, opt, sched, state: dict, params: Params) -> Path:
-    """Write ``root/step_NNNNNN`` atomically (temp folder + rename); no-op when it already exists."""
+    """Write ``root/step_NNNNNN`` atomically (temp folder + rename); no-op when it already exists.
+
+    Raises:
+        TrainError: the disk filled up while writing (:func:`eagle3.io.is_disk_full`; torch.save says
+            only "unexpected pos"): the temp folder is removed, earlier checkpoints are untouched and a
+            re-run resumes from the last one.
+    """
     import torch
     from safetensors.torch import save_file
 
@@ -127,6 +133,16 @@ def save_checkpoint(root: Path, step: int, model, opt, sched, state: dict, param
         if final.exists():  # an incomplete folder from a crash during a previous rename
             shutil.rmtree(final)
         os.replace(tmp, final)
+    except (OSError, RuntimeError) as exc:
+        if not is_disk_full(exc, root):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        last = list_checkpoints(root)
+        raise TrainError(
+            f"disk full while writing checkpoint {final} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; "
+            f"{format_bytes(free_bytes(root))} free): free space or set run.output_dir to a larger disk, then re-run: "
+            + (f"training resumes from {checkpoint_path(root, last[-1]).name}" if last else "training starts again")
+            + " (train.keep_checkpoints bounds how many are kept)") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
