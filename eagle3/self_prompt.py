@@ -394,13 +394,18 @@ def _shingles(text: str, n: int) -> set[str]:
     return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)}
 
 
-_MERSENNE = (1 << 61) - 1
+_PRIME31 = (1 << 31) - 1  # a*h + b < 2**62 for 31-bit a, h, b: exact in uint64
 
 
 class NearDuplicateIndex:
     """Near-duplicate detection on word n-gram sets: MinHash signatures, LSH banding for candidates,
     exact Jaccard to confirm (so there are no false positives; misses need J near the threshold and
     an unlucky band split).
+
+    Signatures use the universal hashes ``(a*h + b) mod (2**31 - 1)`` of 31-bit blake2b shingle
+    hashes, computed with numpy (one ``[num_perm, shingles]`` array per text; the pure-Python loop
+    took ~2.5 ms per text, ~75 s for the 59K candidates of the issue-13 GPU run); the last text's
+    shingles and signature are kept, so ``query`` then ``add`` of the same text hashes it once.
 
     Args:
         threshold: Jaccard similarity at or above which two texts are near duplicates.
@@ -413,40 +418,55 @@ class NearDuplicateIndex:
 
     def __init__(self, threshold: float = 0.6, ngram: int = 3, num_perm: int = 64, bands: int = 32,
                  seed: int = 1) -> None:
+        import numpy as np
+
         if num_perm % bands:
             raise SelfPromptError(f"num_perm {num_perm} is not a multiple of bands {bands}")
         self.threshold, self.ngram, self.bands, self.rows = threshold, ngram, bands, num_perm // bands
         rng = random.Random(seed)
-        self.perms = [(rng.randrange(1, _MERSENNE), rng.randrange(0, _MERSENNE)) for _ in range(num_perm)]
+        self._a = np.array([rng.randrange(1, _PRIME31) for _ in range(num_perm)], dtype=np.uint64)[:, None]
+        self._b = np.array([rng.randrange(0, _PRIME31) for _ in range(num_perm)], dtype=np.uint64)[:, None]
         self.buckets: dict[tuple, list[int]] = {}
         self.sets: list[set[str]] = []
+        self._last: tuple[str, set[str], list[tuple]] | None = None
 
-    def _signature(self, sh: set[str]) -> list[int]:
-        hs = [struct.unpack("<Q", hashlib.blake2b(s.encode(), digest_size=8).digest())[0] for s in sh]
-        return [min((a * h + b) % _MERSENNE for h in hs) for a, b in self.perms]
+    def _hashed(self, text: str) -> tuple[set[str], list[tuple]]:
+        """``(shingles, LSH band keys)`` of a text (the last one memoised)."""
+        import numpy as np
+
+        if self._last is not None and self._last[0] == text:
+            return self._last[1], self._last[2]
+        sh = _shingles(text, self.ngram)
+        hs = np.array([struct.unpack("<Q", hashlib.blake2b(x.encode(), digest_size=8).digest())[0] & _PRIME31
+                       for x in sh], dtype=np.uint64)
+        sig = ((self._a * hs[None, :] + self._b) % np.uint64(_PRIME31)).min(axis=1).tolist()
+        r = self.rows
+        keys = [(b, *sig[b * r:(b + 1) * r]) for b in range(self.bands)]
+        self._last = (text, sh, keys)
+        return sh, keys
 
     def query(self, text: str) -> tuple[float, int | None]:
         """Highest Jaccard with an indexed text among LSH candidates: ``(similarity, its number)``."""
-        sh = _shingles(text, self.ngram)
+        sh, keys = self._hashed(text)
         best, who = 0.0, None
-        for key in self._keys(self._signature(sh)):
+        seen: set[int] = set()
+        for key in keys:
             for j in self.buckets.get(key, ()):
+                if j in seen:
+                    continue
+                seen.add(j)
                 other = self.sets[j]
                 jac = len(sh & other) / len(sh | other)
                 if jac > best:
                     best, who = jac, j
         return best, who
 
-    def _keys(self, sig: list[int]) -> list[tuple]:
-        r = self.rows
-        return [(b, *sig[b * r:(b + 1) * r]) for b in range(self.bands)]
-
     def add(self, text: str) -> int:
         """Index a text; returns its number."""
-        sh = _shingles(text, self.ngram)
+        sh, keys = self._hashed(text)
         j = len(self.sets)
         self.sets.append(sh)
-        for key in self._keys(self._signature(sh)):
+        for key in keys:
             self.buckets.setdefault(key, []).append(j)
         return j
 
@@ -646,9 +666,8 @@ class TransformersDriver:
 
     def __init__(self, model, tokenizer, settings: SelfPromptSettings, answer_max_new_tokens: int = 128,
                  template_kwargs: dict | None = None, batching: str = "padded",
-                 cb_kwargs: dict | None = None) -> None:
-        import torch
-
+                 cb_kwargs: dict | None = None, pool=None) -> None:
+        from eagle3.chat import pad_token_id
         from eagle3.synthesize.local import use_continuous_batching
 
         self.model, self.tok, self.s = model, tokenizer, settings
@@ -659,30 +678,23 @@ class TransformersDriver:
         self.answer_max_new_tokens = answer_max_new_tokens
         self.template_kwargs = dict(template_kwargs or {})
         self.eos_ids = _eos_ids(tokenizer, model)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
-        self.device = next(model.parameters()).device
-        self._torch = torch
+        self.pad_id = pad_token_id(tokenizer, self.eos_ids)
+        # pool: an eagle3.synthesize.local.GeneratePool (synthesize.transformers_processes > 1), padded batches only
+        self.pool = None if self.continuous else pool
 
     def _generate(self, ids: list[list[int]], stop_ids: list[int], max_new: int, seed: int | None) -> list[list[int]]:
-        torch = self._torch
+        """New ids per row: sampled with ``seed``, greedy when ``seed`` is None."""
         if self.continuous:
             from eagle3.synthesize.local import generate_continuous
 
             return generate_continuous(self.model, ids, max_new_tokens=max_new, eos_ids=stop_ids, pad_id=self.pad_id,
                                        temperature=self.s.temperature if seed is not None else 0.0,
                                        top_p=self.s.top_p, seed=seed, config_kwargs=self.cb_kwargs)
-        width = max(len(x) for x in ids)
-        inp = torch.tensor([[self.pad_id] * (width - len(x)) + x for x in ids], device=self.device)
-        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=self.device)
-        kw: dict = dict(max_new_tokens=max_new, pad_token_id=self.pad_id, eos_token_id=stop_ids)
-        if seed is None:
-            kw["do_sample"] = False
-        else:
-            kw.update(do_sample=True, temperature=self.s.temperature, top_p=self.s.top_p, top_k=0)
-            torch.manual_seed(seed)
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=inp, attention_mask=mask, **kw)
-        return out[:, width:].tolist()
+        from eagle3.synthesize.local import generate_padded
+
+        kw = dict(pad_id=self.pad_id, eos_ids=stop_ids, max_new_tokens=max_new, temperature=self.s.temperature,
+                  top_p=self.s.top_p, seed=seed)
+        return self.pool.generate(ids, **kw) if self.pool is not None else generate_padded(self.model, ids, **kw)
 
     def sample(self, reqs: list[SelfPromptRequest]) -> list[Candidate]:
         """One sampled user turn per request (stops at the end-of-turn ids or any EOS id)."""
@@ -901,11 +913,14 @@ def _open_driver(params, settings: SelfPromptSettings, tkw: dict, backend=None):
     if backend is not None:
         return VllmDriver(backend.llm, backend.tok, settings, syn.max_new_tokens, tkw), backend.tok, lambda: None
     if syn.backend == "transformers":
+        from eagle3.synthesize.local import GeneratePool
         from eagle3.target import load_target
 
         model, tok, _ = load_target(params.target)
-        return (TransformersDriver(model, tok, settings, syn.max_new_tokens, tkw, batching=syn.transformers_batching,
-                                   cb_kwargs=syn.transformers_kwargs), tok, lambda: None)
+        pool = GeneratePool(params.target, syn.transformers_processes) if syn.transformers_processes > 1 else None
+        drv = TransformersDriver(model, tok, settings, syn.max_new_tokens, tkw, batching=syn.transformers_batching,
+                                 cb_kwargs=syn.transformers_kwargs, pool=pool)
+        return drv, tok, (pool.close if pool is not None else lambda: None)
     if syn.backend == "vllm":
         from eagle3.synthesize.local import VllmBackend  # the stage's own vLLM engine settings
 
