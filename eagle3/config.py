@@ -207,10 +207,6 @@ class SynthesizeParams(_Section):
         "auto", description="backend=transformers: 'continuous' = generate_batch (paged KV cache, finished rows "
         "refilled; needs flash attention to pay), 'padded' = generate on left-padded batches, 'auto' = padded "
         "(on an H200 without flash-attn continuous batching ran at half the padded rate: benchmarks/RESULTS.md)")
-    transformers_processes: int = Field(
-        1, ge=1, description="backend=transformers, padded batches: worker processes that share the device, each "
-        "generating a slice of every batch (eagle3.synthesize.local.GeneratePool: a small target's generate is "
-        "bound by host work per decode step, so several processes keep one GPU busier); 1 = in-process")
     transformers_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="continuous batching: transformers ContinuousBatchingConfig fields "
         "(e.g. max_batch_tokens, max_requests_per_batch, use_cuda_graph, default_compile_level)")

@@ -666,7 +666,7 @@ class TransformersDriver:
 
     def __init__(self, model, tokenizer, settings: SelfPromptSettings, answer_max_new_tokens: int = 128,
                  template_kwargs: dict | None = None, batching: str = "padded",
-                 cb_kwargs: dict | None = None, pool=None) -> None:
+                 cb_kwargs: dict | None = None) -> None:
         from eagle3.chat import pad_token_id
         from eagle3.synthesize.local import use_continuous_batching
 
@@ -679,8 +679,6 @@ class TransformersDriver:
         self.template_kwargs = dict(template_kwargs or {})
         self.eos_ids = _eos_ids(tokenizer, model)
         self.pad_id = pad_token_id(tokenizer, self.eos_ids)
-        # pool: an eagle3.synthesize.local.GeneratePool (synthesize.transformers_processes > 1), padded batches only
-        self.pool = None if self.continuous else pool
 
     def _generate(self, ids: list[list[int]], stop_ids: list[int], max_new: int, seed: int | None) -> list[list[int]]:
         """New ids per row: sampled with ``seed``, greedy when ``seed`` is None."""
@@ -694,7 +692,7 @@ class TransformersDriver:
 
         kw = dict(pad_id=self.pad_id, eos_ids=stop_ids, max_new_tokens=max_new, temperature=self.s.temperature,
                   top_p=self.s.top_p, seed=seed)
-        return self.pool.generate(ids, **kw) if self.pool is not None else generate_padded(self.model, ids, **kw)
+        return generate_padded(self.model, ids, **kw)
 
     def sample(self, reqs: list[SelfPromptRequest]) -> list[Candidate]:
         """One sampled user turn per request (stops at the end-of-turn ids or any EOS id)."""
@@ -913,14 +911,12 @@ def _open_driver(params, settings: SelfPromptSettings, tkw: dict, backend=None):
     if backend is not None:
         return VllmDriver(backend.llm, backend.tok, settings, syn.max_new_tokens, tkw), backend.tok, lambda: None
     if syn.backend == "transformers":
-        from eagle3.synthesize.local import GeneratePool
         from eagle3.target import load_target
 
         model, tok, _ = load_target(params.target)
-        pool = GeneratePool(params.target, syn.transformers_processes) if syn.transformers_processes > 1 else None
         drv = TransformersDriver(model, tok, settings, syn.max_new_tokens, tkw, batching=syn.transformers_batching,
-                                 cb_kwargs=syn.transformers_kwargs, pool=pool)
-        return drv, tok, (pool.close if pool is not None else lambda: None)
+                                 cb_kwargs=syn.transformers_kwargs)
+        return drv, tok, lambda: None
     if syn.backend == "vllm":
         from eagle3.synthesize.local import VllmBackend  # the stage's own vLLM engine settings
 

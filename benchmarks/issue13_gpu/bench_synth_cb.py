@@ -2,9 +2,7 @@
 (``generate_batch``, eagle3.synthesize.local.generate_continuous), embedded 135M target, bf16, greedy.
 
 usage: bench_synth_cb.py N_PROMPTS MAX_NEW VARIANT [VARIANT ...]
-  VARIANT = padded:BATCH | pool:PROCESSES:BATCH | cb:CALL_SIZE[:key=value,...]
-  (pool = synthesize.transformers_processes: eagle3.synthesize.local.GeneratePool, its start time
-  reported as start_s and not in tokens/s; key=value: ContinuousBatchingConfig fields)
+  VARIANT = padded:BATCH | cb:CALL_SIZE[:key=value,...]   (key=value: ContinuousBatchingConfig fields)
 PROMPTS_DIR holds alpaca_eval_instructions.jsonl, gsm8k_test.jsonl, gsm8k_train.jsonl; prompts are
 taken in that order (the first 1,024 are last session's set: benchmarks/RESULTS.md).
 tokens/s = completion tokens (up to and including the first stop id, as stage 1 counts them) / wall
@@ -21,7 +19,7 @@ import torch
 
 from eagle3.chat import ChatRenderer, pad_token_id, stop_token_ids
 from eagle3.config import load_params
-from eagle3.synthesize.local import GeneratePool, generate_continuous, generate_padded
+from eagle3.synthesize.local import generate_continuous, generate_padded
 from eagle3.target import load_target
 
 N, MAXNEW = int(sys.argv[1]), int(sys.argv[2])
@@ -44,14 +42,14 @@ def count(toks):
     return (k + 1) if k is not None else min(len(toks), MAXNEW)
 
 
-def padded(bs, pool=None):
+def padded(bs):
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))  # as stage 1 (run_batched)
     out = [None] * len(rows)
     for i in range(0, len(order), bs):
         idx = order[i:i + bs]
         kw = dict(pad_id=pad, eos_ids=eos, max_new_tokens=MAXNEW)
         batch = [rows[j] for j in idx]
-        gen = pool.generate(batch, **kw) if pool is not None else generate_padded(model, batch, **kw)
+        gen = generate_padded(model, batch, **kw)
         for j, o in zip(idx, gen):
             out[j] = o
     return out
@@ -61,20 +59,15 @@ res = []
 for spec in sys.argv[3:]:
     kind, size, *rest = spec.split(":")
     kw = {}
-    for item in (rest[0].split(",") if kind == "cb" and rest and rest[0] else []):
+    for item in (rest[0].split(",") if rest and rest[0] else []):
         k, v = item.split("=")
         kw[k] = json.loads(v) if v not in ("True", "False") else v == "True"
-    pool, start_s = None, 0.0
-    if kind == "pool":
-        t0 = time.perf_counter()
-        pool = GeneratePool(p.target, int(size))
-        start_s, size = round(time.perf_counter() - t0, 1), rest.pop(0)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     calls = []
-    if kind in ("padded", "pool"):
-        outs = padded(int(size), pool)
+    if kind == "padded":
+        outs = padded(int(size))
     else:
         outs = []
         for i in range(0, len(rows), int(size)):
@@ -88,9 +81,7 @@ for spec in sys.argv[3:]:
     rec = {"variant": spec, "prompts": len(rows), "max_new_tokens": MAXNEW, "completion_tokens": toks,
            "stopped": sum(1 for o in outs if any(t in eos for t in o[:MAXNEW])), "wall_s": round(dt, 2),
            "tokens_per_s": round(toks / dt, 1), "call_s": calls,
-           "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1), "start_s": start_s}
-    if pool is not None:
-        pool.close()
+           "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
     print("SYN", json.dumps(rec), flush=True)
     res.append(rec)
     if kind == "padded" and "ref" not in dir():

@@ -30,7 +30,7 @@ ROOT = Path(os.environ.get("H200_ROOT", "/tmp/runs"))
 def params_for(name: str):
     from eagle3.config import apply_overrides, load_params
 
-    # H200_SET: JSON overrides for every run dir (e.g. synthesize.transformers_processes picked by the bench)
+    # H200_SET: JSON overrides for every run dir (e.g. '{"synthesize": {"batch_size": 2048}}')
     extra = json.loads(os.environ.get("H200_SET", "{}"))
     over = {"run": {"name": name, "output_dir": str(ROOT)}}
     if name != "full":

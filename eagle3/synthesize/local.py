@@ -15,7 +15,7 @@ from eagle3.chat import ChatRenderer, eos_ids, pad_token_id, stop_token_ids, tem
 from eagle3.config import Params
 from eagle3.synthesize.turns import TurnRequest, TurnResult, text_result
 
-__all__ = ["TransformersBackend", "VllmBackend", "GeneratePool", "left_pad", "generate_padded", "generate_continuous",
+__all__ = ["TransformersBackend", "VllmBackend", "left_pad", "generate_padded", "generate_continuous",
            "use_continuous_batching"]
 
 
@@ -65,115 +65,6 @@ def generate_padded(model, rows: list[list[int]], *, pad_id: int, eos_ids: list[
     with torch.inference_mode():
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kw)
     return out[:, ids.shape[1]:].tolist()
-
-
-def _pool_worker(target_params: dict, threads: int, conn) -> None:
-    """A :class:`GeneratePool` process: load the target, then answer ``(rows, kwargs)`` requests with
-    :func:`generate_padded` until the pipe closes (the parent exited or closed the pool)."""
-    import torch
-
-    from eagle3.config import TargetParams
-    from eagle3.target import load_target
-
-    torch.set_num_threads(threads)
-    try:
-        model, _, _ = load_target(TargetParams(**target_params))
-        conn.send(("ready", None))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises it with context
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        return
-    while True:
-        try:
-            rows, kwargs = conn.recv()
-        except (EOFError, OSError):
-            return
-        try:
-            conn.send(("ok", generate_padded(model, rows, **kwargs)))
-        except BaseException as exc:  # noqa: BLE001
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
-
-
-class GeneratePool:
-    """``processes`` worker processes that each hold a copy of the target on the same device and run
-    :func:`generate_padded` on their slice of every batch, in parallel.
-
-    Why: for a small target the padded ``generate`` is limited by its per-step host work (Python,
-    kernel launches, cache bookkeeping), not by the accelerator: on an H200 the 135M target's decode
-    step took 37 ms at 128 rows and 123 ms at 1,024 while its matmuls need < 1 ms
-    (benchmarks/RESULTS.md, issue 13). Several processes keep the device busy in each other's host
-    gaps. ``synthesize.transformers_processes`` sets the count; 1 = no pool.
-
-    Each worker is started with the ``spawn`` method and uses ``cpu_count // processes`` torch
-    threads. A batch of n rows is cut into ``processes`` contiguous slices (rows arrive sorted by
-    length, so a slice pads little); slice i is sampled with seed ``seed + i``, so sampled results
-    depend on ``processes`` (greedy ones equal :func:`generate_padded` on the same slices).
-
-    Args:
-        target_params: the :class:`eagle3.config.TargetParams` the workers load (``load_target``).
-        processes: worker count, >= 2.
-
-    Raises:
-        SynthesisError: a worker failed to load the target, failed a batch, or died (the message
-            names the worker and its error or exit code).
-    """
-
-    def __init__(self, target_params, processes: int) -> None:
-        import multiprocessing as mp
-        import os
-
-        from eagle3.errors import SynthesisError
-
-        self._error = SynthesisError
-        ctx = mp.get_context("spawn")
-        threads = max(1, (os.cpu_count() or 1) // processes)
-        self.workers: list[tuple[Any, Any]] = []
-        for _ in range(processes):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_pool_worker, args=(target_params.model_dump(), threads, child), daemon=True)
-            proc.start()
-            child.close()
-            self.workers.append((proc, parent))
-        for i in range(processes):
-            self._receive(i)
-
-    def _receive(self, i: int):
-        proc, conn = self.workers[i]
-        while not conn.poll(1.0):
-            if not proc.is_alive():
-                raise self._error(f"synthesize.transformers_processes: worker {i} died (exit code {proc.exitcode})")
-        try:
-            status, value = conn.recv()
-        except EOFError:
-            raise self._error(f"synthesize.transformers_processes: worker {i} closed its pipe "
-                              f"(exit code {proc.exitcode})") from None
-        if status == "error":
-            raise self._error(f"synthesize.transformers_processes: worker {i}: {value}")
-        return value
-
-    def generate(self, rows: list[list[int]], *, seed: int | None = None, **kwargs) -> list[list[int]]:
-        """:func:`generate_padded` over ``rows``, sliced across the workers; same arguments and result."""
-        n = len(self.workers)
-        size = -(-len(rows) // n)
-        slices = [rows[i * size:(i + 1) * size] for i in range(n)]
-        busy = []
-        for i, part in enumerate(slices):
-            if part:
-                self.workers[i][1].send((part, dict(kwargs, seed=None if seed is None else seed + i)))
-                busy.append(i)
-        out: list[list[int]] = []
-        for i in busy:
-            out += self._receive(i)
-        return out
-
-    def close(self) -> None:
-        """Stop the workers (close their pipes; they exit; joined with a 10 s grace, then killed)."""
-        for _proc, conn in self.workers:
-            conn.close()
-        for proc, _ in self.workers:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-        self.workers = []
 
 
 def use_continuous_batching(mode: str, device) -> bool:
@@ -313,9 +204,6 @@ class TransformersBackend:
         self.pad_id = pad_token_id(tokenizer, self.eos_ids)
         self.device = next(model.parameters()).device
         self.continuous = use_continuous_batching(self.syn.transformers_batching, self.device)
-        # padded batches only: continuous batching refills rows itself within one process
-        self.pool = (GeneratePool(params.target, self.syn.transformers_processes)
-                     if self.syn.transformers_processes > 1 and not self.continuous else None)
 
     def _seed(self, reqs: list[TurnRequest]) -> int:
         """The batch's sampling seed: ``synthesize.seed`` and the first request's id, so a resumed run
@@ -340,7 +228,7 @@ class TransformersBackend:
         sample = self.syn.temperature > 0
         kw = dict(pad_id=self.pad_id, eos_ids=self.eos_ids, max_new_tokens=max(r.max_new_tokens for r in reqs),
                   temperature=self.syn.temperature, top_p=self.syn.top_p, seed=self._seed(reqs) if sample else None)
-        new = self.pool.generate(rows, **kw) if self.pool is not None else generate_padded(self.model, rows, **kw)
+        new = generate_padded(self.model, rows, **kw)
         return [self._result(r, toks, len(row)) for r, toks, row in zip(reqs, new, rows)]
 
     def _result(self, req: TurnRequest, toks: list[int], plen: int) -> TurnResult:
@@ -354,9 +242,7 @@ class TransformersBackend:
         return text_result(text, finish, int(plen), len(toks), self.syn.reasoning, self.syn.think_tags)
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-            self.pool = None
+        pass
 
 
 class VllmBackend:
