@@ -15,7 +15,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 SETS = (("general-chat", "general chat (out-of-domain)"), ("heldout", "held-out split (in-distribution)"))
 
