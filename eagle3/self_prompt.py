@@ -123,14 +123,10 @@ def _special_ids(tokenizer) -> set[int]:
 
 
 def _eos_ids(tokenizer, model=None) -> list[int]:
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    gc = getattr(model, "generation_config", None)
-    eos = getattr(gc, "eos_token_id", None)
-    if eos is not None:
-        ids.update(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-    return sorted(ids)
+    """Sorted eos ids of the tokenizer and the model's generation config (:func:`eagle3.chat.eos_ids`)."""
+    from eagle3.chat import eos_ids
+
+    return sorted(set(eos_ids(tokenizer, None, getattr(model, "generation_config", None))))
 
 
 def user_turn_format(tokenizer, system: str | None = None, history: Sequence[dict] = (),
