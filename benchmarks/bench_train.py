@@ -5,6 +5,8 @@
   ... --profile          # + torch.profiler of one pass each (top ops, syncs per step)
   ... --host-profile     # + cProfile of one pass of ours: the loop's time by part
   ... --hs-dtype float8_e4m3fn                            # Stage 3 files in fp8 (dequantized by the loader)
+  ... --compare-autocast --ttt 2 --draft-vocab 8192 --token-budget 2048   # CPU: ours in float32 vs
+                                                          # bf16 autocast (train.autocast), alternating
 
 Both modes write a synthetic run directory (Stage 2 mapping + Stage 3 files of random hidden
 states in the contract layout) and time, on the same packed micro-batches:
@@ -135,11 +137,13 @@ def run_bare(params, run_dir: Path, warmup: int) -> dict:
 
     dev = torch.device("cuda:0" if params.train.device.startswith("cuda") else "cpu")
     tp = params.train
+    from eagle3.train.loop import autocast_dtype
+
     inp = resolve_inputs(params, run_dir)
     refs = read_manifest(run_dir)
     sched = build_schedule([r.num_tokens - 1 for r in refs], tp.token_budget, tp.seed, tp.epochs, 1, tp.max_steps)
     ds = HiddenStatesDataset.for_training(refs, inp.n_aux, inp.hidden_size, inp.target_vocab_size)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dtype = autocast_dtype(tp.autocast, dev.type) or torch.float32
     batches = [{k: v.to(dev) for k, v in b.items()} for b in
                MicroBatches([g[0] for _, g in sched], collate_fn(tp.token_budget, inp.hidden_size, inp.n_aux, dtype), dataset=ds)]
     torch.manual_seed(tp.seed)
@@ -149,7 +153,8 @@ def run_bare(params, run_dir: Path, warmup: int) -> dict:
     kw = dict(ttt_steps=tp.ttt_steps, ttt_step_loss_decay=tp.ttt_step_loss_decay,
               loss_config=loss_config(tp.loss, tp.loss_implementation if tp.loss_implementation != "auto"
                                       else ("fused" if dev.type == "cuda" else "eager")))
-    ac = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if dev.type == "cuda" else (lambda: torch.autocast("cpu", enabled=False))
+    adt = autocast_dtype(tp.autocast, dev.type)
+    ac = (lambda: torch.autocast(dev.type, dtype=adt)) if adt is not None else (lambda: torch.autocast("cpu", enabled=False))
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     toks, t0 = 0, None
@@ -286,6 +291,12 @@ def main(argv=None) -> int:
     ap.add_argument("--trace-dir", default=None, help="with --profile: write chrome traces here")
     ap.add_argument("--host-profile", action="store_true",
                     help="one extra pass of ours under cProfile: the loop's time by part (data, logging, sync, ...)")
+    ap.add_argument("--ttt", type=int, default=3, help="train.ttt_steps (the CPU default trains 2)")
+    ap.add_argument("--autocast", default="auto", choices=["auto", "bfloat16", "none"],
+                    help="train.autocast of both loops ('auto': bf16 on GPU, float32 on CPU for this float32 fake target)")
+    ap.add_argument("--compare-autocast", action="store_true",
+                    help="instead of ours vs bare: ours with train.autocast none (float32) vs bfloat16, alternating, "
+                    "and their ratio (the CPU question of issue 12: does bf16 autocast pay on an AMX CPU?)")
     ap.add_argument("--loss-impl", default="auto", choices=["auto", "eager", "fused"],
                     help="train.loss_implementation ('auto': fused Triton kernels on GPU, eager on CPU)")
     a = ap.parse_args(argv)
@@ -311,39 +322,48 @@ def main(argv=None) -> int:
                           [doc + 1] * n_samples, hs_dtype=getattr(torch, a.hs_dtype))
             print(f"synthetic data: {n_samples} samples x {doc + 1} tokens in {time.time() - t0:.0f} s", flush=True)
         workers = a.num_workers if a.num_workers is not None else (4 if cuda else 0)
-        params = params_for(target_s, "cuda" if cuda else "cpu", budget, steps + warmup, epochs, num_workers=workers,
-                            loss_implementation=a.loss_impl)
-        res = {"ours": [], "bare": []}
+        common = dict(num_workers=workers, loss_implementation=a.loss_impl, ttt_steps=a.ttt)
+        params = params_for(target_s, "cuda" if cuda else "cpu", budget, steps + warmup, epochs, autocast=a.autocast, **common)
+        loops = (("bare", run_bare, params), ("ours", run_ours, params))
+        if a.compare_autocast:
+            loops = tuple((f"ours {m}", run_ours, params_for(target_s, "cuda" if cuda else "cpu", budget, steps + warmup,
+                                                             epochs, autocast=m, **common))
+                          for m in ("none", "bfloat16"))
+        res = {name: [] for name, _, _ in loops}
         for _ in range(a.repeats):
-            for name, fn in (("bare", run_bare), ("ours", run_ours)):
-                if a.only and name != a.only:
+            for name, fn, p in loops:
+                if a.only and not name.startswith(a.only):
                     continue
-                r = fn(params, rd, warmup)
+                r = fn(p, rd, warmup)
                 print(f"  {name}: {r['tokens_per_s']:.1f} tokens/s ({r['steps']} steps, {r['wall_s']:.2f} s)", flush=True)
                 res[name].append(r)
         if a.profile:
-            for name, fn in (("bare", run_bare), ("ours", run_ours)):
-                if not a.only or name == a.only:
-                    profiled(lambda fn=fn: fn(params, rd, warmup), name, a.trace_dir, steps)
+            for name, fn, p in loops:
+                if not a.only or name.startswith(a.only):
+                    profiled(lambda fn=fn, p=p: fn(p, rd, warmup), name, a.trace_dir, steps)
         if a.host_profile:
             host_breakdown(lambda: run_ours(params, rd, warmup))
         best = {k: max(v, key=lambda r: r["tokens_per_s"]) for k, v in res.items() if v}
-        fl = train_flops_per_token(shape, draft, 3, 3, doc)
+        fl = train_flops_per_token(shape, draft, 3, a.ttt, doc)
         peak = next((v for k, v in PEAK_BF16.items() if cuda and k in torch.cuda.get_device_name()), None)
         print()
         dev_name = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
         print(f"device: {dev_name}; target hidden {shape['hidden_size']}, vocab {shape['vocab_size']}, draft vocab {draft}, "
-              f"1 draft layer, 3 TTT steps, token budget {budget}, samples of {doc} tokens, "
+              f"1 draft layer, {a.ttt} TTT steps, token budget {budget}, samples of {doc} tokens, "
               f"loss {params.train.loss} ({a.loss_impl}), stored states {a.hs_dtype}, torch {torch.__version__}")
-        print(f"| {'loop':6} | {'tokens/s':>10} | {'steps':>5} | {'wall s':>7} | {'TFLOP/s':>8} | {'MFU':>6} | {'peak GiB':>8} |")
-        print(f"|{'-' * 8}|{'-' * 12}|{'-' * 7}|{'-' * 9}|{'-' * 10}|{'-' * 8}|{'-' * 10}|")
+        print(f"| {'loop':14} | {'tokens/s':>10} | {'steps':>5} | {'wall s':>7} | {'TFLOP/s':>8} | {'MFU':>6} | {'peak GiB':>8} |")
+        print(f"|{'-' * 16}|{'-' * 12}|{'-' * 7}|{'-' * 9}|{'-' * 10}|{'-' * 8}|{'-' * 10}|")
         for k, r in best.items():
             tf = r["tokens_per_s"] * fl
             r.update({"tflops": tf / 1e12, "mfu": tf / peak if peak else None})
             mfu = f"{r['mfu'] * 100:5.1f}%" if r["mfu"] is not None else "     -"
             mem = f"{r['peak_mem_gib']:8.1f}" if "peak_mem_gib" in r else "       -"
-            print(f"| {k:6} | {r['tokens_per_s']:10.1f} | {r['steps']:5d} | {r['wall_s']:7.2f} | {tf / 1e12:8.3f} | {mfu} | {mem} |")
-        if len(best) == 2:
+            print(f"| {k:14} | {r['tokens_per_s']:10.1f} | {r['steps']:5d} | {r['wall_s']:7.2f} | {tf / 1e12:8.3f} | {mfu} | {mem} |")
+        if a.compare_autocast and len(best) == 2:
+            ratio = best["ours bfloat16"]["tokens_per_s"] / best["ours none"]["tokens_per_s"]
+            print(f"\nbf16 autocast / float32 = {ratio:.3f}  (same batches, same steps, alternating runs)")
+            best["ratio"] = ratio
+        elif len(best) == 2:
             ratio = best["ours"]["tokens_per_s"] / best["bare"]["tokens_per_s"]
             print(f"\nours / bare = {ratio:.3f}  (loop overhead {100 * (1 - ratio):.1f}%; goal <= 10%)")
             best["ratio"] = ratio

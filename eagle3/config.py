@@ -339,6 +339,10 @@ class TrainParams(_Section):
         "attention", description="what torch.compile covers (eagle3.train.model.configure_compile): 'attention' = "
         "only flex attention (first step ~40 s on an H200), 'speculators' = speculators' whole compiled forward "
         "(~100 s before the first step, ~25-40% faster steps at 135M shapes: long runs), 'none' = nothing")
+    autocast: Literal["auto", "bfloat16", "none"] = Field(
+        "auto", description="mixed precision of the drafter's forward/backward (float32 master weights and "
+        "optimizer either way): 'auto' = bfloat16 on GPU, float32 on CPU (bf16 autocast on an AMX CPU: 0.99x "
+        "the float32 rate at the default's shapes, benchmarks/RESULTS.md); 'bfloat16'; 'none' = float32")
     export_embed_tokens: bool = Field(
         False, description="write embed_tokens (bit-identical to the target's) into the drafter; "
         "without them vLLM shares the target's"

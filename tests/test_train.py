@@ -1005,3 +1005,14 @@ def test_a_full_disk_at_a_checkpoint_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="unexpected pos"):
         ckpt.save_checkpoint(root, 3, model, opt, sched, {"step": 3}, params)
     assert ckpt.verify_checkpoints(root) == []
+
+
+def test_autocast_dtype_rule():
+    """train.autocast: 'auto' = bf16 on CUDA only (on an AMX CPU bf16 autocast ran at 0.99x float32,
+    benchmarks/RESULTS.md); 'bfloat16' / 'none' force it."""
+    import torch
+
+    from eagle3.train.loop import autocast_dtype
+
+    assert autocast_dtype("auto", "cpu") is None and autocast_dtype("auto", "cuda") is torch.bfloat16
+    assert autocast_dtype("bfloat16", "cpu") is torch.bfloat16 and autocast_dtype("none", "cuda") is None

@@ -2,7 +2,7 @@
 
 One optimizer step = ``grad_accum`` micro-batches on each of ``world_size`` ranks (DDP: gloo on CPU,
 NCCL on GPU). AdamW (betas 0.9, 0.95), linear warmup then cosine decay to ``min_lr_ratio * lr``,
-gradient clipping, bf16 autocast on GPU. Every step appends a line to ``metrics.jsonl`` (and W&B):
+gradient clipping, bf16 autocast on GPU (``train.autocast``). Every step appends a line to ``metrics.jsonl`` (and W&B):
 loss, per-TTT-step loss, full and conditional accuracy, lr, grad norm, tokens/s. Validation runs
 every ``eval_every`` steps and at every checkpoint; it reports the simulated acceptance length
 ``tau_hat`` (:func:`eagle3.train.metrics.tau_hat`). Checkpoints (:mod:`eagle3.train.checkpoint`)
@@ -32,7 +32,7 @@ from eagle3.errors import TrainError
 from eagle3.rundir import TRAIN, RunDir
 from eagle3.train.metrics import StepMetrics, metric_keys, summarize
 
-__all__ = ["TrainingDiverged", "TrainingInterrupted", "WarmupCosine", "Trainer", "LoopResult"]
+__all__ = ["TrainingDiverged", "TrainingInterrupted", "WarmupCosine", "Trainer", "LoopResult", "autocast_dtype"]
 
 
 class TrainingDiverged(TrainError):
@@ -141,6 +141,25 @@ class _Prefetch:
                 v.record_stream(cur)
         self.next = self._load()
         return b
+
+
+def autocast_dtype(mode: str, device_type: str):
+    """The autocast dtype of the drafter's training (``train.autocast``), or None for float32.
+
+    Args:
+        mode: ``train.autocast``: 'bfloat16', 'none', or 'auto' = bfloat16 on CUDA, float32 on CPU
+            (on a CPU with AMX, bf16 autocast ran at 0.99x the float32 rate at the default's shapes:
+            no gain for a numerics change; benchmarks/RESULTS.md, ``bench_train.py --compare-autocast``).
+        device_type: 'cuda' or 'cpu' (the training device's type).
+
+    Returns:
+        ``torch.bfloat16`` or None. Master weights, gradients and AdamW state stay float32 either way.
+    """
+    import torch
+
+    if mode == "bfloat16" or (mode == "auto" and device_type == "cuda"):
+        return torch.bfloat16
+    return None
 
 
 def _online_fetch(params: Params, run_dir: Path, refs, inputs, device):
@@ -310,14 +329,21 @@ class Trainer:
                 "excluded_heldout": len(self.excluded), "total_steps": self.total,
                 "global_batch_micro": ctx.world * tp.grad_accum, "world_size": ctx.world, "grad_accum": tp.grad_accum,
                 "token_budget": tp.token_budget, "attn_implementation": self.attn,
-                "loss_implementation": self.loss_impl, "device": str(ctx.device), "setup_s": round(setup_s, 2)}
+                "loss_implementation": self.loss_impl, "device": str(ctx.device),
+                "autocast": str(self._autocast_dtype() or "none").replace("torch.", ""), "setup_s": round(setup_s, 2)}
 
     # -- batches, logging, validation -----------------------------------------------------------
+    def _autocast_dtype(self):
+        """bfloat16 when the drafter trains under autocast (``train.autocast``, see
+        :func:`autocast_dtype`), else None (float32)."""
+        return autocast_dtype(self.tp.autocast, self.ctx.device.type)
+
     def _batch_dtype(self):
-        """The dtype of the collated hidden states: bf16 on GPU (autocast), float32 on CPU."""
+        """The dtype of the collated hidden states: the autocast dtype (bf16: the stored states' own dtype,
+        so no copy in float32), else float32."""
         import torch
 
-        return torch.bfloat16 if self.ctx.device.type == "cuda" else torch.float32
+        return self._autocast_dtype() or torch.float32
 
     def _micro(self, index_lists, val: bool = False):
         from eagle3.train.data import MicroBatches, collate_fn
@@ -339,9 +365,8 @@ class Trainer:
     def _autocast(self):
         import torch
 
-        if self.ctx.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        dt = self._autocast_dtype()
+        return torch.autocast(self.ctx.device.type, dtype=dt) if dt is not None else contextlib.nullcontext()
 
     def evaluate(self, model, step: int) -> dict:
         """Validation over this rank's share of the validation plan; logs and returns the ``val_*`` record

@@ -62,6 +62,7 @@ class TrainStats(Stats):
     loss_implementation: str
     device: str
     setup_s: float
+    autocast: str = "none"  # train.autocast as resolved: 'bfloat16' or 'none' (float32)
 
 
 @dataclass
