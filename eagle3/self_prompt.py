@@ -177,7 +177,8 @@ class SelfPromptSettings:
 
     Attributes:
         count: user prompts to keep.
-        temperature, top_p: sampling of the user turn (Magpie samples at 1.0; higher = more diverse).
+        temperature, top_p, top_k: sampling of the user turn (Magpie samples at 1.0; higher = more
+            diverse; ``top_k`` 0 = off).
         max_new_tokens: limit of one user turn in tokens (a turn not ended by then is dropped).
         system_prompts: system prompts cycled over requests (empty: the template's default).
         seed_topics: topics cycled over requests; each is added to the system prompt with
@@ -199,6 +200,7 @@ class SelfPromptSettings:
     count: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0
     max_new_tokens: int = 128
     system_prompts: list[str] = field(default_factory=list)
     seed_topics: list[str] = field(default_factory=list)
@@ -218,8 +220,12 @@ class SelfPromptSettings:
         return self.max_attempts if self.max_attempts is not None else 4 * self.count
 
     def to_dict(self) -> dict:
-        """JSON-ready settings (recorded per sample and in ``stats.json``)."""
-        return asdict(self)
+        """JSON-ready settings (recorded per sample and in ``stats.json``). ``top_k`` only when set, so
+        that self-prompts written before it existed keep their fingerprint (resume stays allowed)."""
+        d = asdict(self)
+        if not d["top_k"]:
+            del d["top_k"]
+        return d
 
 
 @dataclass
@@ -683,11 +689,11 @@ class TransformersDriver:
 
             return generate_continuous(self.model, ids, max_new_tokens=max_new, eos_ids=stop_ids, pad_id=self.pad_id,
                                        temperature=self.s.temperature if seed is not None else 0.0,
-                                       top_p=self.s.top_p, seed=seed, config_kwargs=self.cb_kwargs)
+                                       top_p=self.s.top_p, top_k=self.s.top_k, seed=seed, config_kwargs=self.cb_kwargs)
         from eagle3.synthesize.local import generate_padded
 
         kw = dict(pad_id=self.pad_id, eos_ids=stop_ids, max_new_tokens=max_new, temperature=self.s.temperature,
-                  top_p=self.s.top_p, seed=seed)
+                  top_p=self.s.top_p, top_k=self.s.top_k, seed=seed)
         return generate_padded(self.model, ids, **kw)
 
     def sample(self, reqs: list[SelfPromptRequest]) -> list[Candidate]:
@@ -755,7 +761,8 @@ class VllmDriver:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        sps = [SamplingParams(temperature=self.s.temperature, top_p=self.s.top_p, max_tokens=self.s.max_new_tokens,
+        sps = [SamplingParams(temperature=self.s.temperature, top_p=self.s.top_p, top_k=self.s.top_k or 0,
+                              max_tokens=self.s.max_new_tokens,
                               seed=r.seed, stop_token_ids=list(r.stop_ids), skip_special_tokens=True) for r in reqs]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=r.prefix_ids) for r in reqs], sampling_params=sps,
                                  use_tqdm=False)
@@ -847,6 +854,8 @@ class ServerDriver:
             body = {"model": self.model, "prompt": r.prefix_text, "max_tokens": self.s.max_new_tokens,
                     "temperature": self.s.temperature, "top_p": self.s.top_p, "seed": r.seed,
                     "stop_token_ids": list(r.stop_ids), "skip_special_tokens": True}
+            if self.s.top_k:  # vLLM's extra sampling parameter (OpenAI's completions have none)
+                body["top_k"] = self.s.top_k
             if r.end_text.strip():
                 body["stop"] = [r.end_text.strip()]
             resp = self._post(client, "/completions", body)

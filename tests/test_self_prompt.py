@@ -262,6 +262,7 @@ def test_server_driver_posts_the_raw_prefix_to_completions(embedded_target):
     fmt = user_turn_format(tok)
     assert comp[0]["prompt"] == fmt.prefix_text and comp[0]["stop_token_ids"] == [2]
     assert comp[0]["stop"] == ["<|im_end|>"] and comp[0]["max_tokens"] == 20 and comp[0]["top_p"] == 1.0
+    assert "top_k" not in comp[0]  # off: OpenAI's completions have no top_k (vLLM's extra parameter)
     length = sum(b["seed"] % 1000 % 4 == 0 for b in comp[: res.attempts])
     assert res.counts["not_terminated"] == length and res.counts["kept"] == len(res.prompts) == 3
     assert sum(res.counts.values()) == res.attempts
@@ -271,3 +272,38 @@ def test_server_driver_posts_the_raw_prefix_to_completions(embedded_target):
     assert sorted(b["seed"] for b in follow) != sorted(b["seed"] for b in comp[:3])
     assert all(b["prompt"].endswith("<|im_start|>assistant\nSure.<|im_end|>\n<|im_start|>user\n") for b in follow)
     assert res.tokens == 9 * len(comp)
+
+
+def test_top_k_reaches_every_backend(smol, embedded_target):
+    """``top_k``: top-k 1 sampling at T=1 is the greedy output (transformers' padded generate);
+    the vLLM driver and the server body carry it; the settings record omits it when off (self-prompts
+    written before it existed keep their fingerprint)."""
+    from eagle3.self_prompt import ServerDriver, VllmDriver
+    from eagle3.synthesize.local import generate_padded
+
+    model, tok = smol
+    rows = [r.prefix_ids for r in plan_requests(tok, SelfPromptSettings(seed_topics=["tea", "maths"]), range(2))]
+    kw = dict(pad_id=2, eos_ids=[2], max_new_tokens=12)
+    greedy = generate_padded(model, rows, **kw)
+    assert generate_padded(model, rows, temperature=1.0, top_k=1, seed=7, **kw) == greedy
+    assert generate_padded(model, rows, temperature=1.0, seed=7, **kw) != greedy  # T=1 without top-k: sampled
+
+    assert "top_k" not in SelfPromptSettings().to_dict() and SelfPromptSettings(top_k=50).to_dict()["top_k"] == 50
+    s = SelfPromptSettings(count=1, temperature=1.0, top_k=50, max_new_tokens=5)
+    req = plan_requests(tok, s, range(1))
+
+    class _LLM:  # records the SamplingParams VllmDriver builds
+        def generate(self, prompts, sampling_params, use_tqdm):
+            self.sps = sampling_params
+            out = type("O", (), {"outputs": [type("C", (), {"text": "Hi there you", "token_ids": [5, 2],
+                                                            "finish_reason": "stop", "stop_reason": 2})()]})
+            return [out() for _ in prompts]
+
+    llm = _LLM()
+    VllmDriver(llm, tok, s).sample(req)
+    assert [(sp.top_k, sp.top_p, sp.temperature) for sp in llm.sps] == [(50, 1.0, 1.0)]
+    with _FakeCompletions() as srv:
+        drv = ServerDriver(srv.base_url, "m", tok, s, answer_max_new_tokens=4, backoff_s=0.0)
+        drv.sample(req)
+        drv.close()
+    assert srv.bodies[0]["top_k"] == 50

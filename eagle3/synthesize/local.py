@@ -38,7 +38,8 @@ def left_pad(rows: list[list[int]], pad_id: int):
 
 
 def generate_padded(model, rows: list[list[int]], *, pad_id: int, eos_ids: list[int], max_new_tokens: int,
-                    temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> list[list[int]]:
+                    temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                    seed: int | None = None) -> list[list[int]]:
     """One left-padded ``model.generate`` call over token id rows; the generated ids of each row.
 
     Args:
@@ -46,8 +47,8 @@ def generate_padded(model, rows: list[list[int]], *, pad_id: int, eos_ids: list[
         rows: prompt token ids, one list per row (any lengths; padded with :func:`left_pad`).
         pad_id, eos_ids: pad id and stop ids (:func:`eagle3.chat.pad_token_id` / ``stop_token_ids``).
         max_new_tokens: tokens generated at most per row (the batch runs to its longest row).
-        temperature, top_p, seed: sampling when ``temperature > 0`` and ``seed`` is not None
-            (``torch.manual_seed(seed)`` first, ``top_k=0``), else greedy.
+        temperature, top_p, top_k, seed: sampling when ``temperature > 0`` and ``seed`` is not None
+            (``torch.manual_seed(seed)`` first; ``top_k`` 0 = off), else greedy.
 
     Returns:
         ``[len(rows)]`` lists of new ids (after a stop id, ``pad_id`` fills the row to the batch's length).
@@ -58,7 +59,7 @@ def generate_padded(model, rows: list[list[int]], *, pad_id: int, eos_ids: list[
     device = next(model.parameters()).device
     kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=list(eos_ids))
     if temperature > 0 and seed is not None:
-        kw.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        kw.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=int(top_k))
         torch.manual_seed(seed)
     else:
         kw["do_sample"] = False
@@ -121,7 +122,7 @@ def _cb_config(rows: list[list[int]], max_new_tokens: int, device, seed: int | N
 
 
 def generate_continuous(model, rows: list[list[int]], *, max_new_tokens: int, eos_ids: list[int], pad_id: int,
-                        temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                        temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                         config_kwargs: dict | None = None) -> list[list[int]]:
     """Generate after each token-id row with transformers' continuous batching (``generate_batch``).
 
@@ -137,7 +138,7 @@ def generate_continuous(model, rows: list[list[int]], *, max_new_tokens: int, eo
         max_new_tokens: limit of every request.
         eos_ids: stop ids (:func:`eagle3.chat.stop_token_ids`); the stop id is included in the output.
         pad_id: the pad id (:func:`eagle3.chat.pad_token_id`).
-        temperature, top_p: sampling (temperature 0 = greedy; top_k is off).
+        temperature, top_p, top_k: sampling (temperature 0 = greedy; top_k 0 = off).
         seed: the manager's seed for sampling (None: transformers picks one).
         config_kwargs: ``ContinuousBatchingConfig`` fields (``synthesize.transformers_kwargs``).
 
@@ -158,7 +159,7 @@ def generate_continuous(model, rows: list[list[int]], *, max_new_tokens: int, eo
     gkw: dict[str, Any] = dict(max_new_tokens=int(max_new_tokens), do_sample=sample, eos_token_id=list(eos_ids),
                                pad_token_id=int(pad_id))
     if sample:
-        gkw.update(temperature=float(temperature), top_p=float(top_p), top_k=0)
+        gkw.update(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
     gc_ = GenerationConfig(**gkw)
     cbc = _cb_config(rows, max_new_tokens, model.device, seed if sample else None, config_kwargs or {})
     res = model.generate_batch([list(map(int, r)) for r in rows], generation_config=gc_,
