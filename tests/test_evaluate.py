@@ -336,6 +336,23 @@ def test_diagnosis_names_planted_mismatches(random_drafter, embedded_target, tmp
     assert added(bad) == ["vocab mapping: kept ids are not strictly increasing at i=5 (4, 4)"]
 
 
+def test_diagnosis_dtype_states_what_each_side_ran(random_drafter, embedded_target):
+    """The dtype line compares vLLM's dtype with the one the offline side really used (a bfloat16 run
+    on a float32 checkpoint is no mismatch), and without it names the checkpoints as the reference,
+    never claiming the offline side used them."""
+    def dtype_lines(**kw):
+        return [p for p in diagnose(random_drafter, embedded_target.path, **kw) if p.startswith("dtype:")]
+
+    bf16 = {"dtype": "bfloat16"}
+    assert dtype_lines(vllm=bf16, offline_dtype="bfloat16") == []
+    assert dtype_lines(vllm={"dtype": "float32"}, offline_dtype="float32") == []
+    assert dtype_lines(vllm=bf16, offline_dtype="float32") == [
+        "dtype: vLLM ran the target and drafter in bfloat16, offline (transformers) in float32 "
+        "(the checkpoints: target float32, drafter float32)"]
+    assert dtype_lines(vllm=bf16) == ["dtype: vLLM ran the target in bfloat16, the checkpoint is float32",
+                                      "dtype: drafter weights are float32, vLLM ran it in bfloat16"]
+
+
 def test_parity_error_message_carries_the_diagnosis():
     err = ParityError("parity check failed", ["layer ids: config.json lists [4] but ..."])
     assert err.diagnosis == ["layer ids: config.json lists [4] but ..."]

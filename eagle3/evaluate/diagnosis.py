@@ -88,8 +88,11 @@ def _training_mapping(drafter_dir: str | Path, run_dir: str | Path) -> list[str]
     return probs
 
 
-def _dtype(drafter_dir: str | Path, target_dir: str | Path, vllm: dict) -> list[str]:
-    """Checkpoint vs target vs the dtype vLLM ran in."""
+def _dtype(drafter_dir: str | Path, target_dir: str | Path, vllm: dict, offline_dtype: str | None = None) -> list[str]:
+    """The dtype vLLM ran in vs the one the offline side used (``offline_dtype``: the target's, the
+    drafter cast to it, :func:`eagle3.evaluate.drafter.load_drafter`). Equal: nothing to report (a
+    run's ``target.dtype`` may differ from the checkpoint's on purpose, e.g. bfloat16 on CPU). Unknown
+    (None): the checkpoint's dtypes are the reference, stated as such."""
     from safetensors import safe_open
 
     probs = []
@@ -106,8 +109,13 @@ def _dtype(drafter_dir: str | Path, target_dir: str | Path, vllm: dict) -> list[
                     ck_dtype = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}[t.get_dtype()]
                     break
     vd = vllm.get("dtype")
+    if offline_dtype is not None:
+        if vd and vd != offline_dtype:
+            probs.append(f"dtype: vLLM ran the target and drafter in {vd}, offline (transformers) in {offline_dtype} "
+                         f"(the checkpoints: target {t_dtype or '?'}, drafter {ck_dtype or '?'})")
+        return probs
     if vd and t_dtype and vd != t_dtype:
-        probs.append(f"dtype: vLLM ran the target in {vd}, the checkpoint is {t_dtype} (offline used {t_dtype})")
+        probs.append(f"dtype: vLLM ran the target in {vd}, the checkpoint is {t_dtype}")
     if ck_dtype and vd and ck_dtype != vd:
         probs.append(f"dtype: drafter weights are {ck_dtype}, vLLM ran it in {vd}")
     return probs
@@ -165,7 +173,8 @@ def _per_position(offline: dict, vllm: dict) -> list[str]:
 def diagnose(drafter_dir: str | Path, target_dir: str | Path, reference: DrafterSettings | None = None,
              run_dir: str | Path | None = None, target=None, drafter_model=None,
              offline: dict | None = None, vllm: dict | None = None, prompts: list[dict] | None = None,
-             offline_records: list[dict] | None = None, drafter_problems: list[str] | None = None) -> list[str]:
+             offline_records: list[dict] | None = None, drafter_problems: list[str] | None = None,
+             offline_dtype: str | None = None) -> list[str]:
     """Look for train/serve mismatches between a drafter, its target and vLLM; one line per problem.
 
     Checked:
@@ -177,8 +186,9 @@ def diagnose(drafter_dir: str | Path, target_dir: str | Path, reference: Drafter
     * ``layer ids`` measured: with ``target``, ``drafter_model`` and ``offline_records``, the
       first-draft accuracy with the config's vs the trained ids when they differ;
     * ``vocab mapping``: ``d2t`` equal to stage 2's ``vocab_mapping.safetensors`` (with ``run_dir``);
-    * ``dtype``: checkpoint vs target vs vLLM dtype; vLLM's greedy output equal to transformers'
-      (numerics of the target itself);
+    * ``dtype``: the dtype vLLM ran in vs ``offline_dtype`` (what the offline side used: the target's
+      loaded dtype, the drafter cast to it; without it, vs the checkpoints' dtypes); vLLM's greedy
+      output equal to transformers' (numerics of the target itself);
     * ``chat template``: vLLM's rendered prompt ids equal the offline ones; the offline render is a
       prefix of the same conversation tokenized for training (stage 2's ``heldout.parquet``);
     * ``per-position``: where vLLM's conditional acceptance falls below offline's.
@@ -195,7 +205,7 @@ def diagnose(drafter_dir: str | Path, target_dir: str | Path, reference: Drafter
     if run_dir is not None:
         probs += _training_mapping(drafter_dir, run_dir)
     if vllm is not None:
-        probs += _dtype(drafter_dir, target_dir, vllm)
+        probs += _dtype(drafter_dir, target_dir, vllm, offline_dtype)
     if prompts and vllm is not None and vllm.get("per_prompt"):
         probs += _vllm_outputs(vllm, prompts, offline_records)
     if prompts and run_dir is not None:

@@ -465,7 +465,8 @@ def run(params, run_dir: str | Path) -> EvaluateStats:
                              drafter_model=dm, offline=off, vllm=(vllm_results.get("eagle3") and
                              {**vllm_results["eagle3"], **(backends.get("vllm/eagle3") or {}),
                               "per_position_conditional": (vl or {}).get("per_position_conditional")}),
-                             prompts=inp.prompts, offline_records=offline_recs, drafter_problems=drafter_check)
+                             prompts=inp.prompts, offline_records=offline_recs, drafter_problems=drafter_check,
+                             offline_dtype=inp.t_dtype)
         cmd = vllm_serve_command(inp.resolved.name, inp.drafter_dir, k, run_dir=rd.root, target=inp.resolved,
                                  target_spec=params.target.model)
         stats = _stats(params, inp, backends, sets, parity, diagnosis, [], cmd)
