@@ -9,7 +9,11 @@ usage (from the repository root; PYTHONPATH=<tree>:/tmp/site, EAGLE3_CACHE=/tmp/
   h200_pipeline.py vocab full,n1000,...   stage 2 of each run dir, in parallel processes
   h200_pipeline.py extract full,n1000,... stage 3 of each, one after the other (one process each)
   h200_pipeline.py train full,n1000,...   stage 4 (+ export) of each, one after the other
+  h200_pipeline.py share full e6,...      run dirs of H200_VARIANTS (JSON: name -> overrides, e.g.
+                                          '{"e6": {"train": {"epochs": 6}}}') whose stages 1-3 are the
+                                          base run's folders (symlinks): only stage 4 differs
   h200_pipeline.py summary                one JSON line per run dir with the headline numbers
+TRAIN_PARALLEL=1: `train` runs its run dirs side by side (a 1-layer drafter leaves most of an H200 idle).
 Epochs are held fixed across data sizes (train.epochs of h200-run.yaml), so the steps grow with the
 data. Logs: /tmp/runs/<name>.<stage>.log.
 """
@@ -33,9 +37,25 @@ def params_for(name: str):
     # H200_SET: JSON overrides for every run dir (e.g. '{"synthesize": {"batch_size": 2048}}')
     extra = json.loads(os.environ.get("H200_SET", "{}"))
     over = {"run": {"name": name, "output_dir": str(ROOT)}}
-    if name != "full":
+    variants = json.loads(os.environ.get("H200_VARIANTS", "{}"))
+    if name in variants:
+        extra = apply_overrides(extra, variants[name])
+    elif name != "full":
         over["synthesize"] = {"limit": int(name[1:])}
     return load_params(RUN_YAML, apply_overrides(extra, over))
+
+
+def share(base: str, names: list[str]) -> None:
+    """Run dirs that differ from `base` in stage 4 only: stages 1-3 are symlinks to base's folders."""
+    from eagle3.rundir import EXTRACT, SYNTHESIZE, VOCAB, RunDir, prepare_run_dir
+
+    for name in names:
+        rd = prepare_run_dir(params_for(name), ROOT / name)
+        for stage in (SYNTHESIZE, VOCAB, EXTRACT):
+            link = RunDir(rd).stage(stage)
+            if not link.exists():
+                link.symlink_to(RunDir(ROOT / base).stage(stage), target_is_directory=True)
+        print("SHARE", name, "->", base, sorted(x.name for x in rd.iterdir()), flush=True)
 
 
 def synth() -> None:
@@ -151,8 +171,12 @@ if __name__ == "__main__":
         subsets([int(x) for x in sys.argv[2].split(",")])
     elif cmd == "vocab":
         _launch(sys.argv[2].split(","), cmd)
-    elif cmd in ("extract", "train"):  # one at a time: each has the GPU to itself
+    elif cmd == "share":
+        share(sys.argv[2], sys.argv[3].split(","))
+    elif cmd == "extract":  # one at a time: each has the GPU to itself
         _launch(sys.argv[2].split(","), cmd, parallel=False)
+    elif cmd == "train":
+        _launch(sys.argv[2].split(","), cmd, parallel=os.environ.get("TRAIN_PARALLEL") == "1")
     elif cmd == "_vocab":
         _vocab(sys.argv[2])
     elif cmd == "_extract":
