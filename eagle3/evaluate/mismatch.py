@@ -98,7 +98,7 @@ def mismatch_warnings(sets: dict[str, dict], training: dict, ev) -> list[dict]:
                         "numbers": {"conversations": conv, "completion_tokens": toks,
                                     "min_conversations": ev.warn_min_conversations, "min_tokens": ev.warn_min_tokens},
                         "fix": "more training conversations: raise synthesize.limit, add sources, or add a "
-                               "{kind: self, count: N} source (the target writes N prompts itself)"})
+                               "{kind: self, self_prompt: {count: N}} source (the target writes N prompts itself)"})
         srcs, cats = training.get("sources") or {}, training.get("categories") or {}
         if len(srcs) <= 1 or len(cats) <= 1:
             what = (f"one source ({', '.join(srcs) or 'none'})" if len(srcs) <= 1
