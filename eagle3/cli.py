@@ -24,7 +24,7 @@ _ENVIRONMENT_ERRNOS = {
     errno.EACCES: "no permission: set run.output_dir to a folder you can write, or fix its owner",
 }
 
-_SET_HELP = ("override one params key, e.g. --set train.lr=0.003 --set synthesize.num_samples=64 "
+_SET_HELP = ("override one params key, e.g. --set train.lr=0.003 --set synthesize.limit=64 "
              "(repeatable; VALUE is parsed as YAML)")
 
 

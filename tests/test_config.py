@@ -190,3 +190,15 @@ def test_params_that_would_be_silently_wrong_are_refused(tmp_path, text, msg):
 def test_run_name_override_cannot_leave_output_dir():
     with pytest.raises(ParamsError, match="run.name"):
         load_params(ROOT / "params" / "ci.yaml", ["run.name=/tmp/elsewhere"])
+
+
+def test_cli_set_help_examples_are_valid_params():
+    """`eagle3 run --help` shows --set examples; each must load (synthesize.num_samples did not exist)."""
+    import re
+
+    from eagle3.cli import _SET_HELP
+
+    examples = re.findall(r"--set (\S+=\S+)", _SET_HELP)
+    assert examples
+    for ex in examples:
+        load_params(None, ["tracking.mode=disabled", ex])
