@@ -143,7 +143,12 @@ def summary_html(run_dir: str | Path) -> str:
         f" (relative gap {_fmt(st.get('parity_gap'))}, tolerance {_fmt(st.get('parity_tolerance'))}"
         f"{', ' + str(st['parity_prompts']) + ' prompts' if st.get('parity_prompts') else ''})"
         if parity is not None else "")
-    parts.append(f"<p>Offline τ {_fmt(st.get('tau_offline'))} vs vLLM τ {_fmt(st.get('tau_vllm'))}: parity "
+    # the parity's own sides (same prompts); tau_vllm pools every prompt, so it only stands in for
+    # stats.json files written before parity_tau_vllm existed
+    tau_off = st.get("parity_tau_offline", st.get("tau_offline"))
+    tau_vl = st.get("parity_tau_vllm", st.get("tau_vllm"))
+    on = f" on the same {st['parity_prompts']} prompts" if st.get("parity_tau_vllm") is not None and st.get("parity_prompts") else ""
+    parts.append(f"<p>Offline τ {_fmt(tau_off)} vs vLLM τ {_fmt(tau_vl)}{on}: parity "
                  f"{html.escape(parity_txt)}.</p>")
     parts.append(warn_list)
     diag = [x for x in (st.get("diagnosis") or []) if x]

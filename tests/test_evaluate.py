@@ -589,6 +589,9 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
     assert v["per_request_check"] == {"drafts": v["rounds"], "accepted": v["accepted_tokens"]}
     assert v["prompts"] == 5 and v["speed_prompts"] == 2 and v["max_num_seqs"] == 8
     assert stats.parity_ok is True and stats.parity_prompts == 4 and stats.parity_gap <= 0.15
+    # the parity's two sides on its 4 prompts (not the pooled vLLM tau over all 5): the gap is theirs
+    assert stats.parity_tau_vllm == res["parity"]["tau_vllm"] and stats.parity_tau_offline == res["parity"]["tau_offline"]
+    assert abs(stats.parity_tau_offline - stats.parity_tau_vllm) / stats.parity_tau_offline == pytest.approx(stats.parity_gap)
     assert list(stats.sets) == ["general-chat", "heldout"]
     held, gc = stats.sets["heldout"], stats.sets["general-chat"]
     assert (held["prompts"], held["offline_prompts"], gc["prompts"], gc["offline_prompts"]) == (2, 2, 3, 2)
@@ -808,3 +811,16 @@ def test_small_training_data_fix_names_a_valid_source():
     src = re.search(r"\{kind: self.*\}\}", fix).group(0).replace("N", "100")
     p = load_params(None, ["tracking.mode=disabled", f"synthesize.sources=[{src}]"])
     assert p.synthesize.sources[0].kind == "self" and p.synthesize.sources[0].self_prompt.count == 100
+
+
+def test_a_missing_evaluation_source_file_is_named_under_evaluate_sources(tmp_params, tmp_path, target_model):
+    """New-user report: a missing evaluate.sources file was reported as 'synthesize.sources: prompt
+    file ... does not exist' (stage 1's loader names its own field)."""
+    from eagle3.evaluate.prompts import evaluation_sets
+    from eagle3.prompts import PromptError
+
+    missing = tmp_path / "nope.jsonl"
+    params, run_dir = _write_run(tmp_params, [EVAL_QUESTIONS[0]], TRAIN_QUESTIONS[:2],
+                                 f"evaluate:\n  sources:\n    - kind: file\n      path: {missing}\n")
+    with pytest.raises(PromptError, match=r"^evaluate\.sources: prompt file .*nope\.jsonl does not exist"):
+        evaluation_sets(params, run_dir, target_model[1])

@@ -111,3 +111,15 @@ def test_the_headline_states_every_set_out_of_domain_first_and_the_warnings_on_t
     assert "prompts: heldout 18, general-chat 96 (2 excluded as training prompts, by prompt hash)" in page
     assert "acceptance rule: exact match with the target argmax" in page and "16 prompts)" in page
     assert "vllm_tokens_per_s: 8 of 114 prompts, one request at a time" in page
+
+
+def test_the_parity_line_shows_the_parity_prompts_vllm_tau_not_the_pooled_one(tmp_path):
+    """New-user report: the index said "Offline τ 1.596 vs vLLM τ 1.477: parity agrees (relative gap
+    0.023)", 1.477 being vLLM over all 129 prompts while the gap was computed on the 16 parity ones."""
+    stats = {"num_prompts": 129, "k": 3, "temperature": 0.0, "tau_offline": 1.596, "tau_vllm": 1.477,
+             "parity_ok": True, "parity_gap": 0.0232, "parity_tolerance": 0.15, "parity_prompts": 16,
+             "parity_tau_offline": 1.596, "parity_tau_vllm": 1.559}
+    write_stats(stage_dir(tmp_path, 5), stats)
+    page = index_html(tmp_path, [], {})
+    assert "Offline τ 1.596 vs vLLM τ 1.559 on the same 16 prompts: parity agrees (relative gap 0.023" in page
+    assert "vs vLLM τ 1.477" not in page

@@ -62,6 +62,8 @@ class EvaluateStats(Stats):
     ``tokens_per_forward_offline``, ``offline_prompts``, ``tokens_per_s_vllm_{eagle3,ngram,none}``,
     ``speed_prompts``, ``speedup_vllm_eagle3``, ``speedup_vllm_ngram``). ``warnings``: the mismatch
     warnings (:mod:`eagle3.evaluate.mismatch`). ``None`` where a backend was not run.
+    ``parity_tau_offline`` / ``parity_tau_vllm``: the two sides of the parity check, both on the
+    ``parity_prompts`` offline prompts (``tau_vllm`` pools every prompt, so it is not the parity's side).
     """
 
     num_prompts: int
@@ -83,6 +85,8 @@ class EvaluateStats(Stats):
     parity_gap: float | None = None
     parity_tolerance: float | None = None
     parity_prompts: int = 0
+    parity_tau_offline: float | None = None
+    parity_tau_vllm: float | None = None
     excluded_training: int = 0
     sets: dict = field(default_factory=dict)
     warnings: list[dict] = field(default_factory=list)
@@ -383,6 +387,7 @@ def _stats(params, inp: _Inputs, backends: dict, sets: dict, parity: dict, diagn
         parity_ok=parity.get("ok") if parity["checked"] else None,
         parity_gap=parity.get("relative_gap"), parity_tolerance=ev.parity_tolerance,
         parity_prompts=len(inp.offline_prompts) if parity["checked"] else 0,
+        parity_tau_offline=parity.get("tau_offline"), parity_tau_vllm=parity.get("tau_vllm"),
         excluded_training=sum(s.info["excluded_training"] for s in inp.sets),
         sets=_set_stats(sets), warnings=warnings, training_data=inp.training,
         measured=_measured(params, inp, off.get("prompts") or 0), acceptance_rule=first.get("acceptance_rule") or "",
