@@ -27,6 +27,9 @@ __all__ = [
     "apply_overrides",
     "params_fingerprint",
     "dump_params",
+    "diff_params",
+    "changed_stage",
+    "STAGE_OWN_SECTIONS",
 ]
 
 
@@ -604,17 +607,38 @@ def params_fingerprint(params: Params) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def diff_params(a: Params, b: Params) -> list[str]:
-    """Dotted keys whose values differ between two params (semantic keys only), with both values."""
+def _differences(a: Params, b: Params) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, value in a, value in b)`` of every semantic key that differs (lists compared whole)."""
     da, db = _semantic(a.model_dump(mode="json")), _semantic(b.model_dump(mode="json"))
-    out: list[str] = []
+    out: list[tuple[str, Any, Any]] = []
 
     def walk(x: Any, y: Any, prefix: str) -> None:
         if isinstance(x, dict) and isinstance(y, dict):
             for k in sorted(set(x) | set(y)):
                 walk(x.get(k), y.get(k), f"{prefix}.{k}" if prefix else k)
         elif x != y:
-            out.append(f"{prefix}: {x!r} -> {y!r}")
+            out.append((prefix, x, y))
 
     walk(da, db, "")
     return out
+
+
+def diff_params(a: Params, b: Params) -> list[str]:
+    """Dotted keys whose values differ between two params (semantic keys only), with both values."""
+    return [f"{k}: {x!r} -> {y!r}" for k, x, y in _differences(a, b)]
+
+
+# Params sections that one stage reads and no other: no other stage's module, notebook or input
+# record reads them (tests/test_config.py greps the package and the notebooks for it). A change
+# confined to such a section changes that stage's results only, so a run directory accepts it when
+# that stage is redone (eagle3.rundir.prepare_run_dir; `eagle3 run PARAMS --stages 5 --redo 5`).
+# Other sections feed several stages (stage 5 reads train.* norm flags and synthesize.sources, stage
+# 3 reads vocab.max_seq_len, ...): a change there needs a new run.
+STAGE_OWN_SECTIONS: dict[str, int] = {"evaluate": 5}
+
+
+def changed_stage(a: Params, b: Params) -> int | None:
+    """The one stage whose own params (:data:`STAGE_OWN_SECTIONS`) hold every difference between
+    ``a`` and ``b``; None when they are equal or a difference is in params several stages read."""
+    stages = {STAGE_OWN_SECTIONS.get(k.split(".", 1)[0]) for k, _, _ in _differences(a, b)}
+    return stages.pop() if len(stages) == 1 and None not in stages else None

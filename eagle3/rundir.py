@@ -139,26 +139,39 @@ def stage_complete(run_dir: str | Path, stage: int) -> bool:
     return bool(json.loads(f.read_text(encoding="utf-8")).get("complete"))
 
 
-def prepare_run_dir(params, run_dir: str | Path | None = None) -> Path:
+def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_file: str | Path | None = None) -> Path:
     """Create (or re-open) the run directory and write the resolved ``params.yaml`` into it.
 
     A run directory belongs to one set of params: re-opening it with params whose results would
     differ is refused (``ParamsError`` listing the differing keys), so that no stage ever mixes
-    outputs of two configurations. Tracking settings and names may change between calls.
+    outputs of two configurations. Tracking settings and names may change between calls. One
+    exception: params that only one stage reads (:data:`eagle3.config.STAGE_OWN_SECTIONS`:
+    ``evaluate.*``, stage 5) may change when that stage is in ``redo`` (it is measured again on the
+    new params; the earlier stages' outputs, e.g. the training prompts stage 5 excludes, stay).
 
     Args:
         params: the resolved :class:`eagle3.config.Params`.
         run_dir: the folder; default ``resolve_run_dir(params)``.
+        redo: the stages this call redoes (``eagle3 run --redo``).
+        params_file: the params file the user gave, named in the command of the refusal.
 
     Returns:
         Path: the run directory.
 
     Raises:
-        ParamsError: ``params.yaml`` exists with a different fingerprint (the message lists the keys).
+        ParamsError: ``params.yaml`` exists with a different fingerprint (the message lists the keys
+            and what to do: the ``--redo`` command for a one-stage change, else a new run name).
     """
     # config imports nothing of ours but errors; imported here so that `rundir` stays importable
     # from config-free code (the report).
-    from eagle3.config import diff_params, dump_params, load_params, params_fingerprint
+    from eagle3.config import (
+        STAGE_OWN_SECTIONS,
+        changed_stage,
+        diff_params,
+        dump_params,
+        load_params,
+        params_fingerprint,
+    )
     from eagle3.io import atomic_write_text
 
     rd = Path(run_dir) if run_dir is not None else resolve_run_dir(params)
@@ -167,14 +180,25 @@ def prepare_run_dir(params, run_dir: str | Path | None = None) -> Path:
     if pfile.exists():
         old = load_params(pfile)
         if params_fingerprint(old) != params_fingerprint(params):
-            diffs = diff_params(old, params)
-            raise ParamsError(
-                f"Run directory {rd} was created with different params ({pfile}); refusing to mix "
-                f"outputs of two configurations. Differences:\n  " + "\n  ".join(diffs) +
-                f"\nStart a new run with --run-name NEW_NAME (or run.name=...), or delete {rd}."
-            )
+            s = changed_stage(old, params)
+            if s is None or s not in set(redo or ()):
+                raise ParamsError(_params_refusal(rd, diff_params(old, params), s, STAGE_OWN_SECTIONS, params_file))
     atomic_write_text(pfile, dump_params(params))
     return rd
+
+
+def _params_refusal(rd: Path, diffs: list[str], stage: int | None, own: dict[str, int], params_file) -> str:
+    pf = str(params_file) if params_file else "PARAMS"
+    msg = (f"Run directory {rd} was created with different params ({rd / PARAMS_FILE}); refusing to mix "
+           f"outputs of two configurations. Differences:\n  " + "\n  ".join(diffs) + "\n")
+    if stage is not None:
+        section = next(k for k, v in own.items() if v == stage)
+        return msg + (f"They are {section}.* only, which stage {stage} ({STAGES[stage]}) alone reads: redo that "
+                      f"stage on this run with `eagle3 run {pf} --stages {stage} --redo {stage}` (the earlier "
+                      f"stages' outputs are kept), or start a new run with --run-name NEW_NAME.")
+    allowed = ", ".join(f"{k}.* (with --redo {v})" for k, v in own.items())
+    return msg + (f"Only {allowed} may change on an existing run. Start a new run with --run-name NEW_NAME "
+                  f"(or run.name=...), or delete {rd}.")
 
 
 class RunDir:

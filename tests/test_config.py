@@ -131,6 +131,67 @@ def test_run_dir_refuses_other_params(tmp_params):
     assert "lr: 0.001" in before
 
 
+def test_run_dir_takes_evaluate_only_params_when_stage_5_is_redone(tmp_params, tmp_path):
+    """evaluate.* is read by stage 5 alone: a run directory accepts a change there with redo 5 (and
+    says so without it); a change anywhere else is refused whatever is redone, naming the key."""
+    own = tmp_path / "mine.jsonl"
+    own.write_text('{"prompt": "Name three rivers."}\n')
+    p1 = load_params(tmp_params("train:\n  lr: 0.001\n"))
+    rd = prepare_run_dir(p1, Path(p1.run.output_dir) / "t")
+    p2 = load_params(tmp_params(f"train:\n  lr: 0.001\nevaluate:\n  num_prompts: 7\n  sources:\n"
+                                f"    - {{kind: file, path: {own}, label: mine}}\n", name="p2.yaml"))
+    with pytest.raises(ParamsError) as e:
+        prepare_run_dir(p2, rd, params_file="p2.yaml")
+    msg = str(e.value)
+    assert "evaluate.num_prompts: None -> 7" in msg and "evaluate.sources: [] -> " in msg
+    assert "`eagle3 run p2.yaml --stages 5 --redo 5`" in msg
+    with pytest.raises(ParamsError, match="--stages 5 --redo 5"):
+        prepare_run_dir(p2, rd, redo=[4])  # redoing another stage does not cover stage 5's params
+    assert load_params(rd / "params.yaml").evaluate.num_prompts is None  # refused: nothing written
+    assert prepare_run_dir(p2, rd, redo=[5]) == rd
+    now = load_params(rd / "params.yaml")
+    assert now.evaluate.num_prompts == 7 and now.evaluate.sources[0].path == str(own) and now.train.lr == 0.001
+    # a change another stage reads is refused even with --redo 5, naming the key and the way out
+    p3 = load_params(tmp_params(f"train:\n  lr: 0.002\nevaluate:\n  num_prompts: 7\n  sources:\n"
+                                f"    - {{kind: file, path: {own}, label: mine}}\n", name="p3.yaml"))
+    with pytest.raises(ParamsError) as e:
+        prepare_run_dir(p3, rd, redo=[4, 5])
+    msg = str(e.value)
+    assert "train.lr: 0.001 -> 0.002" in msg and "evaluate.num_prompts" not in msg
+    assert "Only evaluate.* (with --redo 5) may change on an existing run" in msg and "--run-name NEW_NAME" in msg
+    assert load_params(rd / "params.yaml").train.lr == 0.001
+
+
+def test_evaluate_section_is_read_by_stage_5_only():
+    """STAGE_OWN_SECTIONS' claim: no module outside eagle3/evaluate/ reads params.evaluate (stage.py's
+    consumed_files only for stage 5's record), and no notebook of stages 1-4 mentions it."""
+    import ast
+
+    from eagle3.config import STAGE_OWN_SECTIONS
+
+    assert STAGE_OWN_SECTIONS == {"evaluate": 5}
+    found = []
+    for f in sorted((ROOT / "eagle3").rglob("*.py")):
+        rel = f.relative_to(ROOT).as_posix()
+        if rel.startswith("eagle3/evaluate/"):
+            continue
+        tree = ast.parse(f.read_text(encoding="utf-8"))
+        allowed: set[int] = set()
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef) and rel == "eagle3/stage.py" and fn.name == "consumed_files":
+                allowed |= {n.lineno for n in ast.walk(fn) if hasattr(n, "lineno")}
+        for n in ast.walk(tree):
+            reads = (isinstance(n, ast.Attribute) and n.attr == "evaluate"
+                     and not (isinstance(n.value, ast.Name) and n.value.id == "self")) or (
+                isinstance(n, ast.Call) and getattr(n.func, "id", None) == "getattr" and len(n.args) > 1
+                and isinstance(n.args[1], ast.Constant) and n.args[1].value == "evaluate")
+            if reads and n.lineno not in allowed:
+                found.append(f"{rel}:{n.lineno}")
+    assert found == []
+    for nb in sorted((ROOT / "notebooks").glob("0[1-4]_*.ipynb")):
+        assert "evaluate" not in nb.read_text(encoding="utf-8"), nb.name
+
+
 # What params/smollm2-135m.yaml (the embedded default, `make run`) deliberately sets differently
 # from Params(): the run's name and a CPU/bfloat16 pin. Everything else of the default run is
 # Params' defaults, so the defaults live in one place (eagle3/config.py).

@@ -446,6 +446,26 @@ def test_a_trained_on_general_set_is_in_distribution_and_user_sets_load(tmp_para
     assert training["completion_tokens"] == 2 + 10
 
 
+def test_own_prompts_added_to_a_finished_run_keep_the_training_exclusion(tmp_params, target_model, tmp_path):
+    """`eagle3 run PARAMS --stages 5 --redo 5 --set evaluate.sources=[...]` on an existing run: the
+    run directory takes the evaluate-only params, and the new set still leaves out the prompts the
+    run trained on (its samples are the run's own)."""
+    from eagle3.config import load_params
+    from eagle3.rundir import prepare_run_dir
+
+    model, tok = target_model
+    params, run_dir = _write_run(tmp_params, [EVAL_QUESTIONS[0]], TRAIN_QUESTIONS[:2])
+    own = tmp_path / "own.jsonl"
+    own.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in [TRAIN_QUESTIONS[1], "What is 7 times 8?"]))
+    new = load_params(run_dir / "params.yaml", [f"evaluate.sources=[{{kind: file, path: {own}, label: own}}]"])
+    assert prepare_run_dir(new, run_dir, redo=[5]) == run_dir
+    sets, _ = evaluation_sets(load_params(run_dir / "params.yaml"), run_dir, tok)
+    by = {s.name: s for s in sets}
+    assert list(by) == ["heldout", "general-chat", "own"]
+    assert [p["messages"][0]["content"] for p in by["own"].prompts] == ["What is 7 times 8?"]
+    assert by["own"].info["excluded_training"] == 1 and by["own"].info["count"] == 1
+
+
 def test_a_capped_set_is_spread_over_its_categories():
     from eagle3.evaluate.prompts import spread
 

@@ -12,6 +12,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from eagle3.cli import main
+from eagle3.errors import ParamsError
 from eagle3.io import read_json
 from eagle3.rundir import NOTEBOOKS
 from eagle3.runner import StageFailed, parse_stages, run_pipeline
@@ -62,6 +63,27 @@ def test_run_resume_and_status(tmp_params, nbdir, capsys):
     assert main(["status", str(rd)]) == 0
     out = capsys.readouterr().out
     assert "complete" in out and "3/3 items" in out
+
+
+def test_evaluate_only_params_on_an_existing_run_redo_stage_5_only(tmp_params, nbdir, capsys):
+    """Own prompts on a finished run: `--set evaluate.*` is refused with the --redo 5 command, then
+    accepted with it; stages 1-2 are neither rerun nor changed, stage 5 runs on the new params."""
+    _nb(nbdir / NOTEBOOKS[5], WRITE_STAGE.replace('"lr": params.train.lr', '"num_prompts": params.evaluate.num_prompts')
+        .format(s=5))
+    pf = tmp_params()
+    rd = run_pipeline(pf, [1, 2, 5], notebooks=nbdir)
+    assert read_json(rd / "05_evaluate" / "stats.json")["num_prompts"] is None
+    s1 = (rd / "01_synthesize" / "stats.json").read_bytes()
+    with pytest.raises(ParamsError, match=r"evaluate\.num_prompts: None -> 5\n.*--stages 5 --redo 5"):
+        run_pipeline(pf, [5], overrides=["evaluate.num_prompts=5"], notebooks=nbdir)
+    run_pipeline(pf, [1, 2, 5], overrides=["evaluate.num_prompts=5"], notebooks=nbdir, redo=[5])
+    out = capsys.readouterr().out
+    assert "params changed since this run was made (the stage that reads them is redone): evaluate.num_prompts: None -> 5" in out
+    assert "stage 1 (01_synthesize) already complete, skipped" in out and "stage 5 (05_evaluate) re-opened" in out
+    assert read_json(rd / "05_evaluate" / "stats.json")["num_prompts"] == 5
+    assert (rd / "05_evaluate" / "runs.txt").read_text() == "xx"
+    assert (rd / "01_synthesize" / "runs.txt").read_text() == "x" and (rd / "01_synthesize" / "stats.json").read_bytes() == s1
+    assert "num_prompts: 5" in (rd / "params.yaml").read_text()
 
 
 def test_failing_stage_shows_cell_error(tmp_params, nbdir):
