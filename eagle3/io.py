@@ -165,10 +165,16 @@ def dir_bytes(path: str | Path) -> int:
 class Progress:
     """Keeps ``<stage_dir>/progress.json`` current and drives a tqdm bar.
 
-    Fields written: ``stage``, ``status`` (running/done/failed), ``done``, ``total`` (work units,
-    e.g. samples), ``tokens``, ``rate_units_per_s``, ``tokens_per_s``, ``eta_s`` (seconds),
-    ``elapsed_s``, ``bytes_on_disk``, ``projected_bytes``, ``updated`` (unix seconds), ``extra``.
-    The file is rewritten at most every ``interval_s`` seconds (default 2 s) and on ``close``.
+    Fields written: ``stage``, ``status`` (running/done/failed/interrupted), ``done``, ``total`` (work
+    units, e.g. samples), ``tokens``, ``rate_units_per_s``, ``tokens_per_s``, ``eta_s`` (seconds; 0
+    once ``done``), ``elapsed_s``, ``bytes_on_disk``, ``projected_bytes``, ``updated`` (unix seconds),
+    ``extra``. The file is rewritten at most every ``interval_s`` seconds (default 2 s) and on ``close``.
+
+    ``elapsed_s`` is the stage's time, not this object's: when the folder's ``progress.json`` is of an
+    execution that did not end ``done`` (an interrupted, failed or killed run being resumed, or stage
+    1's self-prompting phase, closed ``running``, before its answering phase), its ``elapsed_s`` is
+    carried on. The rates (``tokens_per_s``, ``rate_units_per_s``, the ETA) count only this
+    execution's own work: units passed as ``done``/``tokens`` or :meth:`resumed` are not in them.
 
     Args:
         stage_dir: the stage folder; ``progress.json`` goes there.
@@ -210,6 +216,13 @@ class Progress:
         self.projected_bytes = projected_bytes
         self.interval_s = interval_s
         self.t0 = time.time()
+        try:
+            prev = read_json(self.path, None)
+        except (OSError, ValueError):  # a damaged file of an earlier execution: its time is unknown
+            prev = None
+        # the stage's time before this execution (see the class docstring); a finished one starts anew
+        self.elapsed_before = float(prev.get("elapsed_s") or 0.0) if isinstance(prev, dict) and prev.get(
+            "status") != "done" else 0.0
         self._last = 0.0
         self.extra: dict = {}
         self.history: list[tuple[float, int, int]] = []
@@ -236,9 +249,25 @@ class Progress:
             self.bar.set_postfix(tok_s=f"{self.tokens_per_s:.0f}", refresh=False)
         self._write("running")
 
+    def resumed(self, n: int = 1, tokens: int = 0) -> None:
+        """Count ``n`` units (``tokens`` tokens) that an earlier execution finished and this one reuses
+        (a resumed stage finding its records): in ``done`` and ``tokens``, not in the rates or the ETA."""
+        self.done += n
+        self.tokens += tokens
+        self._start_done += n
+        self._start_tokens += tokens
+        self.bar.update(n)
+        self._write("running")
+
     @property
     def elapsed_s(self) -> float:
+        """Seconds of this execution (the rates' denominator)."""
         return max(time.time() - self.t0, 1e-9)
+
+    @property
+    def stage_elapsed_s(self) -> float:
+        """Seconds of the stage so far: earlier unfinished executions plus this one (``elapsed_s`` in the file)."""
+        return self.elapsed_before + self.elapsed_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -257,8 +286,8 @@ class Progress:
             "tokens": self.tokens,
             "rate_units_per_s": round(rate, 4),
             "tokens_per_s": round(self.tokens_per_s, 2),
-            "eta_s": round(eta, 1) if eta is not None else (0.0 if status == "done" else None),
-            "elapsed_s": round(self.elapsed_s, 2),
+            "eta_s": 0.0 if status == "done" else (round(eta, 1) if eta is not None else None),
+            "elapsed_s": round(self.stage_elapsed_s, 2),
             "bytes_on_disk": self.bytes_fn() if self.bytes_fn is not None else dir_bytes(self.bytes_dir),
             "projected_bytes": self.projected_bytes,
             "updated": time.time(),

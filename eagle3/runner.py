@@ -279,7 +279,8 @@ def status_rows(run_dir: str | Path) -> list[dict]:
 
     A 'running' stage whose progress file is older than 60 s is reported as 'stalled?' (its
     process may have died; re-running resumes it). A complete stage whose inputs changed size since
-    it ran is 'stale' (sizes only, nothing is read: ``eagle3 verify`` hashes them).
+    it ran is 'stale' (sizes only, nothing is read: ``eagle3 verify`` hashes them). Only a running
+    stage has an ETA; ``elapsed`` is the stage's time over all its executions (:class:`eagle3.io.Progress`).
     """
     rows = []
     params = _run_params(run_dir)
@@ -304,7 +305,7 @@ def status_rows(run_dir: str | Path) -> list[dict]:
                 "done": f"{p.get('done', 0)}/{total if total is not None else '?'} {p.get('unit', '')}".strip() if prog else "-",
                 "tokens/s": f"{p.get('tokens_per_s', 0):.0f}" if prog else "-",
                 "elapsed": _fmt_s(p.get("elapsed_s")) if prog else "-",
-                "ETA": _fmt_s(p.get("eta_s")) if prog else "-",
+                "ETA": _fmt_s(p.get("eta_s")) if prog and state == "running" else "-",  # none once it stopped
                 "on disk": format_bytes(p.get("bytes_on_disk")) if prog else "-",
                 "projected": format_bytes(p.get("projected_bytes")) if prog else "-",
                 "updated": time.strftime("%H:%M:%S", time.localtime(p["updated"])) if p.get("updated") else "-",

@@ -35,6 +35,7 @@ from eagle3.evaluate import (
     summarize_rounds,
     vllm_serve_command,
 )
+from eagle3.io import Progress
 from eagle3.rundir import RunDir
 
 # ------------------------------------------------------------------------------------- metrics
@@ -285,8 +286,13 @@ def test_offline_records_resume_after_a_torn_line(random_drafter, target_model, 
     recs = evaluate_offline(model, tok, dm, prompts, 3, 4, AUX_IDS, out_file=out, key="k1")
     with open(out, "a") as f:
         f.write('{"key": "k1", "id": "e9", "tok')  # a write cut short
-    again = evaluate_offline(model, tok, dm, prompts, 3, 4, AUX_IDS, out_file=out, key="k1")
+    prog = Progress(tmp_path / "p", total=1, unit="steps", interval_s=0.0)
+    again = evaluate_offline(model, tok, dm, prompts, 3, 4, AUX_IDS, out_file=out, key="k1", progress=prog)
     assert again == recs and len(out.read_text().splitlines()) == 1  # reused, torn tail dropped
+    prog.close("done")
+    snap = json.loads((tmp_path / "p" / "progress.json").read_text())
+    assert (snap["done"], snap["total"], snap["tokens"]) == (1, 1, len(recs[0]["tokens"]))  # counted, a resume
+    assert snap["tokens_per_s"] == 0.0  # reused work is not this execution's rate
     other = evaluate_offline(model, tok, dm, prompts, 3, 4, AUX_IDS, out_file=out, key="k2")
     assert other[0]["key"] == "k2" and len(out.read_text().splitlines()) == 1  # other settings: redone
 

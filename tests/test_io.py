@@ -54,6 +54,59 @@ def test_progress_file_and_status(tmp_path):
     assert status_rows(run)[2]["state"] == "complete"
 
 
+def test_a_resumed_stage_shows_done_with_its_total_its_whole_time_and_no_eta(tmp_path):
+    """A stage 5 interrupted at 3/19 steps after 300 s, resumed: the 16 offline records it finds are
+    counted (not in the rate), it ends 19/19, shows no ETA and 300 s + this execution as elapsed."""
+    run = tmp_path / "run"
+    d = run / "05_evaluate"
+    d.mkdir(parents=True)
+    atomic_write_json(d / "progress.json", {"status": "interrupted", "unit": "steps", "done": 3, "total": 19,
+                                            "tokens": 300, "elapsed_s": 300.0, "eta_s": 1600.0, "updated": time.time()})
+    assert status_rows(run)[4]["ETA"] == "-" and status_rows(run)[4]["state"] == "interrupted"
+    prog = Progress(d, total=19, unit="steps", interval_s=0.0)
+    prog.resumed(16, tokens=1600)  # offline records of the first execution
+    snap = read_json(d / "progress.json")
+    assert snap["done"] == 16 and snap["tokens"] == 1600 and snap["tokens_per_s"] == 0.0 and snap["eta_s"] is None
+    assert snap["elapsed_s"] >= 300.0
+    prog.update(3, tokens=90)  # the vLLM jobs, measured now
+    prog.close("done")
+    write_stats(d, {"num_prompts": 4})
+    snap = read_json(d / "progress.json")
+    assert (snap["done"], snap["total"], snap["eta_s"], snap["tokens"]) == (19, 19, 0.0, 1690)
+    assert 300.0 <= snap["elapsed_s"] < 330.0 and snap["tokens_per_s"] > 90  # 90 tokens in well under 1 s
+    row = status_rows(run)[4]
+    assert (row["state"], row["done"], row["ETA"], row["elapsed"]) == ("complete", "19/19 steps", "-", "5m00s")
+
+
+def test_stage_1_elapsed_covers_self_prompting_and_answering(tmp_path):
+    """Stage 1 writes progress.json from two Progress objects (self-prompting, closed 'running', then
+    answering): the stage's elapsed covers both; a stage redone after a finished run starts at 0."""
+    d = tmp_path / "01_synthesize"
+    d.mkdir()
+    writing = Progress(d, total=4, unit="self prompts", interval_s=0.0)
+    writing.t0 -= 150.0  # the target wrote its prompts for 150 s
+    writing.update(4, tokens=400)
+    writing.close("running")
+    answering = Progress(d, total=6, unit="samples", interval_s=0.0)
+    answering.update(6, tokens=60)
+    answering.close("done")
+    snap = read_json(d / "progress.json")
+    assert 150.0 <= snap["elapsed_s"] < 180.0 and snap["done"] == 6 and snap["eta_s"] == 0.0
+    assert snap["tokens_per_s"] > 60  # the answering phase's own rate, not over 150 s
+    write_stats(d, {"samples": 6})
+    assert status_rows(tmp_path)[0]["elapsed"] == "2m30s"
+    again = Progress(d, total=6, unit="samples", interval_s=0.0)  # --redo 1 after it finished
+    again.close("done")
+    assert read_json(d / "progress.json")["elapsed_s"] < 30.0
+
+
+def test_a_finished_progress_has_no_eta_even_short_of_its_total(tmp_path):
+    prog = Progress(tmp_path, total=19, unit="steps", interval_s=0.0)
+    prog.update(3)
+    prog.close("done")
+    assert read_json(tmp_path / "progress.json")["eta_s"] == 0.0
+
+
 def test_stalled_progress_is_flagged(tmp_path):
     d = tmp_path / "01_synthesize"
     d.mkdir()

@@ -234,6 +234,8 @@ def evaluate_offline(target, tokenizer, drafter_model, prompts: list[dict], k: i
     for i, p in enumerate(prompts):
         if p["id"] in done:
             records.append(done[p["id"]])
+            if progress is not None:  # done by an earlier execution: counted, not in the rate
+                progress.resumed(1, tokens=len(done[p["id"]]["tokens"]))
             continue
         gen = torch.Generator().manual_seed(seed + i)
         t0 = time.time()

@@ -277,12 +277,14 @@ def _vllm(params, inp: _Inputs, sd: Path, prog: Progress) -> dict[str, dict]:
         job, jkey = _job(params, inp, method)
         out = sd / f"vllm_{method}.json"
         res = read_json(out, None)
+        count = prog.resumed  # a kept result: measured by an earlier execution, not in the rate
         if not res or res.get("job_key") != jkey:
             res = run_vllm_job(job, out, logs / f"vllm_{method}.log", timeout_s=ev.vllm_timeout_s)
             res["job_key"] = jkey
             atomic_write_json(out, res)
+            count = prog.update
         results[method] = res
-        prog.update(1, tokens=(res.get("output_tokens") or 0) + (res.get("speed_output_tokens") or 0))
+        count(1, tokens=(res.get("output_tokens") or 0) + (res.get("speed_output_tokens") or 0))
     return results
 
 

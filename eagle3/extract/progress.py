@@ -50,14 +50,16 @@ class ExtractProgress(Progress):
             rate += o.get("tokens_per_s", 0.0) or 0.0
         snap.update(done=done, tokens=tokens, tokens_per_s=round(rate, 2))
         remaining = max(self.total_tokens - tokens, 0)
-        snap["eta_s"] = 0.0 if remaining == 0 else (round(remaining / rate, 1) if rate > 0 else None)
+        snap["eta_s"] = 0.0 if remaining == 0 or status == "done" else (round(remaining / rate, 1) if rate > 0 else None)
         snap["total_tokens"] = self.total_tokens
         snap["bytes_written"] = written
         snap["bytes_on_disk"] = self.done_bytes + written
         snap["extra"] = dict(snap["extra"], bytes_written=self.writer_ref(), start_done=self._start_done,
                              start_tokens=self._start_tokens)
         # called by Progress._write (under its lock, also from its heartbeat thread): one timeline point
-        self.last_point = {"t": round(time.time(), 3), "elapsed_s": snap["elapsed_s"], "done": done,
+        # elapsed_s of this execution (not the stage's): it restarts on a resume, which the
+        # throughput plot takes as a new run (extract.report.throughput_windows)
+        self.last_point = {"t": round(time.time(), 3), "elapsed_s": round(self.elapsed_s, 2), "done": done,
                            "tokens": tokens, "tokens_per_s": snap["tokens_per_s"], "bytes_written": written,
                            "status": status}
         if self.timeline is not None:
