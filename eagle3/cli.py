@@ -2,8 +2,8 @@
 
 Exit codes: 0 success; 2 a usage error or an :class:`eagle3.errors.Eagle3Error` (bad params, a
 missing target, a failed stage, a stale stage, ...: one clean message on stderr, no traceback);
-1 from ``verify`` when it found problems; anything else is a bug and propagates with its full
-traceback (exit 1).
+1 from ``verify`` when it found problems; 130 after Ctrl-C (``run`` prints the command that
+resumes); anything else is a bug and propagates with its full traceback (exit 1).
 """
 
 from __future__ import annotations
@@ -108,13 +108,37 @@ def _dispatch(args: argparse.Namespace) -> int:
     raise AssertionError(f"unhandled command {args.cmd!r}")  # argparse only admits the five above
 
 
+def _interrupted_message(args: argparse.Namespace, exc) -> str:  # exc: a RunInterrupted or None
+    """What ``eagle3 run`` says after a Ctrl-C: what stopped, that its files are kept, the exact
+    command that resumes (the same options, the stages from the interrupted one on)."""
+    import shlex
+    from pathlib import Path
+
+    from eagle3.runner import format_stages, parse_stages, resume_stages
+
+    prog = sys.argv[0] if Path(sys.argv[0]).name == "eagle3" else "eagle3"
+    cmd = [prog, "run", args.params]
+    if exc is not None and exc.stage is not None:
+        stages, redo = resume_stages(exc.stage, parse_stages(args.stages),
+                                     parse_stages(args.redo, "--redo") if args.redo else None)
+        cmd += ["--stages", format_stages(stages)] + (["--redo", format_stages(redo)] if redo else [])
+    else:
+        cmd += ["--stages", args.stages] + (["--redo", args.redo] if args.redo else [])
+    cmd += (["--run-name", args.run_name] if args.run_name else []) + [x for o in args.overrides for x in ("--set", o)]
+    cmd += (["--kernel", args.kernel] if args.kernel != "eagle3" else []) + (["--no-report"] if args.no_report else [])
+    what = str(exc) if exc is not None else "interrupted (Ctrl-C)"
+    where = f" (`eagle3 status {exc.run_dir}` shows it)" if exc is not None and exc.run_dir else ""
+    return (f"\neagle3: {what}. What was written is kept{where}; each stage resumes its own work.\n"
+            f"eagle3: resume with: {shlex.join(cmd)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``eagle3`` console script; returns the process exit code.
 
     Raises:
         Exception: anything that is not an :class:`eagle3.errors.Eagle3Error` (a bug: full traceback).
     """
-    from eagle3.errors import Eagle3Error
+    from eagle3.errors import Eagle3Error, RunInterrupted
 
     parser = _build_parser()
     args = parser.parse_args(argv)
@@ -123,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return _dispatch(args)
+    except RunInterrupted as exc:
+        print(_interrupted_message(args, exc), file=sys.stderr, flush=True)
+        return 130  # 128 + SIGINT, as a shell reports a Ctrl-C'd program
+    except KeyboardInterrupt:  # outside a stage (run: before the first one, the report), status --watch, ...
+        print(_interrupted_message(args, None) if args.cmd == "run" else "\neagle3: interrupted (Ctrl-C)",
+              file=sys.stderr, flush=True)
+        return 130
     except Eagle3Error as exc:
         print(f"eagle3: {exc}", file=sys.stderr)
         return 2

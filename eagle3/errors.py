@@ -25,6 +25,7 @@ __all__ = [
     "StageFailed",
     "RunnerError",
     "StaleStage",
+    "RunInterrupted",
 ]
 
 
@@ -90,3 +91,20 @@ class RunnerError(Eagle3Error, RuntimeError):
 class StaleStage(RunnerError):
     """A finished stage whose inputs (earlier stages' files) changed since it ran: the message names
     each changed file with both digests and the ``--redo`` command that redoes the stage."""
+
+
+class RunInterrupted(Eagle3Error, RuntimeError):
+    """``eagle3 run`` was stopped by Ctrl-C (SIGINT). What the stages wrote is kept and each stage
+    resumes its own work, so re-running resumes; the CLI prints that command and exits 130
+    (128 + SIGINT) without a traceback.
+
+    Args:
+        message: what was stopped.
+        stage: the stage that was running (None: the signal came between stages).
+        run_dir: the run directory (for ``eagle3 status``), None before it was opened.
+    """
+
+    def __init__(self, message: str, stage: int | None = None, run_dir=None):
+        super().__init__(message)
+        self.stage = stage
+        self.run_dir = run_dir

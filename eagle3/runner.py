@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
 
 from eagle3.config import diff_params, load_params
-from eagle3.errors import ParamsError, RunnerError, StageFailed, StaleStage
+from eagle3.errors import ParamsError, RunInterrupted, RunnerError, StageFailed, StaleStage
 from eagle3.io import format_bytes, read_json
 from eagle3.rundir import (
     NOTEBOOKS,
@@ -24,8 +25,8 @@ from eagle3.rundir import (
 )
 from eagle3.stage import stale_inputs, stale_message
 
-__all__ = ["parse_stages", "run_pipeline", "reopen_stage", "verify_run", "StageFailed", "StaleStage", "status_rows",
-           "format_status", "render_report", "static_widgets"]
+__all__ = ["parse_stages", "format_stages", "resume_stages", "run_pipeline", "reopen_stage", "verify_run", "StageFailed",
+           "StaleStage", "status_rows", "format_status", "render_report", "static_widgets"]
 
 KERNEL = "eagle3"
 
@@ -53,6 +54,32 @@ def parse_stages(spec: str | None, flag: str = "--stages") -> list[int]:
                 raise ParamsError(f"{flag} {spec!r}: stage {s} does not exist (stages are 1-5)")
             out.add(s)
     return sorted(out)
+
+
+def format_stages(stages) -> str:
+    """Stage numbers -> the shortest ``--stages`` text (``[1, 2, 3, 5]`` -> ``'1-3,5'``); the inverse
+    of :func:`parse_stages`."""
+    out, run = [], []
+    for s in sorted(set(stages)):
+        if run and s != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(s)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ",".join(out)
+
+
+def resume_stages(stage: int, stages: list[int], redo: list[int] | None) -> tuple[list[int], list[int]]:
+    """``(--stages, --redo)`` of the command that resumes a run interrupted in ``stage``: the selected
+    stages from it on; the ``--redo`` stages from it on, plus ``stage`` itself when an earlier one
+    was redone (its re-opening is a no-op on its own partial outputs, and a later stale stage is still
+    re-opened after it, as the first command would have done)."""
+    redo = sorted(set(redo or ()))
+    again = [r for r in redo if r >= stage]
+    if redo and redo[0] < stage and stage not in again:
+        again.insert(0, stage)
+    return [s for s in stages if s >= stage], again
 
 
 def reopen_stage(run_dir: str | Path, stage: int, params=None) -> str:
@@ -86,6 +113,67 @@ def reopen_stage(run_dir: str | Path, stage: int, params=None) -> str:
                 + "; ".join(reasons) + ")" + kept)
     rd.stats(stage).unlink(missing_ok=True)
     return f"stage {stage} ({STAGES[stage]}) re-opened: it re-checks its files and redoes what is broken or missing"
+
+
+class _InterruptForwarder:
+    """SIGINT (Ctrl-C) while a stage notebook runs: the first one is sent on to the kernel, whose
+    cell then stops as an interrupted Python program does (``StageRun`` marks ``progress.json``
+    'interrupted', the stage's ``finally`` blocks stop its engines) and papermill saves the executed
+    notebook, instead of a KeyboardInterrupt tearing the kernel's sockets down under it (80 lines of
+    papermill/ZMQ traceback); a second one raises KeyboardInterrupt here at once.
+
+    The kernel runs in its own session (jupyter_client starts it so), so a terminal's Ctrl-C does not
+    reach it by itself; its process group is found through the kernel manager papermill builds from
+    :meth:`manager_class`. Installed only in the main thread (``signal.signal`` works nowhere else).
+    """
+
+    def __init__(self) -> None:
+        self.managers: list = []
+        self.count = 0
+        self._old = None
+
+    def manager_class(self):
+        """An ``AsyncKernelManager`` subclass that records its instances here (nbclient's default class)."""
+        from jupyter_client.manager import AsyncKernelManager
+
+        managers = self.managers
+
+        class _RecordedKernelManager(AsyncKernelManager):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                managers.append(self)
+
+        return _RecordedKernelManager
+
+    def _kernel_pgid(self) -> int | None:
+        prov = getattr(self.managers[-1], "provisioner", None) if self.managers else None
+        pid = getattr(prov, "pgid", None) or getattr(prov, "pid", None)
+        return int(pid) if pid else None
+
+    def _on_sigint(self, signum, frame) -> None:
+        import os
+
+        self.count += 1
+        pgid = self._kernel_pgid()
+        if self.count > 1 or pgid is None:
+            raise KeyboardInterrupt
+        try:
+            os.killpg(pgid, signal.SIGINT)
+        except OSError:  # the kernel is gone already
+            raise KeyboardInterrupt from None
+        print("\neagle3: Ctrl-C: stopping the stage (it keeps what it wrote); Ctrl-C again to stop at once",
+              file=sys.stderr, flush=True)
+
+    def __enter__(self) -> _InterruptForwarder:
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
 
 
 def _kernel_available(name: str) -> bool:
@@ -169,23 +257,35 @@ def run_pipeline(
             print(f"eagle3: {reopen_stage(run_dir, s, params)}", flush=True)
         print(f"eagle3: stage {s} ({STAGES[s]}) running {nb_in.name} (watch: eagle3 status {run_dir})", flush=True)
         t0 = time.time()
+        stopped = RunInterrupted(f"stage {s} ({STAGES[s]}) was interrupted (Ctrl-C)", stage=s, run_dir=run_dir)
+        fwd = _InterruptForwarder()
         try:
-            pm.execute_notebook(
-                str(nb_in),
-                str(out_dir / NOTEBOOKS[s]),
-                parameters={"params_file": str(run_dir / "params.yaml"), "run_dir": str(run_dir)},
-                kernel_name=kernel,
-                cwd=str(nb_root),
-                log_output=True,
-                progress_bar=False,
-                stdout_file=sys.stdout,
-                stderr_file=sys.stderr,
-            )
+            with fwd:
+                pm.execute_notebook(
+                    str(nb_in),
+                    str(out_dir / NOTEBOOKS[s]),
+                    parameters={"params_file": str(run_dir / "params.yaml"), "run_dir": str(run_dir)},
+                    kernel_name=kernel,
+                    kernel_manager_class=fwd.manager_class(),
+                    cwd=str(nb_root),
+                    log_output=True,
+                    progress_bar=False,
+                    stdout_file=sys.stdout,
+                    stderr_file=sys.stderr,
+                )
         except pm.PapermillExecutionError as exc:
+            if fwd.count or exc.ename == "KeyboardInterrupt":
+                raise stopped from None
             raise StageFailed(
                 f"Stage {s} ({STAGES[s]}) failed in cell {exc.cell_index} of {nb_in.name}: "
                 f"{exc.ename}: {exc.evalue}\nExecuted notebook: {out_dir / NOTEBOOKS[s]}"
             ) from None
+        except KeyboardInterrupt:  # a second Ctrl-C, or one before the kernel was up
+            raise stopped from None
+        if fwd.count:  # the stage ended before the interrupt reached its code: stop before the next one
+            print(f"eagle3: stage {s} ({STAGES[s]}) finished in {time.time() - t0:.0f} s", flush=True)
+            raise RunInterrupted(f"stopped after stage {s} ({STAGES[s]}) finished (Ctrl-C)",
+                                 stage=s + 1 if s + 1 in selected else None, run_dir=run_dir)
         print(f"eagle3: stage {s} ({STAGES[s]}) finished in {time.time() - t0:.0f} s", flush=True)
     return run_dir
 

@@ -86,6 +86,89 @@ def test_evaluate_only_params_on_an_existing_run_redo_stage_5_only(tmp_params, n
     assert "num_prompts: 5" in (rd / "params.yaml").read_text()
 
 
+SLOW_STAGE = """
+import time
+from pathlib import Path
+from eagle3.stage import StageRun
+with StageRun(params, run_dir, {s}, total=3, unit="items") as st:
+    st.progress.update(1, tokens=10)
+    if not Path(run_dir, "started").exists():  # the first execution waits for its Ctrl-C
+        Path(run_dir, "started").write_text("x")
+        time.sleep(120)
+    st.progress.update(2, tokens=20)
+    st.finish({{"items": 3}})
+"""
+
+DRIVE = """
+import sys
+from pathlib import Path
+import eagle3.runner
+eagle3.runner.notebooks_dir = lambda: Path(sys.argv[1])  # the test's notebooks instead of notebooks/
+from eagle3.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def test_ctrl_c_in_eagle3_run_says_how_to_resume_and_exits_130(tmp_params, nbdir, tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the process group) while stage 1 runs: a few lines, no
+    traceback, the stage marked interrupted by its own code, the kernel gone, exit 130, and the
+    printed command resumes the run."""
+    import shlex
+    import signal
+    import time
+
+    _nb(nbdir / NOTEBOOKS[1], SLOW_STAGE.format(s=1))
+    pf = tmp_params()
+    rd = Path(pf).parent / "outputs" / "t"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-c", DRIVE, str(nbdir), "run", str(pf), "--stages", "1-2", "--redo", "1",
+                             "--set", "train.lr=0.004", "--no-report"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    for _ in range(240):
+        if (rd / "started").exists() or proc.poll() is not None:
+            break
+        time.sleep(0.25)
+    assert (rd / "started").exists()
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and "ZMQError" not in out and len(out.splitlines()) <= 12, out
+    assert "eagle3: stage 1 (01_synthesize) was interrupted (Ctrl-C). What was written is kept" in out
+    cmd = out.split("eagle3: resume with: ")[1].strip()
+    assert cmd == f"eagle3 run {shlex.quote(str(pf))} --stages 1-2 --redo 1 --set train.lr=0.004 --no-report"
+    prog = read_json(rd / "01_synthesize" / "progress.json")
+    assert prog["status"] == "interrupted" and prog["done"] == 1 and "KeyboardInterrupt" in prog["extra"]["error"]
+    time.sleep(1.0)
+    with pytest.raises(ProcessLookupError):  # the kernel that ran the stage is not left behind
+        os.kill(prog["pid"], 0)
+    # the printed command resumes: stage 1 ends, stage 2 runs
+    args = shlex.split(cmd)[1:]
+    assert main_with_notebooks(args, nbdir) == 0
+    assert read_json(rd / "01_synthesize" / "stats.json")["complete"] and read_json(rd / "02_vocab" / "stats.json")["lr"] == 0.004
+
+
+def main_with_notebooks(args: list[str], nbdir: Path) -> int:
+    import eagle3.runner
+
+    old = eagle3.runner.notebooks_dir
+    eagle3.runner.notebooks_dir = lambda: nbdir
+    try:
+        return main(args)
+    finally:
+        eagle3.runner.notebooks_dir = old
+
+
+def test_resume_stages_after_an_interrupt():
+    from eagle3.runner import format_stages, resume_stages
+
+    assert format_stages([1, 2, 3, 5]) == "1-3,5" and format_stages([4]) == "4" and format_stages([2, 4, 5]) == "2,4-5"
+    assert resume_stages(3, [1, 2, 3, 4, 5], None) == ([3, 4, 5], [])
+    assert resume_stages(3, [1, 2, 3, 4, 5], [1]) == ([3, 4, 5], [3])  # stale 4-5 still re-opened after 3
+    assert resume_stages(3, [1, 2, 3, 4, 5], [4]) == ([3, 4, 5], [4])
+    assert resume_stages(5, [2, 5], [2, 5]) == ([5], [5])
+
+
 def test_failing_stage_shows_cell_error(tmp_params, nbdir):
     _nb(nbdir / NOTEBOOKS[2], "raise ValueError('planted failure in stage 2')")
     pf = tmp_params()
