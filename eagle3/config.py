@@ -12,7 +12,7 @@ import difflib
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -146,6 +146,27 @@ class PromptSource(_Section):
     limit: int | None = Field(None, ge=1)
     label: str | None = Field(None, description="the 'source' recorded per sample (default: name/path; 'self')")
     self_prompt: SelfPromptParams | None = Field(None, description="kind=self only (default settings when omitted)")
+
+    # The fields each kind reads (eagle3.prompts' loaders; a kind: self source becomes a file source
+    # with its label and limit, eagle3.self_prompt). dump_params shows another field only when it was
+    # set: `name: human-eval`, the default for kind: embedded, is not shown on a kind: self source.
+    KIND_FIELDS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "embedded": ("kind", "name", "prompt_template", "system_prompt", "limit", "label"),
+        "file": ("kind", "path", "format", "prompt_field", "fields", "prompt_template", "system_prompt", "limit",
+                 "label"),
+        "hf": ("kind", "name", "subset", "split", "format", "prompt_field", "fields", "prompt_template",
+               "system_prompt", "limit", "label"),
+        "self": ("kind", "limit", "label", "self_prompt"),
+    }
+
+    def shown(self) -> dict[str, Any]:
+        """The source as ``params.yaml`` / ``eagle3 params`` write it (JSON types): the fields of its
+        kind (:attr:`KIND_FIELDS`), plus any other field set to a value other than its default.
+        Loading it back gives the same source."""
+        d = self.model_dump(mode="json")
+        keep = self.KIND_FIELDS[self.kind]
+        defaults = PromptSource.model_construct().model_dump(mode="json")  # every field at its default
+        return {k: v for k, v in d.items() if k in keep or v != defaults[k]}
 
     @model_validator(mode="after")
     def _self_prompt_only_for_self(self) -> PromptSource:
@@ -582,8 +603,12 @@ def load_params(
 
 
 def dump_params(params: Params) -> str:
-    """The resolved params as YAML text (every key explicit)."""
-    return yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False)
+    """The resolved params as YAML text (every key explicit, but for the prompt sources' fields of
+    another kind left at their defaults: :meth:`PromptSource.shown`)."""
+    d = params.model_dump(mode="json")
+    for section in ("synthesize", "evaluate"):
+        d[section]["sources"] = [src.shown() for src in getattr(params, section).sources]
+    return yaml.safe_dump(d, sort_keys=False)
 
 
 # Sections/keys that do not change what a run computes: a run directory may be resumed with

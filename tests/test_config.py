@@ -162,6 +162,32 @@ def test_run_dir_takes_evaluate_only_params_when_stage_5_is_redone(tmp_params, t
     assert load_params(rd / "params.yaml").train.lr == 0.001
 
 
+def test_params_show_each_source_with_the_fields_of_its_kind(tmp_path, capsys):
+    """`eagle3 params` / params.yaml: no `name: human-eval` (kind embedded's default) on the default
+    kind: self source; a field of another kind that was set is still shown; loading it back gives the
+    same params."""
+    import yaml
+
+    from eagle3.cli import main
+
+    assert main(["params", str(ROOT / "params" / "smollm2-135m.yaml")]) == 0
+    out = capsys.readouterr().out
+    srcs = yaml.safe_load(out)["synthesize"]["sources"]
+    assert [s["kind"] for s in srcs] == ["embedded", "self"]
+    assert set(srcs[1]) == {"kind", "limit", "label", "self_prompt"} and srcs[1]["self_prompt"]["count"] == 960
+    assert srcs[0] == {"kind": "embedded", "name": "human-eval", "prompt_template": None, "system_prompt": None,
+                       "limit": 48, "label": None}
+    assert out.count("name: human-eval") == 1
+    p = load_params(None, ["evaluate.sources=[{kind: file, path: a.jsonl, name: mine}, {kind: hf, name: org/set}]"])
+    ev = yaml.safe_load(dump_params(p))["evaluate"]["sources"]
+    assert ev[0]["name"] == "mine" and ev[0]["path"] == "a.jsonl" and "split" not in ev[0] and "subset" not in ev[0]
+    assert ev[1]["split"] == "train" and ev[1]["subset"] is None and "path" not in ev[1] and "self_prompt" not in ev[1]
+    (tmp_path / "p.yaml").write_text(dump_params(p))
+    back = load_params(tmp_path / "p.yaml")
+    assert back == p and params_fingerprint(back) == params_fingerprint(p)
+    assert load_params(None) == Params() and dump_params(load_params(None)).count("name: human-eval") == 1
+
+
 def test_evaluate_section_is_read_by_stage_5_only():
     """STAGE_OWN_SECTIONS' claim: no module outside eagle3/evaluate/ reads params.evaluate (stage.py's
     consumed_files only for stage 5's record), and no notebook of stages 1-4 mentions it."""
