@@ -80,12 +80,16 @@ def _dispatch(args: argparse.Namespace) -> int:
         if not Path(args.run_dir).is_dir():
             print(f"eagle3 status: {args.run_dir} is not a run directory", file=sys.stderr)
             return 2
-        while True:
-            print(format_status(args.run_dir), flush=True)
-            if not args.watch:
-                return 0
-            time.sleep(args.watch)
+        try:
+            while True:
+                print(format_status(args.run_dir), flush=True)
+                if not args.watch:
+                    return 0
+                time.sleep(args.watch)
+                print()
+        except KeyboardInterrupt:  # Ctrl-C is how --watch ends: nothing went wrong
             print()
+            return 0
     if args.cmd == "verify":
         from eagle3.runner import verify_run
 

@@ -159,6 +159,23 @@ def main_with_notebooks(args: list[str], nbdir: Path) -> int:
         eagle3.runner.notebooks_dir = old
 
 
+def test_ctrl_c_ends_status_watch_quietly(tmp_path, monkeypatch, capsys):
+    import eagle3.cli
+
+    (tmp_path / "run").mkdir()
+    calls = []
+
+    def sleep(s):
+        calls.append(s)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(eagle3.cli.time, "sleep", sleep)
+    assert main(["status", str(tmp_path / "run"), "--watch", "5"]) == 0
+    cap = capsys.readouterr()
+    assert calls == [5.0, 5.0] and cap.out.count("1 synthesize") == 2 and cap.err == ""
+
+
 def test_resume_stages_after_an_interrupt():
     from eagle3.runner import format_stages, resume_stages
 
