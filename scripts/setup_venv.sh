@@ -53,6 +53,17 @@ pip_install -q --no-deps "$(pin speculators)" "$(pin hs-connectors)" "$(pin llm-
 pip_install -q -e ".[test]" "$(pin torch)"
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -m ipykernel install --sys-prefix --name eagle3 --display-name "eagle3 (.venv)" >/dev/null
+# Notebooks are committed without outputs (tests/test_hygiene.py). In a git checkout, git reads them
+# through nbstripout (.gitattributes names the filter; without this config git ignores it), so a
+# notebook run in JupyterLab does not show as modified and its outputs cannot be committed.
+# --keep-id: the committed cell ids stay (nbstripout renumbers them by default). Not `required`: a
+# removed venv makes git warn, not refuse.
+if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  py="$(cd "$VENV" && pwd)/bin/python"
+  git config filter.nbstripout.clean "'$py' -m nbstripout --keep-id"
+  git config filter.nbstripout.smudge cat
+  git config diff.ipynb.textconv "'$py' -m nbstripout --keep-id -t"
+fi
 "$VENV/bin/python" -c "import torch, transformers, vllm, speculators, papermill; print('eagle3: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
 rm -f "$VENV"/.eagle3-setup-*
 touch "$stamp"

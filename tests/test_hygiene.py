@@ -45,6 +45,30 @@ def test_notebook_clean_with_one_parameters_cell(path):
     assert nb.metadata["kernelspec"]["name"] == "eagle3"
 
 
+def test_git_reads_the_notebooks_through_nbstripout_which_leaves_them_as_committed(tmp_path):
+    """.gitattributes names the nbstripout filter that scripts/setup_venv.sh configures (with
+    --keep-id); the committed notebooks pass through it unchanged (plain nbstripout renumbers the
+    cell ids: every notebook would show as modified), and a notebook with outputs comes out as the
+    committed one."""
+    pytest.importorskip("nbstripout")
+    assert "notebooks/*.ipynb filter=nbstripout diff=ipynb" in (ROOT / ".gitattributes").read_text()
+    setup = (ROOT / "scripts" / "setup_venv.sh").read_text()
+    assert """git config filter.nbstripout.clean "'$py' -m nbstripout --keep-id\"""" in setup
+    clean = [sys.executable, "-m", "nbstripout", "--keep-id"]
+    for path in NOTEBOOKS:
+        text = path.read_text(encoding="utf-8")
+        out = subprocess.run(clean, input=text, capture_output=True, text=True, check=True).stdout
+        assert out == text, path.name
+    nb = nbformat.read(NOTEBOOKS[1], as_version=4)
+    for c in nb.cells:
+        if c.cell_type == "code":
+            c.execution_count, c.outputs = 3, [nbformat.v4.new_output("stream", name="stdout", text="hello\n")]
+    ran = nbformat.writes(nb)
+    assert "hello" in ran
+    out = subprocess.run(clean, input=ran, capture_output=True, text=True, check=True).stdout
+    assert out == NOTEBOOKS[1].read_text(encoding="utf-8")
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_cells_are_short(path):
     """Logic lives in eagle3/: a cell longer than ~15 lines belongs in the package."""
