@@ -1016,3 +1016,44 @@ def test_autocast_dtype_rule():
 
     assert autocast_dtype("auto", "cpu") is None and autocast_dtype("auto", "cuda") is torch.bfloat16
     assert autocast_dtype("bfloat16", "cpu") is torch.bfloat16 and autocast_dtype("none", "cuda") is None
+
+
+@pytest.mark.parametrize("ttt", [2, 3])
+def test_supervised_rows_give_the_full_forwards_loss_metrics_and_gradients(ref_run, ttt):
+    """train.supervised_rows: heads and loss on the supervised rows only (model.SupervisedRows) give
+    the loss, every metric and every gradient of speculators' full forward, on a packed batch of real
+    stage-3 files whose loss mask has prompt rows, document ends and padding."""
+    import copy as _copy
+
+    from eagle3.contracts.hidden_states import HiddenStatesDataset
+    from eagle3.train.data import MicroBatches, collate_fn, read_manifest
+    from eagle3.train.model import SupervisedRows, build_drafter, loss_config, resolve_inputs
+
+    rd, _, params = ref_run
+    inp = resolve_inputs(params, rd)
+    torch.manual_seed(1)
+    full = build_drafter(params, inp)
+    rows = _copy.deepcopy(full)
+    ds = HiddenStatesDataset.for_training(read_manifest(rd), n_aux=3, hidden_size=64, vocab_size=512)
+    (batch,) = list(MicroBatches([np.array([0, 1, 2])], collate_fn(256, 64, 3, torch.float32), dataset=ds))
+    mask = batch["loss_mask"][0]
+    assert 0.2 < mask.float().mean() < 0.9 and not mask[-8:].any()  # unsupervised rows and padding
+    losses = loss_config("kl_div", "eager")
+    _, loss_a, m_a = full(**batch, ttt_steps=ttt, ttt_step_loss_decay=1.0, loss_config=losses)
+    seen = []
+    for name in ("lm_head", "verifier_lm_head"):  # the rows each head really computes (the others are 0)
+        getattr(rows, name).register_forward_hook(
+            lambda mod, args, out, n=name: seen.append((n, int((out[0] != 0).any(-1).sum()))))
+    kw = SupervisedRows(rows).wrap_loss(losses)
+    _, loss_b, m_b = rows(**batch, ttt_steps=ttt, ttt_step_loss_decay=1.0, loss_config=kw)
+    assert float(loss_a.detach()) > 0.01 and torch.allclose(loss_a, loss_b, rtol=1e-5, atol=1e-6)
+    assert set(m_a) == set(m_b) and all(torch.allclose(m_a[k].float(), m_b[k].float(), atol=1e-5) for k in m_a)
+    loss_a.backward()
+    loss_b.backward()
+    grads = {n: p.grad for n, p in full.named_parameters() if p.requires_grad}
+    for n, p in rows.named_parameters():
+        if p.requires_grad:
+            assert grads[n].abs().sum() > 0 and torch.allclose(grads[n], p.grad, rtol=1e-4, atol=1e-6), n
+    T, supervised = mask.numel(), int(mask.sum())
+    assert seen[0] == ("verifier_lm_head", pytest.approx(supervised, abs=3 * (ttt - 1) + 2))
+    assert [n for n, _ in seen[1:]] == ["lm_head"] * ttt and all(r < 0.95 * T for _, r in seen)

@@ -259,7 +259,13 @@ class Trainer:
         """The drafter (seeded), AdamW with decay on matrices only, the lr schedule, the loss config."""
         import torch
 
-        from eagle3.train.model import build_drafter, configure_compile, default_attn_implementation, loss_config
+        from eagle3.train.model import (
+            SupervisedRows,
+            build_drafter,
+            configure_compile,
+            default_attn_implementation,
+            loss_config,
+        )
 
         tp, dev = self.tp, self.ctx.device
         attn = tp.attn_implementation if tp.attn_implementation != "auto" else default_attn_implementation(dev.type)
@@ -276,8 +282,13 @@ class Trainer:
         )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(tp.warmup_steps, len(self.schedule), tp.min_lr_ratio))
         impl = tp.loss_implementation if tp.loss_implementation != "auto" else ("fused" if dev.type == "cuda" else "eager")
+        losses = loss_config(tp.loss, impl)
+        # heads and loss on the supervised rows only (same loss and gradients; model.SupervisedRows)
+        self.supervised_rows = bool(tp.supervised_rows) and self.compile_mode != "speculators"
+        if self.supervised_rows:
+            losses = SupervisedRows(model).wrap_loss(losses)
         self.fwd_kwargs = dict(ttt_steps=tp.ttt_steps, ttt_step_loss_decay=tp.ttt_step_loss_decay,
-                               loss_config=loss_config(tp.loss, impl))
+                               loss_config=losses)
         self.attn, self.loss_impl = attn, impl
         return model, opt, sched
 
