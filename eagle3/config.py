@@ -342,14 +342,21 @@ class TrainParams(_Section):
     lr: float = Field(2e-3, gt=0.0)
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_steps: int = Field(20, ge=0)
-    epochs: int = Field(4, ge=1)
+    epochs: int = Field(
+        6, ge=1, description="passes over the training split; 6 on the CPU default (its validation tau-hat was "
+        "still rising after 4 at 2,048-token batches, README \"Results\")")
     max_steps: int | None = Field(None, ge=1)
-    token_budget: int = Field(2048, ge=1, description="tokens per packed micro-batch")
+    token_budget: int = Field(
+        1024, ge=1, description="tokens per packed micro-batch; 1,024 on the CPU default: at equal tokens a higher "
+        "validation tau-hat than 2,048 (1.506 after 222K tokens vs 1.475 after 231K) at 1.25x the rate (attention runs "
+        "over the batch's dense document mask); 512 fell behind early; benchmarks/RESULTS.md session 5")
     grad_accum: int = Field(1, ge=1)
     grad_clip: float = Field(1.0, gt=0.0)
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
-    eval_every: int = Field(25, ge=1)
-    checkpoint_every: int = Field(25, ge=1)
+    eval_every: int = Field(
+        150, ge=1, description="validation every this many steps (and at each checkpoint and the end); on the CPU "
+        "default one validation + checkpoint cost ~11 s, 2.4 min of the 4-epoch run at every 25 steps")
+    checkpoint_every: int = Field(150, ge=1)
     keep_checkpoints: int = Field(3, ge=1)
     online: bool = Field(False, description="train from the target directly (no stage-3 files)")
     seed: int = Field(0, ge=0)
@@ -372,6 +379,10 @@ class TrainParams(_Section):
         "auto", description="mixed precision of the drafter's forward/backward (float32 master weights and "
         "optimizer either way): 'auto' = bfloat16 on GPU, float32 on CPU (bf16 autocast on an AMX CPU: 0.99x "
         "the float32 rate at the default's shapes, benchmarks/RESULTS.md); 'bfloat16'; 'none' = float32")
+    supervised_rows: bool = Field(
+        True, description="compute the drafter's lm head, the verifier's head and the loss only on the rows the "
+        "loss mask supervises (eagle3.train.model.SupervisedRows: the same loss and gradients; 59% of the default's packed "
+        "tokens; not with compile: speculators); false = every packed position (speculators' own forward)")
     export_embed_tokens: bool = Field(
         False, description="write embed_tokens (bit-identical to the target's) into the drafter; "
         "without them vLLM shares the target's"
@@ -402,10 +413,13 @@ class EvaluateParams(_Section):
         8, ge=1, description="prompts per set measured offline (transformers; None = all); the "
         "parity check compares vLLM on the same prompts")
     speed_prompts: int | None = Field(
-        4, ge=1, description="prompts per set whose vLLM tokens/s is measured one request at a time "
-        "(None = all); acceptance is measured on every prompt in one batched pass")
+        2, ge=1, description="prompts per set whose vLLM tokens/s is measured one request at a time "
+        "(None = all); acceptance is measured on every prompt in one batched pass. 2 on the CPU default: "
+        "4 took 2.7 of its 11.7 stage-5 minutes (three engines x two sets x 128 tokens, one at a time)")
     vllm_max_num_seqs: int = Field(
-        8, ge=1, description="requests the vLLM engine runs together in the acceptance pass")
+        16, ge=1, description="requests the vLLM engine runs together in the acceptance pass; 16 on the CPU "
+        "default: its eagle3 pass over 136 prompts in 121 s vs 157 s with 8 (1.29x, same load, "
+        "benchmarks/RESULTS.md session 5)")
     warn_min_conversations: int = Field(
         1000, ge=0, description="mismatch warning: fewer training conversations than this is 'small'")
     warn_min_tokens: int = Field(
@@ -613,7 +627,9 @@ def dump_params(params: Params) -> str:
 
 # Sections/keys that do not change what a run computes: a run directory may be resumed with
 # different values of these.
-_NON_SEMANTIC = {("tracking",), ("run", "output_dir"), ("run", "name")}
+_NON_SEMANTIC = {("tracking",), ("run", "output_dir"), ("run", "name"),
+                 # the same loss and gradients either way (train.model.SupervisedRows): a compute choice
+                 ("train", "supervised_rows")}
 
 
 def _semantic(d: dict, prefix: tuple = ()) -> dict:

@@ -613,7 +613,7 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
     assert c["vllm:spec_decode_num_draft_tokens"] == 3 * c["vllm:spec_decode_num_drafts"]
     assert len(c["per_pos"]) == 3 and c["vllm:spec_decode_num_accepted_tokens"] == sum(c["per_pos"])
     assert v["per_request_check"] == {"drafts": v["rounds"], "accepted": v["accepted_tokens"]}
-    assert v["prompts"] == 5 and v["speed_prompts"] == 2 and v["max_num_seqs"] == 8
+    assert v["prompts"] == 5 and v["speed_prompts"] == 2 and v["max_num_seqs"] == 16
     assert stats.parity_ok is True and stats.parity_prompts == 4 and stats.parity_gap <= 0.15
     # the parity's two sides on its 4 prompts (not the pooled vLLM tau over all 5): the gap is theirs
     assert stats.parity_tau_vllm == res["parity"]["tau_vllm"] and stats.parity_tau_offline == res["parity"]["tau_offline"]
