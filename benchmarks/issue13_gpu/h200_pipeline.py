@@ -3,6 +3,10 @@
 
 usage (from the repository root; PYTHONPATH=<tree>:/tmp/site, EAGLE3_CACHE=/tmp/e3cache):
   h200_pipeline.py synth                  stage 1 of the full run (self prompts, then the answers)
+  h200_pipeline.py restore DIR            stage 1 of the full run from an earlier run's files in DIR
+                                          (samples.jsonl, source_0.meta.json, source_0.stats.json): the
+                                          self-written prompts are rebuilt from the samples (their
+                                          `origin` line), so `synth` only finalizes, with no generation
   h200_pipeline.py subsets 1000,4000,16000  run dirs /tmp/runs/n<N>: synthesize.limit N (the first N
                                           of the same shuffled prompts), the full run's samples and
                                           self-prompt files copied, so stage 1 only finalizes them
@@ -12,6 +16,7 @@ usage (from the repository root; PYTHONPATH=<tree>:/tmp/site, EAGLE3_CACHE=/tmp/
   h200_pipeline.py share full e6,...      run dirs of H200_VARIANTS (JSON: name -> overrides, e.g.
                                           '{"e6": {"train": {"epochs": 6}}}') whose stages 1-3 are the
                                           base run's folders (symlinks): only stage 4 differs
+                                          (SHARE_STAGES=1,2: only stages 1-2 shared, stage 3 its own)
   h200_pipeline.py summary                one JSON line per run dir with the headline numbers
 TRAIN_PARALLEL=1: `train` runs its run dirs side by side (a 1-layer drafter leaves most of an H200 idle).
 Epochs are held fixed across data sizes (train.epochs of h200-run.yaml), so the steps grow with the
@@ -51,7 +56,9 @@ def share(base: str, names: list[str]) -> None:
 
     for name in names:
         rd = prepare_run_dir(params_for(name), ROOT / name)
-        for stage in (SYNTHESIZE, VOCAB, EXTRACT):
+        # SHARE_STAGES=1,2: stage 3 differs too (e.g. extract.dtype), so only stages 1-2 are linked
+        shared = [int(x) for x in os.environ.get("SHARE_STAGES", "1,2,3").split(",")]
+        for stage in [s for s in (SYNTHESIZE, VOCAB, EXTRACT) if s in shared]:
             link = RunDir(rd).stage(stage)
             if not link.exists():
                 link.symlink_to(RunDir(ROOT / base).stage(stage), target_is_directory=True)
@@ -68,6 +75,33 @@ def synth() -> None:
     st = run(p, rd)
     print("SYNTH", json.dumps({k: getattr(st, k) for k in st.HEADLINE} | {"wall_s": round(time.time() - t, 1),
                                                                             "load_s": st.load_s, "generation_s": st.generation_s}))
+
+
+def restore(src: Path) -> None:
+    """Stage 1 files of run dir `full` from an earlier run's samples (same params), without the target."""
+    import shutil
+
+    from eagle3.rundir import SYNTHESIZE, RunDir, prepare_run_dir
+    from eagle3.self_prompt import SELF_PROMPTS_DIR
+
+    rd = prepare_run_dir(params_for("full"), ROOT / "full")
+    d = RunDir(rd).stage(SYNTHESIZE, create=True)
+    sp = d / SELF_PROMPTS_DIR
+    sp.mkdir(parents=True, exist_ok=True)
+    samples = (src / "samples.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    lines: dict[int, dict] = {}
+    for line in samples:
+        r = json.loads(line)
+        if r["source"] == "self":  # origin ".../source_0.jsonl:<line>": the kept prompt's line, 1-based
+            lines[int(r["origin"].rsplit(":", 1)[1])] = {"messages": r["messages"][:-1], "self_prompt": {}}
+    if sorted(lines) != list(range(1, len(lines) + 1)):
+        raise SystemExit(f"{src}: the self samples do not cover source_0.jsonl's lines 1..{len(lines)}")
+    (sp / "source_0.jsonl").write_text("".join(json.dumps(lines[i], ensure_ascii=False) + "\n" for i in sorted(lines)),
+                                       encoding="utf-8")
+    for f in ("source_0.meta.json", "source_0.stats.json"):
+        shutil.copy(src / f, sp / f)
+    (d / "samples.jsonl").write_text("".join(samples), encoding="utf-8")
+    print("RESTORE", len(samples), "samples,", len(lines), "self prompts", flush=True)
 
 
 def subsets(sizes: list[int]) -> None:
@@ -167,6 +201,8 @@ if __name__ == "__main__":
     cmd = sys.argv[1]
     if cmd == "synth":
         synth()
+    elif cmd == "restore":
+        restore(Path(sys.argv[2]))
     elif cmd == "subsets":
         subsets([int(x) for x in sys.argv[2].split(",")])
     elif cmd == "vocab":

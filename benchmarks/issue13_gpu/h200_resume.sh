@@ -1,9 +1,17 @@
 # Later calls: resume stage 1 if unfinished, then the curve's run dirs, stage 2, stage 3, stage 4 (STEPS=...).
+# Also: restore (stage 1 from an earlier run's samples in RESTORE_DIR), share (SHARE_RUNS over SHARE_BASE),
+# bench (bench_train.py --device cuda $BENCH_ARGS), train_bg (stage 4 of RUNS in the background, so that it
+# outlives the call: later calls `tail $H200_ROOT/train_bg.log`; TRAIN_PARALLEL=1 trains them side by side).
 W=$PWD/.devwork/wt; export PYTHONPATH=$W:/tmp/site EAGLE3_CACHE=/tmp/e3cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 export H200_SET=$(cat /tmp/h200_set.json) H200_ROOT=${H200_ROOT:-/tmp/runs}; mkdir -p $H200_ROOT
 P=$W/benchmarks/issue13_gpu/h200_pipeline.py
 for step in ${STEPS:-synth}; do
   case $step in
+    restore) python3 $P restore ${RESTORE_DIR:-/tmp/restore} 2>&1 | grep -E "RESTORE|Error"; echo "restore at ${SECONDS}s" ;;
+    share) SHARE_STAGES=${SHARE_STAGES:-1,2,3} python3 $P share ${SHARE_BASE:-full} $SHARE_RUNS 2>&1 | grep -E "SHARE|Error"; echo "share at ${SECONDS}s" ;;
+    bench) timeout ${BENCH_S:-300} python3 $W/benchmarks/bench_train.py --device cuda $BENCH_ARGS 2>&1 | grep -v -i warn | tail -${BENCH_TAIL:-25}; echo "bench at ${SECONDS}s" ;;
+    train_bg) setsid nohup python3 $P train ${RUNS:-full} > $H200_ROOT/train_bg.log 2>&1 < /dev/null &
+              echo "train_bg started at ${SECONDS}s: $H200_ROOT/train_bg.log" ;;
     synth) timeout $((${SYNTH_END:-575} - SECONDS)) python3 $P synth >> $H200_ROOT/full.synth.log 2>&1; echo "synth rc $? at ${SECONDS}s"
            grep -v -i warn $H200_ROOT/full.synth.log | tr '\r' '\n' | grep -E "SYNTH|Error|error" | tail -5 ;;
     subsets) python3 $P subsets ${SIZES:-1000,4000,16000} 2>&1 | grep -E "SUBSET|Error" ; echo "subsets at ${SECONDS}s" ;;
