@@ -651,8 +651,8 @@ slow_call = int(sys.argv.pop(1))  # the training forward call that "compiles" fo
 orig = m.configure_compile
 
 
-def slow_compile(model, mode, attn):
-    out = orig(model, mode, attn)
+def slow_compile(model, mode, attn, ttt_steps=3):
+    out = orig(model, mode, attn, ttt_steps)
     fwd, n = model.forward, [0]
 
     def forward(*a, **k):
@@ -698,7 +698,10 @@ def test_configure_compile_unwraps_speculators_forward_and_compiles_only_flex():
         assert configure_compile(d, "attention", "simple_flex_attention") == "attention"
         assert d(2) == ("eager", 2)
         assert spec_attn.flex_attention is not flex_attention  # the compiled wrapper
-        assert getattr(spec_attn.flex_attention, "_torchdynamo_orig_callable", None) is flex_attention
+        assert getattr(spec_attn.flex_attention.compiled, "_torchdynamo_orig_callable", None) is flex_attention
+        assert spec_attn.flex_attention.max_graphs == 2 * 3 + 2  # TTT 3 (default): train + validation shapes
+        configure_compile(d, "attention", "simple_flex_attention", ttt_steps=7)
+        assert spec_attn.flex_attention.max_graphs == 16  # above dynamo's default limit of 8
         d2 = Drafter()
         configure_compile(d2, "attention", "sdpa")  # nothing to compile with sdpa
         assert d2(3) == ("eager", 3) and spec_attn.flex_attention is flex_attention
@@ -708,6 +711,34 @@ def test_configure_compile_unwraps_speculators_forward_and_compiles_only_flex():
             configure_compile(d2, "fast", "sdpa")
     finally:
         spec_attn.flex_attention = flex_attention
+
+
+@pytest.mark.slow
+def test_compile_static_compiles_past_dynamos_default_limit_then_refuses():
+    """Reported failure (TTT 5 on an H200): the 9th static shape of the compiled flex attention fell back
+    silently to eager flex attention and ran out of memory. compile_static compiles max_graphs shapes
+    (here 10, above dynamo's default 8) and refuses the next one with a TrainError; real dynamo on CPU."""
+    import torch._dynamo
+
+    from eagle3.train.model import TrainError, compile_static
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    def double(x):
+        return x * 2 + 1
+
+    f = compile_static(double, 10, "double")
+    for n in range(1, 11):
+        assert torch.equal(f(torch.ones(n)), torch.full((n,), 3.0))
+    assert counters["stats"]["unique_graphs"] == 10  # every shape compiled, none ran eagerly
+    assert torch.equal(f(torch.ones(4)), torch.full((4,), 3.0))  # a known shape reuses its graph
+    assert counters["stats"]["unique_graphs"] == 10
+    with pytest.raises(TrainError, match="double needed more than 10 compiled graphs"):
+        f(torch.ones(11))
+    assert torch._dynamo.config.recompile_limit == 8  # the process-wide limit is left as it was
 
 
 def test_train_compile_param_is_what_configure_compile_gets(ref_run, tmp_path, monkeypatch):
@@ -720,7 +751,8 @@ def test_train_compile_param_is_what_configure_compile_gets(ref_run, tmp_path, m
     rd, _, params = ref_run
     seen = []
     real = m.configure_compile
-    monkeypatch.setattr(m, "configure_compile", lambda model, mode, attn: seen.append((mode, attn)) or real(model, mode, attn))
+    monkeypatch.setattr(m, "configure_compile",
+                        lambda model, mode, attn, ttt: seen.append((mode, attn)) or real(model, mode, attn, ttt))
     monkeypatch.setenv("EAGLE3_TRAIN_COMPILE", "none")  # no longer read
     assert params.train.compile == "attention"
     run(params, _fresh_copy(rd, tmp_path / "a"), stop_after=1)

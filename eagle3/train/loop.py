@@ -273,7 +273,7 @@ class Trainer:
         model = build_drafter(self.params, self.inputs, attn).to(dev)
         # what torch.compile covers (train.compile, model.configure_compile): by default only flex
         # attention; 'speculators' restores speculators' whole compiled forward
-        self.compile_mode = configure_compile(model, tp.compile, attn)
+        self.compile_mode = configure_compile(model, tp.compile, attn, tp.ttt_steps)
         decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
         opt = torch.optim.AdamW(

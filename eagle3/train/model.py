@@ -29,6 +29,7 @@ __all__ = [
     "loss_config",
     "COMPILE_MODES",
     "configure_compile",
+    "compile_static",
     "trainable_state",
     "default_attn_implementation",
     "SupervisedRows",
@@ -208,21 +209,63 @@ def build_drafter(params: Params, inputs: DrafterInputs, attn_implementation: st
 COMPILE_MODES = ("attention", "speculators", "none")
 
 
-def _compiled_flex_attention():
-    """``flex_attention`` under ``torch.compile`` (static shapes), made once per process."""
+def compile_static(fn, max_graphs: int, what: str):
+    """``torch.compile(fn, dynamic=False)`` called under a recompile limit of ``max_graphs``.
+
+    Static shapes give one graph per distinct input shape (and grad mode). dynamo's own
+    ``recompile_limit`` (8 by default, process-wide) makes the next call fall back *silently* to the
+    eager function; here every call runs under ``torch._dynamo.config.patch(recompile_limit=max_graphs,
+    fail_on_recompile_limit_hit=True)``, so the first ``max_graphs`` shapes compile and one more raises.
+
+    Returns:
+        The wrapper, with attributes ``compiled`` (the ``torch.compile`` object) and ``max_graphs``.
+
+    Raises:
+        TrainError (from the wrapper): a call would need graph ``max_graphs + 1`` (``what`` names the
+            function in the message).
+    """
+    import functools
+
     import torch
+    import torch._dynamo
+
+    compiled = torch.compile(fn, dynamic=False)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            with torch._dynamo.config.patch(recompile_limit=max_graphs, fail_on_recompile_limit_hit=True):
+                return compiled(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            raise TrainError(
+                f"{what} needed more than {max_graphs} compiled graphs (one per input shape and grad mode); "
+                "stopped instead of running it eagerly (eager flex attention materialises the [T, KV] "
+                "scores: out of memory at GPU token budgets). Use train.compile: none to debug.") from None
+
+    call.compiled, call.max_graphs = compiled, int(max_graphs)
+    return call
+
+
+def _compiled_flex_attention(ttt_steps: int):
+    """``flex_attention`` compiled with static shapes (:func:`compile_static`), one per TTT count and process.
+
+    TTT step ``k`` attends its ``T`` queries to ``k * T`` keys, in training and again under no_grad in
+    validation: ``2 * ttt_steps`` graphs (plus 2 spare). With dynamo's default limit of 8 a drafter of
+    TTT 5 fell back to eager flex attention at its first validation (step 500) and ran out of memory
+    with 110 GiB allocated on an H200 (token budget 16,384; benchmarks/RESULTS.md, 2026-12-01 session 5).
+    """
     from torch.nn.attention.flex_attention import flex_attention
 
-    global _FLEX_COMPILED
-    if _FLEX_COMPILED is None:
-        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
-    return _FLEX_COMPILED
+    n = 2 * int(ttt_steps) + 2
+    if n not in _FLEX_COMPILED:
+        _FLEX_COMPILED[n] = compile_static(flex_attention, n, "flex_attention")
+    return _FLEX_COMPILED[n]
 
 
-_FLEX_COMPILED = None
+_FLEX_COMPILED: dict[int, object] = {}
 
 
-def configure_compile(model, mode: str, attn_implementation: str) -> str:
+def configure_compile(model, mode: str, attn_implementation: str, ttt_steps: int = 3) -> str:
     """Choose what ``torch.compile`` covers in a drafter; returns the mode applied.
 
     speculators wraps ``Eagle3DraftModel.forward`` in ``torch.compile`` whenever CUDA is visible
@@ -236,8 +279,9 @@ def configure_compile(model, mode: str, attn_implementation: str) -> str:
     Modes:
         'attention': run the forward eagerly and compile only ``flex_attention`` (it must be
             compiled: eager flex materialises the [T, KV] scores), by rebinding the name that
-            speculators' ``flex_attention_forward`` calls. With sdpa/eager attention nothing is
-            compiled.
+            speculators' ``flex_attention_forward`` calls, under a recompile limit that covers
+            ``ttt_steps``' graphs (:func:`_compiled_flex_attention`). With sdpa/eager attention
+            nothing is compiled.
         'speculators': keep speculators' compiled forward (the behaviour before 2026-12-01).
         'none': nothing compiled (debugging; eager flex attention is slow and memory-hungry).
 
@@ -259,7 +303,7 @@ def configure_compile(model, mode: str, attn_implementation: str) -> str:
     if eager is not None:  # forward is speculators' torch.compile wrapper (CUDA visible)
         model.forward = types.MethodType(eager, model)
     if mode == "attention" and attn_implementation == "simple_flex_attention":
-        spec_attn.flex_attention = _compiled_flex_attention()
+        spec_attn.flex_attention = _compiled_flex_attention(ttt_steps)
     return mode
 
 
