@@ -719,10 +719,9 @@ def test_compile_static_compiles_past_dynamos_default_limit_then_refuses():
     silently to eager flex attention and ran out of memory. compile_static compiles max_graphs shapes
     (here 10, above dynamo's default 8) and refuses the next one with a TrainError; real dynamo on CPU."""
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     from eagle3.train.model import TrainError, compile_static
-
-    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
