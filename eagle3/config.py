@@ -382,10 +382,12 @@ class TrainParams(_Section):
         "auto", description="mixed precision of the drafter's forward/backward (float32 master weights and "
         "optimizer either way): 'auto' = bfloat16 on GPU, float32 on CPU (bf16 autocast on an AMX CPU: 0.99x "
         "the float32 rate at the default's shapes, benchmarks/RESULTS.md); 'bfloat16'; 'none' = float32")
-    supervised_rows: bool = Field(
-        True, description="compute the drafter's lm head, the verifier's head and the loss only on the rows the "
+    supervised_rows: bool | Literal["auto"] = Field(
+        "auto", description="compute the drafter's lm head, the verifier's head and the loss only on the rows the "
         "loss mask supervises (eagle3.train.model.SupervisedRows: the same loss and gradients; 59% of the default's packed "
-        "tokens; not with compile: speculators); false = every packed position (speculators' own forward)")
+        "tokens; not with compile: speculators); false = every packed position (speculators' own forward); 'auto' = "
+        "on CPU (1.09-1.17x the step rate, benchmarks/RESULTS.md), off on GPU (not measured there, and each step's row "
+        "selection costs host syncs: eagle3.train.model.use_supervised_rows)")
     export_embed_tokens: bool = Field(
         False, description="write embed_tokens (bit-identical to the target's) into the drafter; "
         "without them vLLM shares the target's"

@@ -1049,6 +1049,17 @@ def test_autocast_dtype_rule():
     assert autocast_dtype("bfloat16", "cpu") is torch.bfloat16 and autocast_dtype("none", "cuda") is None
 
 
+def test_supervised_rows_auto_is_cpu_only():
+    from eagle3.config import load_params
+    from eagle3.train.model import use_supervised_rows
+
+    assert load_params(None, {}).train.supervised_rows == "auto"
+    assert use_supervised_rows("auto", "cpu", "attention") and not use_supervised_rows("auto", "cuda", "attention")
+    assert use_supervised_rows(True, "cuda", "attention") and not use_supervised_rows(False, "cpu", "attention")
+    assert not use_supervised_rows(True, "cpu", "speculators")
+    assert load_params(None, {"train": {"supervised_rows": False}}).train.supervised_rows is False
+
+
 @pytest.mark.parametrize("ttt", [2, 3])
 def test_supervised_rows_give_the_full_forwards_loss_metrics_and_gradients(ref_run, ttt):
     """train.supervised_rows: heads and loss on the supervised rows only (model.SupervisedRows) give

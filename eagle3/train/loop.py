@@ -265,6 +265,7 @@ class Trainer:
             configure_compile,
             default_attn_implementation,
             loss_config,
+            use_supervised_rows,
         )
 
         tp, dev = self.tp, self.ctx.device
@@ -284,7 +285,7 @@ class Trainer:
         impl = tp.loss_implementation if tp.loss_implementation != "auto" else ("fused" if dev.type == "cuda" else "eager")
         losses = loss_config(tp.loss, impl)
         # heads and loss on the supervised rows only (same loss and gradients; model.SupervisedRows)
-        self.supervised_rows = bool(tp.supervised_rows) and self.compile_mode != "speculators"
+        self.supervised_rows = use_supervised_rows(tp.supervised_rows, dev.type, self.compile_mode)
         if self.supervised_rows:
             losses = SupervisedRows(model).wrap_loss(losses)
         self.fwd_kwargs = dict(ttt_steps=tp.ttt_steps, ttt_step_loss_decay=tp.ttt_step_loss_decay,

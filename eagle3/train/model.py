@@ -33,6 +33,7 @@ __all__ = [
     "trainable_state",
     "default_attn_implementation",
     "SupervisedRows",
+    "use_supervised_rows",
 ]
 
 
@@ -333,6 +334,19 @@ def loss_config(loss: str, implementation: str):
 def trainable_state(model) -> dict:
     """The trainable parameters (requires_grad) of a drafter as a name -> tensor dict (detached)."""
     return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def use_supervised_rows(setting: bool | str, device_type: str, compile_mode: str) -> bool:
+    """Whether stage 4 installs :class:`SupervisedRows` (``train.supervised_rows``).
+
+    ``'auto'``: on CPU only. There it is measured (1.09-1.17x the step rate at the embedded default's
+    shapes, benchmarks/RESULTS.md session 5); on a GPU it is not, and its row selection (``nonzero``, one
+    per head and TTT step) waits for the device, against the loop's one host sync per step. Never with
+    ``train.compile: speculators`` (its Python state would recompile the compiled forward).
+    """
+    if compile_mode == "speculators":
+        return False
+    return device_type == "cpu" if setting == "auto" else bool(setting)
 
 
 class SupervisedRows:
