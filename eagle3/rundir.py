@@ -180,9 +180,12 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
     if pfile.exists():
         old = load_params(pfile)
         if params_fingerprint(old) != params_fingerprint(params):
-            s = changed_stage(old, params)
+            s, diffs = changed_stage(old, params), diff_params(old, params)
             if s is None or s not in set(redo or ()):
-                raise ParamsError(_params_refusal(rd, diff_params(old, params), s, STAGE_OWN_SECTIONS, params_file))
+                raise ParamsError(_params_refusal(rd, diffs, s, STAGE_OWN_SECTIONS, params_file))
+            # accepted: one stage's own params, that stage redone; say what changed
+            print("eagle3: params changed since this run was made (the stage that reads them is redone): "
+                  + "; ".join(diffs), flush=True)
     atomic_write_text(pfile, dump_params(params))
     return rd
 

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from eagle3.config import diff_params, load_params
+from eagle3.config import load_params
 from eagle3.errors import ParamsError, RunInterrupted, RunnerError, StageFailed, StaleStage
 from eagle3.io import format_bytes, read_json
 from eagle3.rundir import (
@@ -223,12 +223,7 @@ def run_pipeline(
     if redo_set - set(selected):
         raise ParamsError(f"--redo {','.join(map(str, sorted(redo_set)))}: stage(s) {sorted(redo_set - set(selected))} "
                           f"not among the stages to run ({selected}); add them to --stages")
-    pfile = RunDir(resolve_run_dir(params)).params_file
-    changed = diff_params(load_params(pfile), params) if pfile.is_file() else []
     run_dir = prepare_run_dir(params, resolve_run_dir(params), redo=redo_set, params_file=params_file)
-    if changed:  # accepted: one stage's own params (evaluate.*), that stage redone
-        print("eagle3: params changed since this run was made (the stage that reads them is redone): "
-              + "; ".join(changed), flush=True)
     for trash in run_dir.glob(".redo-*"):  # a stage folder a killed --redo was removing
         shutil.rmtree(trash, ignore_errors=True)
     if not _kernel_available(kernel):
