@@ -1000,6 +1000,7 @@ def prepare_self_sources(params, run_dir, progress=None, backend=None) -> tuple[
     from eagle3.errors import SynthesisError
     from eagle3.io import atomic_write_json, atomic_write_text, read_json, read_jsonl
     from eagle3.rundir import RunDir
+    from eagle3.target import target_dtype
 
     syn = params.synthesize
     out_sources, all_stats = [], []
@@ -1017,7 +1018,7 @@ def prepare_self_sources(params, run_dir, progress=None, backend=None) -> tuple[
             meta_p, cand_p = d / f"source_{i}.meta.json", d / f"source_{i}.candidates.jsonl"
             final_p, stats_p = d / f"source_{i}.jsonl", d / f"source_{i}.stats.json"
             meta = {"settings": settings.to_dict(), "backend": syn.backend, "target": params.target.model,
-                    "dtype": params.target.dtype,
+                    "dtype": target_dtype(params.target),
                     "template_kwargs": tkw, "batch_size": syn.batch_size,
                     "answer_max_new_tokens": syn.max_new_tokens}
             if syn.backend == "transformers" and syn.transformers_batching != "padded":

@@ -27,6 +27,8 @@ __all__ = [
     "load_target",
     "load_tokenizer",
     "pick_device",
+    "cpu_has_native_bf16",
+    "target_dtype",
     "torch_dtype",
 ]
 
@@ -170,6 +172,37 @@ def pick_device(device: str = "auto") -> str:
     return device
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU runs bfloat16 matrix products in hardware (AMX or AVX512-BF16), by oneDNN's own
+    check (``torch.ops.mkldnn._is_mkldnn_bf16_supported``). Without them torch and vLLM emulate bf16:
+    on a 2-core AMD EPYC with AVX2 only, a [512, 576] x [576, 1536] matmul ran at 1.1 GFLOP/s in
+    bfloat16 vs 63 GFLOP/s in float32, and vLLM's CPU engine did not finish 256 answers in 20 min
+    (benchmarks/RESULTS.md session 6)."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN
+        return False
+
+
+def target_dtype(params: TargetParams) -> str:
+    """The dtype name the target runs in, for transformers and vLLM alike (the one place
+    ``target.dtype: auto`` is decided).
+
+    ``float32`` / ``bfloat16`` / ``float16`` are returned as given. ``auto`` on a CPU (``target.device``
+    'cpu', or 'auto' without a GPU) is ``bfloat16`` where the CPU has native bf16
+    (:func:`cpu_has_native_bf16`: 2.4x the float32 rate in vLLM with AMX) and ``float32`` elsewhere
+    (emulated bf16 runs at a small fraction of the float32 rate); on a GPU ``auto`` stays ``auto``:
+    the checkpoint's dtype (:func:`torch_dtype`), and vLLM's own rule.
+    """
+    if params.dtype != "auto":
+        return params.dtype
+    if pick_device(params.device) != "cpu":
+        return "auto"
+    return "bfloat16" if cpu_has_native_bf16() else "float32"
+
+
 def torch_dtype(name: str, model_path: Path | None = None):
     """Map 'float32'/'bfloat16'/'float16'/'auto' to a torch dtype ('auto' = the checkpoint's dtype)."""
     import torch
@@ -201,7 +234,7 @@ def load_target(params: TargetParams, dtype: str | None = None, device: str | No
 
     Args:
         params: the ``target`` section.
-        dtype: overrides ``params.dtype`` ('auto' = checkpoint dtype).
+        dtype: overrides the dtype of :func:`target_dtype` ('auto' = checkpoint dtype).
         device: overrides ``params.device``.
 
     Returns:
@@ -214,7 +247,7 @@ def load_target(params: TargetParams, dtype: str | None = None, device: str | No
 
     resolved = resolve_target(params)
     dev = pick_device(device or params.device)
-    td = torch_dtype(dtype or params.dtype, resolved.path)
+    td = torch_dtype(dtype or target_dtype(params), resolved.path)
     model = AutoModelForCausalLM.from_pretrained(
         resolved.path, dtype=td, trust_remote_code=params.trust_remote_code
     ).to(dev)

@@ -22,6 +22,7 @@ from pathlib import Path
 __all__ = [
     "on_cpu",
     "cpu_env",
+    "usable_cpus",
     "engine_kwargs",
     "free_port",
     "VllmServer",
@@ -34,6 +35,13 @@ CPU_MEMORY_UTILIZATION = 0.3
 # compiled vs 40 s eager; generation 30% slower eager). Eager is the CPU default; pass
 # enforce_eager=False for long runs where the compile pays back.
 CPU_ENFORCE_EAGER = True
+# vLLM's CPU worker binds its OpenMP threads to all cores but one, which it reserves for the engine
+# core process (vllm/utils/ompmultiprocessing.py, VLLM_CPU_OMP_THREADS_BIND=auto). On a machine of
+# at most this many CPUs that reserved core is half the compute: binding the worker to every CPU
+# (the engine core then shares them) ran stage 1's answering at 1.75x the rate on 2 AVX2 cores
+# (float32, 64 prompts x <= 128 tokens: 175-189 vs 101-111 tokens/s, benchmarks/RESULTS.md
+# session 6). Larger machines keep vLLM's default (not measured there).
+CPU_SHARE_RESERVED_MAX_CPUS = 2
 
 
 def on_cpu() -> bool:
@@ -43,12 +51,31 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
+def usable_cpus() -> list[int]:
+    """The CPU ids this process may run on (its affinity mask; all CPUs where there is none)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
+
+
 def cpu_env(env: dict | None = None) -> dict:
-    """A copy of ``env`` (default ``os.environ``) with vLLM's CPU settings filled in when unset."""
+    """A copy of ``env`` (default ``os.environ``) with vLLM's CPU settings filled in when unset.
+
+    Sets ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache), ``TOKENIZERS_PARALLELISM=false`` and, on a
+    machine of at most :data:`CPU_SHARE_RESERVED_MAX_CPUS` usable CPUs, ``VLLM_CPU_OMP_THREADS_BIND``
+    = every usable CPU with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (vLLM would otherwise keep one of the
+    two cores for its scheduler: 1.75x the generation rate measured on 2 cores). A variable the
+    caller set is never changed.
+    """
     out = dict(os.environ if env is None else env)
     if on_cpu():
         out.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
         out.setdefault("TOKENIZERS_PARALLELISM", "false")
+        cpus = usable_cpus()
+        if len(cpus) <= CPU_SHARE_RESERVED_MAX_CPUS and "VLLM_CPU_OMP_THREADS_BIND" not in out:
+            out["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus))
+            out.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     return out
 
 

@@ -182,7 +182,7 @@ class _Inputs:
 
 
 def _load_inputs(params, run_dir: Path) -> _Inputs:
-    from eagle3.target import load_target, load_tokenizer, resolve_target, torch_dtype
+    from eagle3.target import load_target, load_tokenizer, resolve_target, target_dtype, torch_dtype
 
     ev = params.evaluate
     resolved = resolve_target(params.target)
@@ -193,7 +193,7 @@ def _load_inputs(params, run_dir: Path) -> _Inputs:
         model, tok = None, load_tokenizer(resolved, params.target.trust_remote_code)
     sets, training = evaluation_sets(params, run_dir, tok)
     prompts = [p for s in sets for p in s.prompts]
-    t_dtype = model.dtype if model is not None else torch_dtype(params.target.dtype, resolved.path)
+    t_dtype = model.dtype if model is not None else torch_dtype(target_dtype(params.target), resolved.path)
     return _Inputs(
         resolved=resolved, model=model, tok=tok, drafter_dir=drafter_dir, sets=sets, training=training,
         prompts=prompts, offline_prompts=[p for s in sets for p in spread(s.prompts, ev.offline_prompts)],

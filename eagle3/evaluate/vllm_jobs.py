@@ -38,7 +38,9 @@ def build_job(params, method: str, target_path: str | Path, drafter_dir: str | P
         speed_ids: ids of the prompts timed one request at a time (default: none).
     """
     ev = params.evaluate
-    return {"target": str(target_path), "dtype": params.target.dtype if params.target.dtype != "auto" else "auto",
+    from eagle3.target import target_dtype
+
+    return {"target": str(target_path), "dtype": target_dtype(params.target),
             "max_model_len": params.target.max_model_len, "seed": params.run.seed, "method": method,
             "tensor_parallel_size": params.target.tensor_parallel_size,
             "trust_remote_code": params.target.trust_remote_code,

@@ -121,7 +121,7 @@ def build_setup(params: Params, run_dir: Path) -> Setup:
     """
     from transformers import AutoConfig
 
-    from eagle3.target import resolve_target, torch_dtype
+    from eagle3.target import resolve_target, target_dtype, torch_dtype
 
     ep = params.extract
     rows = load_rows(run_dir)
@@ -130,7 +130,7 @@ def build_setup(params: Params, run_dir: Path) -> Setup:
     cfg = text_config(AutoConfig.from_pretrained(resolved.path, trust_remote_code=params.target.trust_remote_code))
     n_layers, hidden = int(cfg.num_hidden_layers), int(cfg.hidden_size)
     aux = resolve_layer_ids(ep.aux_layer_ids, n_layers, error=ExtractError)
-    cdtype = torch_dtype(params.target.dtype, resolved.path)
+    cdtype = torch_dtype(target_dtype(params.target), resolved.path)
     sdtype = hs.storage_dtype(ep.dtype, cdtype)
     batching = resolve_batching(ep.batching, cfg)
     meta = _meta(params, rows, aux, n_layers, hidden, sdtype, cdtype, resolved)

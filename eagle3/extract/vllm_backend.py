@@ -52,6 +52,7 @@ from eagle3.extract.prepare import Setup, build_setup, extract_dir, prepare
 from eagle3.extract.progress import make_progress
 from eagle3.rundir import EXTRACT
 from eagle3.stage import StageRun
+from eagle3.target import target_dtype
 
 __all__ = [
     "speculative_config",
@@ -97,7 +98,7 @@ def serve_args(params: Params, aux_layer_ids: Sequence[int], num_hidden_layers: 
         "--kv-transfer-config", json.dumps(kv_transfer_config(staging_dir)),
         "--tensor-parallel-size", str(params.target.tensor_parallel_size),
         "--max-model-len", str(max(params.target.max_model_len, max_len + 1)),
-        "--dtype", params.target.dtype,
+        "--dtype", target_dtype(params.target),
     ]
     if params.target.trust_remote_code:
         args.append("--trust-remote-code")

@@ -258,7 +258,7 @@ class VllmBackend:
     def __init__(self, params: Params) -> None:
         from vllm import LLM
 
-        from eagle3.target import load_tokenizer, resolve_target
+        from eagle3.target import load_tokenizer, resolve_target, target_dtype
         from eagle3.vllm_utils import engine_kwargs
 
         resolved = resolve_target(params.target)
@@ -271,7 +271,7 @@ class VllmBackend:
         eot = self.renderer.end_of_turn_id()
         # vLLM stops on the eos ids by itself; only a missing end of turn is added (outputs unchanged otherwise)
         self.extra_stop = [eot] if eot is not None and eot not in eos_ids(self.tok, resolved.path) else []
-        kw = engine_kwargs(resolved.path, dtype=params.target.dtype, max_model_len=params.target.max_model_len,
+        kw = engine_kwargs(resolved.path, dtype=target_dtype(params.target), max_model_len=params.target.max_model_len,
                            seed=self.syn.seed, tensor_parallel_size=params.target.tensor_parallel_size,
                            trust_remote_code=params.target.trust_remote_code, **self.syn.vllm_kwargs)
         self.llm = LLM(**kw)
