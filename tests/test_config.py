@@ -219,8 +219,8 @@ def test_evaluate_section_is_read_by_stage_5_only():
 
 
 # What params/smollm2-135m.yaml (the embedded default, `make run`) deliberately sets differently
-# from Params(): the run's name and a CPU pin (its dtype is Params' 'auto': eagle3.target.target_dtype). Everything else of the default run is
-# Params' defaults, so the defaults live in one place (eagle3/config.py).
+# from Params(): the run's name and a CPU pin (its dtype is Params' 'auto': eagle3.target.target_dtype).
+# Everything else of the default run is Params' defaults, so the defaults live in one place (eagle3/config.py).
 DEFAULT_YAML_OVERRIDES = {
     "run.name": "smollm2-135m",
     "target.device": "cpu",
