@@ -81,7 +81,7 @@ def _cpu_flags() -> set[str]:
 
 def test_native_bf16_check_agrees_with_the_cpu_flags():
     """oneDNN's bf16 check (what 'auto' decides by) matches the CPU's own flags: AMX-BF16 or
-    AVX512-BF16 present <=> native bf16 (an AVX2-only AMD EPYC here emulated it at 1/60 of float32)."""
+    AVX512-BF16 present <=> native bf16 (an AVX2-only AMD EPYC here emulated it at 1/125 of float32)."""
     from eagle3.target import cpu_has_native_bf16
 
     flags = _cpu_flags()
