@@ -5,7 +5,7 @@
 # chain (stage 1 of full, stage 2, stage 3, `share` of SHARE_RUNS, then stage 4 of full + SHARE_RUNS side by side:
 # one background job through consecutive calls, log $H200_ROOT/chain.log), wait (until no h200_pipeline.py
 # process is left or WAIT_END seconds into the call, then the chain's log and every run's progress).
-W=$PWD/.devwork/wt; export PYTHONPATH=$W:/tmp/site EAGLE3_CACHE=/tmp/e3cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+W=${H200_TREE:-$PWD/.devwork/wt}; export PYTHONPATH=$W:/tmp/site EAGLE3_CACHE=/tmp/e3cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 export H200_SET=$(cat /tmp/h200_set.json) H200_ROOT=${H200_ROOT:-/tmp/runs}; mkdir -p $H200_ROOT
 P=$W/benchmarks/issue13_gpu/h200_pipeline.py
 for step in ${STEPS:-synth}; do
