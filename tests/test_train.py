@@ -333,6 +333,39 @@ def test_sigterm_saves_a_checkpoint_then_resumes(ref_run, tmp_path):
     assert [r["step"] for r in _records(rd2, "train")] == list(range(1, done[-1] + 3))
 
 
+def test_signal_turned_into_another_error_by_c_code_stops_as_the_signal(ref_run, tmp_path, monkeypatch):
+    """A SIGTERM during validation once surfaced as "unreadable safetensors file (could not determine the
+    shape of object type 'torch.storage.UntypedStorage')": the handler's exception was raised inside
+    torch's C code while a file was read, which replaced it with its own, and the reader blamed the file
+    (fresh-clone CI, 2026-12-03). Whatever exception the abort becomes, the run must stop as the signal,
+    with the last completed step saved."""
+    import eagle3.train.loop as loop_mod
+    from eagle3.train import list_checkpoints, run
+
+    rd, _, params = ref_run
+    p = params.model_copy(deep=True)
+    p.train.eval_every = 2
+    rd2 = _fresh_copy(rd, tmp_path / "run")
+    real_evaluate = loop_mod.Trainer.evaluate
+
+    def evaluate_hit_by_sigterm(self, model, step):
+        if step < 4:
+            return real_evaluate(self, model, step)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs here and raises
+        except BaseException:  # noqa: BLE001 - what torch's C code does with any error it meets
+            raise TypeError("could not determine the shape of object type 'torch.storage.UntypedStorage'") from None
+        raise AssertionError("the SIGTERM handler did not raise during validation")
+
+    monkeypatch.setattr(loop_mod.Trainer, "evaluate", evaluate_hit_by_sigterm)
+    with pytest.raises(SystemExit) as info:  # the stage's answer to SIGTERM (eagle3.train.stage.run)
+        run(p, rd2)
+    assert info.value.code == 128 + signal.SIGTERM
+    assert list_checkpoints(rd2 / TRAIN_DIR / "checkpoints")[-1] == 4
+    assert [r["step"] for r in _records(rd2, "train")] == [1, 2, 3, 4]
+
+
 @pytest.mark.slow
 def test_ddp_two_cpu_processes_match_one_process_with_accumulation(ref_run, tmp_path):
     """torchrun (gloo) with 2 processes x grad_accum 1 == 1 process x grad_accum 2 (same global batch)."""

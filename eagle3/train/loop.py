@@ -83,17 +83,24 @@ class _Signals:
     step's ``torch.compile`` for minutes, and validation) the handler raises :class:`_StepAborted`
     at once: nothing there has touched the weights, the optimizer or the scheduler since the last
     completed step, so the loop can save that step and exit within seconds.
+
+    ``raised`` records that the handler raised: C code on the way (torch building a tensor, safetensors
+    reading a file) may turn :class:`_StepAborted` into an ordinary exception of its own, e.g.
+    "could not determine the shape of object type 'torch.storage.UntypedStorage'", which a reader
+    would then blame on its file; once ``raised`` is set the loop treats any exception as the abort.
     """
 
     def __init__(self) -> None:
         self.received: int | None = None
         self.abortable = False
+        self.raised = False
         self._old: dict[int, Any] = {}
 
     def _handler(self, signum, frame) -> None:
         self.received = signum
         if self.abortable:
             self.abortable = False
+            self.raised = True
             raise _StepAborted(signum)
 
     def __enter__(self) -> _Signals:
@@ -571,4 +578,9 @@ class Trainer:
                         return LoopResult("stopped", step, path)
             except _StepAborted as exc:
                 raise self._aborted(base, step, start, exc.signum) from None
+            except Exception:
+                if not sig.raised:
+                    raise
+                # the handler's _StepAborted, turned into another exception by C code on its way out
+                raise self._aborted(base, step, start, sig.received) from None
         return LoopResult("done", step, path)
