@@ -94,6 +94,52 @@ def test_tau_hat_from_conditional_accuracies():
     assert tau_hat([1.0, 1.0, 1.0]) == 4.0
 
 
+def test_simulated_rounds_walk_each_answer_from_its_first_draft_position():
+    """tau_sim's walk, by hand: rounds start at an answer's first draft position, emit min(chain, k) + 1
+    tokens, jump as far, stop at the answer's end, and never run into the next document."""
+    from eagle3.train.metrics import simulate_rounds
+
+    #          prompt  | answer of doc 0 (positions 2..7)  | doc 1: answer at 8..9, then padding
+    pos = np.array([0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0], dtype=bool)
+    doc = np.array([0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, -1])
+    chain = np.array([0, 0, 3, 0, 1, 2, 0, 0, 1, 0, 0, 0])
+    # k=3: doc 0 rounds at 2 (3+1), 6 (0+1), 7 (0+1); doc 1 at 8 (1+1): 8 tokens in 4 rounds
+    assert simulate_rounds(chain, pos, doc, 3) == (8, 4)
+    # k=1: doc 0 at 2 (1+1), 4 (1+1), 6 (1), 7 (1); doc 1 at 8 (1+1)
+    assert simulate_rounds(chain, pos, doc, 1) == (8, 5)
+    assert simulate_rounds(chain, np.zeros(12, dtype=bool), doc, 3) == (0, 0)
+
+
+def test_draft_chains_reproduce_speculators_accuracy_counts(ref_run):
+    """The chain lengths tau_sim walks over score each TTT step's draft exactly where speculators does:
+    with the loss mask as positions, sum_p [chain[p] > s] is its full_acc_s count, on a real packed batch
+    and the trained drafter; the draft positions drop each answer's last supervised position."""
+    from eagle3.contracts.hidden_states import HiddenStatesDataset
+    from eagle3.train.data import MicroBatches, collate_fn, read_manifest
+    from eagle3.train.metrics import chain_lengths, draft_positions
+    from eagle3.train.model import build_drafter, loss_config, resolve_inputs
+
+    rd, stats, params = ref_run
+    model = build_drafter(params, resolve_inputs(params, rd))
+    ck = load_file(str(rd / TRAIN_DIR / "checkpoints" / f"step_{stats.best_step:06d}" / "model.safetensors"))
+    model.load_state_dict(ck, strict=False)
+    model.eval()
+    ds = HiddenStatesDataset.for_training(read_manifest(rd), n_aux=3, hidden_size=64, vocab_size=512)
+    (batch,) = list(MicroBatches([np.array([0, 1, 2, 3])], collate_fn(512, 64, 3, torch.float32), dataset=ds))
+    with torch.no_grad():
+        drafts, _, m = model(**batch, ttt_steps=3, ttt_step_loss_decay=1.0, loss_config=loss_config("kl_div", "eager"))
+        target_ids = model.verifier_lm_head(model.verifier_norm(batch["verifier_last_hidden_states"])).argmax(-1)
+    chain = chain_lengths(drafts, target_ids, batch["loss_mask"].reshape(-1).bool(), batch["document_ids"])
+    counts = [int((chain > s).sum()) for s in range(3)]
+    assert counts[0] > 10 and counts == [int(m[f"full_acc_{s}_sum"]) for s in range(3)]
+    pos = draft_positions(batch["loss_mask"], batch["document_ids"])
+    mask = batch["loss_mask"].reshape(-1).bool()
+    doc = batch["document_ids"].reshape(-1)
+    answers = int((mask[1:] & ~mask[:-1]).sum()) + int(mask[0])
+    assert answers >= 3 and not (pos & ~mask).any() and int(pos.sum()) == int(mask.sum()) - answers
+    assert all(not pos[i] or doc[i + 1] == doc[i] for i in range(len(pos) - 1))
+
+
 def test_warmup_then_cosine_schedule():
     from eagle3.train.loop import WarmupCosine
 
@@ -201,6 +247,10 @@ def test_run_writes_the_stage_contract(ref_run, tiny_target):
     assert val[-1]["val_loss"] < val[0]["val_loss"]
     best = max(val, key=lambda v: v["val_tau_hat"])
     assert stats.best_step == best["step"] and stats.best_val_tau_hat == best["val_tau_hat"]
+    # tau_sim: greedy rounds over the validation answers, 1..1+k tokens a round, for every k
+    for v in val:
+        assert v["val_tau_sim"] == v["val_tau_sim_k3"] and all(1.0 <= v[f"val_tau_sim_k{k}"] <= 1 + k for k in (1, 2, 3))
+    assert stats.final_val_tau_sim == val[-1]["val_tau_sim"] and val[-1]["val_tau_sim_k1"] > 1.0
     for v in val:
         assert v["val_tau_hat"] == pytest.approx(
             1 + v["val_cond_acc_0"] + v["val_cond_acc_0"] * v["val_cond_acc_1"]

@@ -5,11 +5,13 @@ NCCL on GPU). AdamW (betas 0.9, 0.95), linear warmup then cosine decay to ``min_
 gradient clipping, bf16 autocast on GPU (``train.autocast``). Every step appends a line to ``metrics.jsonl`` (and W&B):
 loss, per-TTT-step loss, full and conditional accuracy, lr, grad norm, tokens/s. Validation runs
 every ``eval_every`` steps and at every checkpoint; it reports the simulated acceptance length
-``tau_hat`` (:func:`eagle3.train.metrics.tau_hat`). Checkpoints (:mod:`eagle3.train.checkpoint`)
+``tau_hat`` (:func:`eagle3.train.metrics.tau_hat`, per-position accuracies averaged over every position)
+and ``tau_sim`` (greedy verification rounds walked over the validation answers,
+:func:`eagle3.train.metrics.simulate_rounds`: what the engine measures on that text). Checkpoints (:mod:`eagle3.train.checkpoint`)
 make a resumed run continue bit for bit. SIGTERM/SIGINT save a checkpoint before exiting.
 
 Host-device syncs: ONE per step (the packed metrics' all-reduce and copy to the host,
-:meth:`eagle3.train.metrics.StepMetrics.reduce`), plus one per validation and the checkpoint writes.
+:meth:`eagle3.train.metrics.StepMetrics.reduce`), plus two per validation and the checkpoint writes.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from eagle3.contracts.hidden_states import HiddenStatesDataset, to_training_item
 from eagle3.distributed import DistContext
 from eagle3.errors import TrainError
 from eagle3.rundir import TRAIN, RunDir
-from eagle3.train.metrics import StepMetrics, metric_keys, summarize
+from eagle3.train.metrics import StepMetrics, chain_lengths, draft_positions, metric_keys, simulate_rounds, summarize
 
 __all__ = ["TrainingDiverged", "TrainingInterrupted", "WarmupCosine", "Trainer", "LoopResult", "autocast_dtype"]
 
@@ -395,20 +397,36 @@ class Trainer:
         if not self.val_plan:
             return {}
         keys = metric_keys(self.tp.ttt_steps)
+        K = self.tp.ttt_steps
         mine = [b for i, b in enumerate(self.val_plan) if i % self.ctx.world == self.ctx.rank]
-        acc = torch.zeros(len(keys) + 1, dtype=torch.float64, device=self.ctx.device)
+        # counts, tokens, then (tokens, rounds) of simulated verification with k = 1..K drafts
+        acc = torch.zeros(len(keys) + 1 + 2 * K, dtype=torch.float64, device=self.ctx.device)
         module = getattr(model, "module", model)
         module.eval()
+        chains = []
         with torch.no_grad(), self._autocast():
             for batch in self._micro(mine, val=True):
                 batch = {k: v.to(self.ctx.device, non_blocking=True) for k, v in batch.items()}
-                _, _, m = module(**batch, **self.fwd_kwargs)
-                acc[:-1] += torch.stack([m[k].detach().double() for k in keys])
-                acc[-1] += (batch["document_ids"] != -1).sum()
+                drafts, _, m = module(**batch, **self.fwd_kwargs)
+                acc[:len(keys)] += torch.stack([m[k].detach().double() for k in keys])
+                acc[len(keys)] += (batch["document_ids"] != -1).sum()
+                # the verifier's argmax, as speculators' forward computes its targets (a second call of
+                # the head after the forward is a full one under model.SupervisedRows too)
+                target_ids = module.verifier_lm_head(module.verifier_norm(batch["verifier_last_hidden_states"])).argmax(-1)
+                pos = draft_positions(batch["loss_mask"], batch["document_ids"])
+                chains.append((chain_lengths(drafts, target_ids, pos, batch["document_ids"]), pos,
+                               batch["document_ids"].reshape(-1)))
         module.train()
-        acc = self.ctx.all_sum(acc).cpu()  # host sync: one per validation
-        sums = dict(zip(keys, acc[:-1].tolist()))
-        rec = {"kind": "val", "step": step, **summarize(sums, self.tp.ttt_steps, prefix="val_"), "val_tokens": int(acc[-1])}
+        if chains:  # host sync: one per validation, then the rounds on the host
+            chain, pos, doc = (torch.cat(x).cpu().numpy() for x in zip(*chains))
+            sim = [v for k in range(1, K + 1) for v in simulate_rounds(chain, pos, doc, k)]
+            acc[len(keys) + 1:] += torch.tensor(sim, dtype=torch.float64, device=acc.device)
+        acc = self.ctx.all_sum(acc).cpu()  # host sync: the second per validation
+        sums = dict(zip(keys, acc[:len(keys)].tolist()))
+        sim = acc[len(keys) + 1:].tolist()
+        taus = {f"val_tau_sim_k{k}": (sim[2 * k - 2] / sim[2 * k - 1] if sim[2 * k - 1] else None) for k in range(1, K + 1)}
+        rec = {"kind": "val", "step": step, **summarize(sums, K, prefix="val_"), "val_tau_sim": taus[f"val_tau_sim_k{K}"],
+               **taus, "val_tokens": int(acc[len(keys)])}
         self._log(rec)
         return rec
 
@@ -566,7 +584,8 @@ class Trainer:
                         ev = self.evaluate(model, step)
                         sig.abortable = False
                     if ev:
-                        state["val_history"].append({"step": step, "val_tau_hat": ev["val_tau_hat"], "val_loss": ev["val_loss"]})
+                        state["val_history"].append({"step": step, "val_tau_hat": ev["val_tau_hat"], "val_loss": ev["val_loss"],
+                                                     "val_tau_sim": ev["val_tau_sim"]})
                     new_best = bool(ev) and (state["best_val_tau_hat"] is None or ev["val_tau_hat"] > state["best_val_tau_hat"])
                     if new_best:
                         state["best_step"], state["best_val_tau_hat"] = step, ev["val_tau_hat"]

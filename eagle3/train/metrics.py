@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["tau_hat", "metric_keys", "summarize", "StepMetrics"]
+__all__ = ["tau_hat", "metric_keys", "summarize", "StepMetrics", "draft_positions", "chain_lengths", "simulate_rounds"]
 
 
 def tau_hat(cond_acc: list[float]) -> float:
@@ -29,6 +29,108 @@ def tau_hat(cond_acc: list[float]) -> float:
         prod *= a
         total += prod
     return total
+
+
+def draft_positions(loss_mask, document_ids):
+    """The packed positions a serving engine drafts from: supervised, and followed by a supervised
+    position of the same document.
+
+    With speculators' ``shift_batch`` alignment, position ``t`` holds answer token ``x[t+1]`` as input and
+    the verifier's prediction of ``x[t+2]``; ``loss_mask[t]`` says ``x[t+1]`` is an answer token. A round
+    drafting ``x[t+2]`` happens only when ``x[t+2]`` is an answer token too (``loss_mask[t+1]``): after the
+    answer's last token (e.g. the end of turn) the engine stops, although speculators also scores the
+    verifier's prediction of the template token that follows it.
+
+    Args:
+        loss_mask: ``[1, T]`` or ``[T]`` bool/int.
+        document_ids: the same shape, int64 (-1 = padding).
+
+    Returns:
+        ``[T]`` bool tensor on the input's device.
+    """
+    mask = loss_mask.reshape(-1).bool()
+    doc = document_ids.reshape(-1)
+    out = mask.clone()
+    out[-1:] = False
+    out[:-1] &= mask[1:] & (doc[1:] == doc[:-1])
+    return out
+
+
+def chain_lengths(draft_tokens: list, target_ids, positions, document_ids):
+    """Per draft start, how many of the TTT chain's drafts are right before the first wrong one.
+
+    The chain of start ``p`` is what greedy verification checks in one round that starts at ``p``:
+    draft ``s`` (TTT step ``s``) is scored against the verifier's argmax at ``p + s`` (speculators'
+    ``align_for_step``), while ``p + s`` is one of ``positions`` of the same document. With
+    ``positions = loss_mask``, ``sum_p [chain[p] > s]`` is speculators' ``full_acc_s`` count.
+
+    Args:
+        draft_tokens: ``ttt_steps`` tensors ``[1, T]`` int64, the drafter's argmax per TTT step (draft
+            vocab ids), as speculators' ``Eagle3DraftModel.forward`` returns them.
+        target_ids: ``[1, T]`` int64, the argmax of the verifier's logits over the draft vocab.
+        positions: ``[T]`` bool, where a draft may be scored (:func:`draft_positions`).
+        document_ids: ``[1, T]`` int64, the packed document of each position (-1 = padding).
+
+    Returns:
+        ``[T]`` int8 on the input's device: 0..ttt_steps; 0 outside ``positions``.
+    """
+    import torch
+
+    pos = positions.reshape(-1).bool()
+    doc = document_ids.reshape(-1)
+    tgt = target_ids.reshape(-1)
+    T = pos.numel()
+    run = pos.clone()
+    out = torch.zeros(T, dtype=torch.int8, device=pos.device)
+    for s, d in enumerate(draft_tokens):
+        ok = torch.zeros_like(pos)
+        if s < T:
+            ok[: T - s] = (d.reshape(-1)[: T - s] == tgt[s:]) & pos[s:] & (doc[s:] == doc[: T - s])
+        run &= ok
+        out += run.to(torch.int8)
+    return out
+
+
+def simulate_rounds(chain, positions, document_ids, k: int) -> tuple[int, int]:
+    """Greedy verification rounds over teacher-forced text: ``(tokens, rounds)``; tokens / rounds is the
+    acceptance length tau that chain speculation with ``k`` drafts measures on this text.
+
+    Per answer (a run of ``positions`` in one document: :func:`draft_positions`, whose first position
+    drafts the answer's second token, the first coming from the prefill), the first round starts at the
+    run's first position; a round at ``p`` emits ``min(chain[p], k) + 1`` tokens (the accepted drafts
+    plus the verifier's bonus token, vLLM's counting), and the next starts that many positions later,
+    while inside the run. Unlike ``tau_hat`` (per-position accuracies averaged over *every* position),
+    rounds start where decoding starts them, more often right after a rejection, i.e. at harder
+    positions: on real text this is lower than ``tau_hat``. On the target's own greedy text it is the
+    tau the engine measures (first-draft acceptance at the rounds' starts equalled vLLM's over 9,169
+    rounds: benchmarks/RESULTS.md, session 8).
+
+    Args:
+        chain: ``[T]`` ints, :func:`chain_lengths` (numpy or a CPU tensor).
+        positions: ``[T]`` bool, the same positions as ``chain`` was computed with.
+        document_ids: ``[T]`` ints, the same positions' documents.
+        k: drafts per round (>= 1; chains are cut at ``k``).
+
+    Returns:
+        tuple: ``(tokens, rounds)`` summed over the answers (``(0, 0)`` without any round).
+    """
+    import numpy as np
+
+    chain = np.asarray(chain, dtype=np.int64).reshape(-1)
+    pos = np.asarray(positions).reshape(-1).astype(bool)
+    doc = np.asarray(document_ids).reshape(-1)
+    T = len(pos)
+    tokens = rounds = 0
+    for q0 in np.flatnonzero(pos).tolist():
+        if q0 > 0 and pos[q0 - 1] and doc[q0 - 1] == doc[q0]:
+            continue  # not the first position of its run
+        p = q0
+        while p < T and pos[p] and doc[p] == doc[q0]:
+            n = min(int(chain[p]), k) + 1
+            tokens += n
+            rounds += 1
+            p += n
+    return tokens, rounds
 
 
 def metric_keys(ttt_steps: int) -> list[str]:

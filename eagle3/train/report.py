@@ -81,7 +81,7 @@ def plot_training(df):
 
 
 def plot_validation(df):
-    """Validation tau_hat (and per-step conditional accuracy) against the step, or None."""
+    """Validation tau_hat and tau_sim (and per-step conditional accuracy) against the step, or None."""
     if df is None or df.empty or "val_tau_hat" not in df:
         return None
     val = df[df["kind"] == "val"]
@@ -89,10 +89,12 @@ def plot_validation(df):
         return None
     fig = Figure(figsize=(11, 3.8))
     ax = fig.subplots(1, 2)
-    ax[0].plot(val["step"], val["val_tau_hat"], "o-")
+    ax[0].plot(val["step"], val["val_tau_hat"], "o-", label="tau_hat (every position)")
+    if "val_tau_sim" in val and val["val_tau_sim"].notna().any():  # runs before session 8 lack it
+        ax[0].plot(val["step"], val["val_tau_sim"], "s--", label="tau_sim (verification rounds)")
     best = val.loc[val["val_tau_hat"].idxmax()]
     ax[0].axvline(best["step"], color="gray", ls=":", label=f"best: step {int(best['step'])}")
-    ax[0].set_title("validation simulated acceptance length tau_hat")
+    ax[0].set_title("validation acceptance length")
     ax[0].legend()
     for c in sorted(c for c in val.columns if c.startswith("val_cond_acc_")):
         ax[1].plot(val["step"], val[c], "o-", label=c[4:])
@@ -142,6 +144,7 @@ def export_summary(run_dir: str | Path) -> dict:
     spec = json.dumps({"method": "eagle3", "model": str(d), "num_speculative_tokens": k})
     return {"drafter": str(d), "exported checkpoint": f"step_{stats['best_step']:06d}", "why": stats.get("export_reason"),
             "best validation tau_hat": stats.get("best_val_tau_hat"), "final validation tau_hat": stats.get("final_val_tau_hat"),
+            "final validation tau_sim (rounds)": stats.get("final_val_tau_sim"),
             "verifier in config.json": verifier, "check_drafter problems": problems or "none",
             "serve with": f"vllm serve {verifier} --speculative-config '{spec}'"}
 

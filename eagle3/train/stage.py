@@ -35,7 +35,7 @@ class TrainStats(Stats):
     """Stage 4's summary numbers: exactly the keys of ``stats.json`` (times in s)."""
 
     HEADLINE: ClassVar[tuple[str, ...]] = ("best_step", "best_val_tau_hat", "final_step", "final_val_tau_hat",
-                                           "final_train_loss", "total_steps", "tokens_seen", "tokens_per_s",
+                                           "final_val_tau_sim", "final_train_loss", "total_steps", "tokens_seen", "tokens_per_s",
                                            "train_time_s", "drafter_dir")
     drafter_dir: str
     best_step: int
@@ -63,6 +63,9 @@ class TrainStats(Stats):
     device: str
     setup_s: float
     autocast: str = "none"  # train.autocast as resolved: 'bfloat16' or 'none' (float32)
+    # tau of greedy verification rounds (k = ttt_steps) walked over the validation answers at the last
+    # step (eagle3.train.metrics.simulate_rounds); None without a validation split
+    final_val_tau_sim: float | None = None
 
 
 @dataclass
@@ -219,6 +222,7 @@ def _export(tr: Trainer, info: dict) -> TrainStats:
     return TrainStats(
         drafter_dir=str(drafter), best_step=best, best_val_tau_hat=state.get("best_val_tau_hat"), export_reason=reason,
         final_step=total, final_val_tau_hat=final_val["val_tau_hat"] if final_val else None,
+        final_val_tau_sim=final_val.get("val_tau_sim") if final_val else None,
         final_train_loss=last_train.get("loss") if last_train else None, tokens_seen=state["tokens_seen"],
         train_time_s=round(state["elapsed_s"], 2),
         tokens_per_s=round(state["tokens_seen"] / max(state["elapsed_s"], 1e-9), 2),
