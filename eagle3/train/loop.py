@@ -209,7 +209,7 @@ class Trainer:
 
     def __init__(self, params: Params, run_dir: Path, ctx: DistContext) -> None:
         self.params, self.run_dir, self.ctx = params, run_dir, ctx
-        self.tp = params.train
+        self.train_params = params.train
         self.sd = RunDir(run_dir).stage(TRAIN, create=ctx.main)
         self.ckpt_root = RunDir(run_dir).checkpoints_dir
         self.metrics_file = RunDir(run_dir).train_metrics
@@ -221,21 +221,21 @@ class Trainer:
         from eagle3.train.data import heldout_ids, online_refs, read_manifest, split_by_id
 
         rd = RunDir(self.run_dir)
-        refs = online_refs(self.run_dir) if self.tp.online else read_manifest(self.run_dir)
+        refs = online_refs(self.run_dir) if self.train_params.online else read_manifest(self.run_dir)
         held = heldout_ids(self.run_dir)
         excluded = [r for r in refs if r.id in held]
         refs = [r for r in refs if r.id not in held]
-        train, val = split_by_id(refs, self.tp.val_fraction)
+        train, val = split_by_id(refs, self.train_params.val_fraction)
         if not train:
             raise TrainError(
                 f"empty training split: {len(refs) + len(excluded)} samples in "
-                f"{(rd.tokenized('train') if self.tp.online else rd.manifest).relative_to(rd.root)}, "
-                f"{len(excluded)} held out, {len(val)} to validation (train.val_fraction={self.tp.val_fraction}). "
+                f"{(rd.tokenized('train') if self.train_params.online else rd.manifest).relative_to(rd.root)}, "
+                f"{len(excluded)} held out, {len(val)} to validation (train.val_fraction={self.train_params.val_fraction}). "
                 f"Synthesize more samples or lower train.val_fraction."
             )
         self.train_refs, self.val_refs, self.excluded = train, val, excluded
         inp = self.inputs
-        if self.tp.online:
+        if self.train_params.online:
             self.train_ds = self.val_ds = None
             self.fetch = _online_fetch(self.params, self.run_dir, train, inp, self.ctx.device)
             self.vfetch = _online_fetch(self.params, self.run_dir, val, inp, self.ctx.device)
@@ -249,18 +249,19 @@ class Trainer:
         """The run's optimizer steps (packing plan), the validation plan and the data digest."""
         from eagle3.train.data import build_schedule, epoch_plan, plan_digest
 
-        tp = self.tp
-        G = self.ctx.world * tp.grad_accum
+        train_params = self.train_params
+        G = self.ctx.world * train_params.grad_accum
         lengths = [max(r.num_tokens - 1, 0) for r in self.train_refs]
-        self.schedule = build_schedule(lengths, tp.token_budget, tp.seed, tp.epochs, G, tp.max_steps)
+        self.schedule = build_schedule(lengths, train_params.token_budget, train_params.seed, train_params.epochs, G,
+                                       train_params.max_steps)
         if not self.schedule:
             raise TrainError(
                 f"the training split ({len(self.train_refs)} samples, {sum(lengths)} tokens) packs into fewer "
-                f"micro-batches of train.token_budget={tp.token_budget} than one step needs "
+                f"micro-batches of train.token_budget={train_params.token_budget} than one step needs "
                 f"(data_parallel x grad_accum = {G}); lower the budget or grad_accum, or add data."
             )
         vlens = [max(r.num_tokens - 1, 0) for r in self.val_refs]
-        self.val_plan = epoch_plan(vlens, tp.token_budget, tp.seed, 0)
+        self.val_plan = epoch_plan(vlens, train_params.token_budget, train_params.seed, 0)
         self.total = len(self.schedule)
         self.digest = plan_digest(self.train_refs)
 
@@ -277,27 +278,29 @@ class Trainer:
             use_supervised_rows,
         )
 
-        tp, dev = self.tp, self.ctx.device
-        attn = tp.attn_implementation if tp.attn_implementation != "auto" else default_attn_implementation(dev.type)
-        torch.manual_seed(tp.seed)
+        train_params, dev = self.train_params, self.ctx.device
+        attn = train_params.attn_implementation if train_params.attn_implementation != "auto" else default_attn_implementation(dev.type)
+        torch.manual_seed(train_params.seed)
         model = build_drafter(self.params, self.inputs, attn).to(dev)
         # what torch.compile covers (train.compile, model.configure_compile): by default only flex
         # attention; 'speculators' restores speculators' whole compiled forward
-        self.compile_mode = configure_compile(model, tp.compile, attn, tp.ttt_steps)
+        self.compile_mode = configure_compile(model, train_params.compile, attn, train_params.ttt_steps)
         decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
         opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": tp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=tp.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda" or None,
+            [{"params": decay, "weight_decay": train_params.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=train_params.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda" or None,
         )
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(tp.warmup_steps, len(self.schedule), tp.min_lr_ratio))
-        impl = tp.loss_implementation if tp.loss_implementation != "auto" else ("fused" if dev.type == "cuda" else "eager")
-        losses = loss_config(tp.loss, impl)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, WarmupCosine(train_params.warmup_steps, len(self.schedule), train_params.min_lr_ratio))
+        impl = (train_params.loss_implementation if train_params.loss_implementation != "auto"
+                else ("fused" if dev.type == "cuda" else "eager"))
+        losses = loss_config(train_params.loss, impl)
         # heads and loss on the supervised rows only (same loss and gradients; model.SupervisedRows)
-        self.supervised_rows = use_supervised_rows(tp.supervised_rows, dev.type, self.compile_mode)
+        self.supervised_rows = use_supervised_rows(train_params.supervised_rows, dev.type, self.compile_mode)
         if self.supervised_rows:
             losses = SupervisedRows(model).wrap_loss(losses)
-        self.fwd_kwargs = dict(ttt_steps=tp.ttt_steps, ttt_step_loss_decay=tp.ttt_step_loss_decay,
+        self.fwd_kwargs = dict(ttt_steps=train_params.ttt_steps, ttt_step_loss_decay=train_params.ttt_step_loss_decay,
                                loss_config=losses)
         self.attn, self.loss_impl = attn, impl
         return model, opt, sched
@@ -322,7 +325,7 @@ class Trainer:
         self.model, self.opt, self.sched = self._model()
         self.state = {"step": 0, "tokens_seen": 0, "elapsed_s": 0.0, "best_step": None, "best_val_tau_hat": None,
                       "val_history": []}
-        path = ckpt.resume_state(self.ckpt_root, self.params, self.ctx.world * self.tp.grad_accum, self.digest,
+        path = ckpt.resume_state(self.ckpt_root, self.params, self.ctx.world * self.train_params.grad_accum, self.digest,
                                  self.mapping_digest)
         if path is not None:
             self.state = ckpt.load_checkpoint(path, self.model, self.opt, self.sched, self.ctx.device)
@@ -345,11 +348,11 @@ class Trainer:
 
     def info(self, setup_s: float) -> dict:
         """The run's shape, for stats.json."""
-        tp, ctx = self.tp, self.ctx
+        train_params, ctx = self.train_params, self.ctx
         return {"train_samples": len(self.train_refs), "val_samples": len(self.val_refs),
                 "excluded_heldout": len(self.excluded), "total_steps": self.total,
-                "global_batch_micro": ctx.world * tp.grad_accum, "world_size": ctx.world, "grad_accum": tp.grad_accum,
-                "token_budget": tp.token_budget, "attn_implementation": self.attn,
+                "global_batch_micro": ctx.world * train_params.grad_accum, "world_size": ctx.world, "grad_accum": train_params.grad_accum,
+                "token_budget": train_params.token_budget, "attn_implementation": self.attn,
                 "loss_implementation": self.loss_impl, "device": str(ctx.device),
                 "autocast": str(self._autocast_dtype() or "none").replace("torch.", ""), "setup_s": round(setup_s, 2)}
 
@@ -357,7 +360,7 @@ class Trainer:
     def _autocast_dtype(self):
         """bfloat16 when the drafter trains under autocast (``train.autocast``, see
         :func:`autocast_dtype`), else None (float32)."""
-        return autocast_dtype(self.tp.autocast, self.ctx.device.type)
+        return autocast_dtype(self.train_params.autocast, self.ctx.device.type)
 
     def _batch_dtype(self):
         """The dtype of the collated hidden states: the autocast dtype (bf16: the stored states' own dtype,
@@ -369,10 +372,10 @@ class Trainer:
     def _micro(self, index_lists, val: bool = False):
         from eagle3.train.data import MicroBatches, collate_fn
 
-        coll = collate_fn(self.tp.token_budget, self.inputs.hidden_size, self.inputs.n_aux, self._batch_dtype())
+        coll = collate_fn(self.train_params.token_budget, self.inputs.hidden_size, self.inputs.n_aux, self._batch_dtype())
         return MicroBatches(index_lists, coll, dataset=self.val_ds if val else self.train_ds,
                             fetch=self.vfetch if val else self.fetch,
-                            num_workers=0 if self.tp.online else self.tp.num_workers,
+                            num_workers=0 if self.train_params.online else self.train_params.num_workers,
                             pin_memory=self.ctx.device.type == "cuda")
 
     def _log(self, rec: dict) -> None:
@@ -396,8 +399,8 @@ class Trainer:
 
         if not self.val_plan:
             return {}
-        keys = metric_keys(self.tp.ttt_steps)
-        K = self.tp.ttt_steps
+        keys = metric_keys(self.train_params.ttt_steps)
+        K = self.train_params.ttt_steps
         mine = [b for i, b in enumerate(self.val_plan) if i % self.ctx.world == self.ctx.rank]
         # counts, tokens, then (tokens, rounds) of simulated verification with k = 1..K drafts
         acc = torch.zeros(len(keys) + 1 + 2 * K, dtype=torch.float64, device=self.ctx.device)
@@ -431,8 +434,8 @@ class Trainer:
         return rec
 
     def _diverged(self, step: int, epoch: int, bad_mb: list[int], gnorm: float) -> None:
-        G = self.ctx.world * self.tp.grad_accum
-        A = self.tp.grad_accum
+        G = self.ctx.world * self.train_params.grad_accum
+        A = self.train_params.grad_accum
         grp = self.schedule[step - 1][1]
         lines = []
         for i in bad_mb or list(range(G)):
@@ -448,22 +451,22 @@ class Trainer:
         )
 
     def _record_state(self, step: int, epoch: int, ev: dict | None) -> None:
-        tp, ctx = self.tp, self.ctx
-        self.state.update({"step": step, "epoch": epoch, "global_batch": ctx.world * tp.grad_accum,
-                           "world_size": ctx.world, "grad_accum": tp.grad_accum, "plan_digest": self.digest,
+        train_params, ctx = self.train_params, self.ctx
+        self.state.update({"step": step, "epoch": epoch, "global_batch": ctx.world * train_params.grad_accum,
+                           "world_size": ctx.world, "grad_accum": train_params.grad_accum, "plan_digest": self.digest,
                            "mapping_digest": self.mapping_digest,
                            "total_steps": self.total, "params_fingerprint": params_fingerprint(self.params),
                            "val": {k: v for k, v in (ev or {}).items() if k.startswith("val_")}})
 
     def _checkpoint(self, base, step: int, epoch: int, ev: dict | None) -> Path | None:
         """Record the loop state and write ``step_NNNNNN`` (rank 0), prune old ones; every rank waits."""
-        tp, ctx = self.tp, self.ctx
+        train_params, ctx = self.train_params, self.ctx
         self._record_state(step, epoch, ev)
         path = None
         if ctx.main:
             path = ckpt.save_checkpoint(self.ckpt_root, step, base, self.opt, self.sched, self.state, self.params)
             protect = {self.state["best_step"]} if self.state["best_step"] is not None else set()
-            ckpt.prune(self.ckpt_root, tp.keep_checkpoints, protect)
+            ckpt.prune(self.ckpt_root, train_params.keep_checkpoints, protect)
         ctx.barrier()
         return path
 
@@ -500,8 +503,8 @@ class Trainer:
         """
         import torch
 
-        tp, ctx, state, opt, sched = self.tp, self.ctx, self.state, self.opt, self.sched
-        A, G, keys = tp.grad_accum, ctx.world * tp.grad_accum, metric_keys(tp.ttt_steps)
+        train_params, ctx, state, opt, sched = self.train_params, self.ctx, self.state, self.opt, self.sched
+        A, G, keys = train_params.grad_accum, ctx.world * train_params.grad_accum, metric_keys(train_params.ttt_steps)
         base = model = self.model
         if ctx.world > 1:
             from torch.nn.parallel import DistributedDataParallel
@@ -540,7 +543,7 @@ class Trainer:
                     sig.abortable = False
 
                     # clip: the norm stays a device tensor (clip_grad_norm_ does not sync)
-                    gnorm = torch.nn.utils.clip_grad_norm_(trainable, tp.grad_clip)
+                    gnorm = torch.nn.utils.clip_grad_norm_(trainable, train_params.grad_clip)
                     m.grad_nonfinite = (~torch.isfinite(gnorm)).double()
                     m.stop_signal.fill_(1.0 if sig.received is not None else 0.0)
                     m.grad_norm = gnorm.double() / ctx.world
@@ -562,7 +565,7 @@ class Trainer:
                     state["tokens_seen"] = int(state["tokens_seen"]) + ntok
                     state["elapsed_s"] = float(state["elapsed_s"]) + dt
                     rec = {"kind": "train", "step": step, "epoch": epoch, "lr": lr,
-                           **summarize(dict(zip(keys, m.counts.tolist())), tp.ttt_steps),
+                           **summarize(dict(zip(keys, m.counts.tolist())), train_params.ttt_steps),
                            "grad_norm": float(m.grad_norm), "tokens": ntok, "tokens_per_s": ntok / max(dt, 1e-9),
                            "tokens_seen": state["tokens_seen"], "time_s": round(dt, 4), "t": round(time.time(), 3)}
                     self._log(rec)
@@ -577,9 +580,9 @@ class Trainer:
                     # a checkpoint periodically, at a new best, on a signal and when this call stops
                     stop_sig = m.stop_signal > 0
                     stop_call = stop_after is not None and step - start >= stop_after and step < self.total
-                    periodic = step % tp.checkpoint_every == 0 or step == self.total
+                    periodic = step % train_params.checkpoint_every == 0 or step == self.total
                     ev = None
-                    if step % tp.eval_every == 0 or periodic:
+                    if step % train_params.eval_every == 0 or periodic:
                         sig.abortable = sig.received is None  # validation may compile too; `step` is complete
                         ev = self.evaluate(model, step)
                         sig.abortable = False

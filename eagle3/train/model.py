@@ -181,22 +181,22 @@ def build_drafter(params: Params, inputs: DrafterInputs, attn_implementation: st
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
 
-    tp = params.train
+    train_params = params.train
     # speculators logs every verifier file it opens (and warns about tied lm_heads); quiet here
     _loguru.disable("speculators")
     try:
         layer_cfg = create_transformer_layer_config(
-            verifier_name_or_path=str(inputs.target_path), num_layers=tp.num_layers, draft_arch="llama",
-            hidden_act=None, sliding_window=0, full_attention_indices=list(range(tp.num_layers)),
+            verifier_name_or_path=str(inputs.target_path), num_layers=train_params.num_layers, draft_arch="llama",
+            hidden_act=None, sliding_window=0, full_attention_indices=list(range(train_params.num_layers)),
             trust_remote_code=params.target.trust_remote_code,
         )
         layer_cfg.sliding_window = None
         layer_cfg.use_sliding_window = False
         model = Eagle3DraftModel.from_training_args(
             layer_cfg, t2d=inputs.t2d, d2t=inputs.d2t, verifier_name_or_path=str(inputs.target_path),
-            draft_vocab_size=inputs.draft_vocab_size, norm_before_residual=tp.norm_before_residual,
-            norm_before_fc=tp.norm_before_fc, fc_norm=tp.fc_norm, norm_output=tp.norm_output,
-            ttt_steps=tp.ttt_steps, target_layer_ids=list(inputs.aux_layer_ids), draft_attn_impl=attn_implementation,
+            draft_vocab_size=inputs.draft_vocab_size, norm_before_residual=train_params.norm_before_residual,
+            norm_before_fc=train_params.norm_before_fc, fc_norm=train_params.fc_norm, norm_output=train_params.norm_output,
+            ttt_steps=train_params.ttt_steps, target_layer_ids=list(inputs.aux_layer_ids), draft_attn_impl=attn_implementation,
             trust_remote_code=params.target.trust_remote_code,
         )
     except (ValueError, TypeError) as exc:

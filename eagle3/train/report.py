@@ -122,9 +122,11 @@ def inputs_table(params, run_dir: str | Path) -> dict:
         train, val = split_by_id([r for r in refs if r.id not in held], params.train.val_fraction)
         out.update({"train samples": len(train), "validation samples": len(val),
                     "train tokens": sum(r.num_tokens for r in train)})
-    tp = params.train
-    out.update({"draft layers": tp.num_layers, "TTT steps": tp.ttt_steps, "token budget / micro-batch": tp.token_budget,
-                "global batch (micro-batches)": tp.grad_accum * tp.data_parallel, "epochs": tp.epochs, "lr": tp.lr})
+    train_params = params.train
+    out.update({"draft layers": train_params.num_layers, "TTT steps": train_params.ttt_steps,
+                "token budget / micro-batch": train_params.token_budget,
+                "global batch (micro-batches)": train_params.grad_accum * train_params.data_parallel,
+                "epochs": train_params.epochs, "lr": train_params.lr})
     return out
 
 

@@ -213,7 +213,7 @@ def _export(tr: Trainer, info: dict) -> TrainStats:
     last_train = _last_record(tr.metrics_file, "train")
     export_drafter(
         model.to("cpu"), drafter, tr.inputs.target_name, dtype=torch_dtype("auto", tr.inputs.target_path),
-        include_embed_tokens=tr.tp.export_embed_tokens,
+        include_embed_tokens=tr.train_params.export_embed_tokens,
         info={"best_step": best, "best_val_tau_hat": state.get("best_val_tau_hat"), "total_steps": total,
               "params_fingerprint": params_fingerprint(tr.params), "checkpoint": str(ck), "reason": reason},
     )
