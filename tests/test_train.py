@@ -108,6 +108,10 @@ def test_simulated_rounds_walk_each_answer_from_its_first_draft_position():
     # k=1: doc 0 at 2 (1+1), 4 (1+1), 6 (1), 7 (1); doc 1 at 8 (1+1)
     assert simulate_rounds(chain, pos, doc, 1) == (8, 5)
     assert simulate_rounds(chain, np.zeros(12, dtype=bool), doc, 3) == (0, 0)
+    # a round whose jump passes its answer's end (one position apart from the next answer of the same
+    # document) ends that walk: the second answer is walked once, from its own start
+    gap = np.array([1, 1, 0, 1, 1], dtype=bool)
+    assert simulate_rounds(np.array([2, 0, 0, 1, 0]), gap, np.zeros(5, dtype=int), 3) == (5, 2)
 
 
 def test_draft_chains_reproduce_speculators_accuracy_counts(ref_run):

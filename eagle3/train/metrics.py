@@ -124,8 +124,11 @@ def simulate_rounds(chain, positions, document_ids, k: int) -> tuple[int, int]:
     for q0 in np.flatnonzero(pos).tolist():
         if q0 > 0 and pos[q0 - 1] and doc[q0 - 1] == doc[q0]:
             continue  # not the first position of its run
+        end = q0  # the run's end: a jump past it must not land in a later answer or micro-batch
+        while end < T and pos[end] and doc[end] == doc[q0]:
+            end += 1
         p = q0
-        while p < T and pos[p] and doc[p] == doc[q0]:
+        while p < end:
             n = min(int(chain[p]), k) + 1
             tokens += n
             rounds += 1

@@ -368,7 +368,8 @@ class SupervisedRows:
 
     Every other row of the heads' outputs is zero (and of the per-position loss): the loss, its
     gradients, the accuracies and ``prev_correct`` equal the full computation (tests/test_train.py);
-    only the returned draft tokens (argmax over the zero rows) differ, and nothing reads them.
+    only the returned draft tokens differ, on the rows outside ``R_s`` (argmax over zeros): validation's
+    ``chain_lengths`` reads draft ``s`` only at starts ``p`` with ``mask[p + s]``, which are in ``R_s``.
     A call without ``loss_mask`` or ``verifier_last_hidden_states`` computes every row.
 
     Not with ``train.compile: speculators`` (the hooks' Python state would recompile the graph).
