@@ -13,6 +13,7 @@ SRC=${SRC:-$W/.devwork/d12}
 mkdir -p $H200_ROOT
 VOCAB_RUNS=$(python3 -c "import json, os; print(','.join(k for k, v in json.loads(os.environ['H200_VARIANTS']).items() if 'vocab' in v))")
 TRAIN_RUNS=$(python3 -c "import json, os; print(','.join(k for k, v in json.loads(os.environ['H200_VARIANTS']).items() if 'vocab' not in v))")
+ALL_RUNS=${RUNS:-full,$(echo $TRAIN_RUNS,$VOCAB_RUNS | sed 's/^,//;s/,$//')}
 for step in ${STEPS:-prep extract share train eval}; do
   case $step in
     prep) mkdir -p $H200_ROOT/full && for s in 01_synthesize 02_vocab; do [ -d $H200_ROOT/full/$s ] || cp -r $SRC/$s $H200_ROOT/full/; done
@@ -25,10 +26,9 @@ from eagle3.rundir import prepare_run_dir; prepare_run_dir(h.params_for('full'),
              SHARE_STAGES=1 python3 $P share full $VOCAB_RUNS 2>&1 | grep -E "SHARE|Error"
              python3 $P vocab $VOCAB_RUNS 2>&1 | tail -3; python3 $P extract $VOCAB_RUNS 2>&1 | tail -3
            fi; echo "share at ${SECONDS}s" ;;
-    train) TRAIN_PARALLEL=1 python3 $P train ${RUNS:-full,$(echo $TRAIN_RUNS,$VOCAB_RUNS | sed 's/^,//;s/,$//')} 2>&1 | grep -v -i warn | tail -${TRAIN_TAIL:-20} | cut -c1-700
+    train) TRAIN_PARALLEL=1 python3 $P train $ALL_RUNS 2>&1 | grep -v -i warn | tail -${TRAIN_TAIL:-20} | cut -c1-700
            echo "train at ${SECONDS}s" ;;
-    eval) R=${RUNS:-full,$(echo $TRAIN_RUNS,$VOCAB_RUNS | sed 's/^,//;s/,$//')}
-          python3 $W/benchmarks/issue12_default/sweep_eval.py $SRC/05_evaluate $(echo $R | tr ',' '\n' | sed "s|^|$H200_ROOT/|") 2>&1 \
+    eval) python3 $W/benchmarks/issue12_default/sweep_eval.py $SRC/05_evaluate $(echo $ALL_RUNS | tr ',' '\n' | sed "s|^|$H200_ROOT/|") 2>&1 \
             | grep -E "SWEEP_EVAL|Error|error" | tee $H200_ROOT/sweep_eval.log; echo "eval at ${SECONDS}s" ;;
   esac
 done

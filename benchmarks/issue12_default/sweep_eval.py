@@ -80,7 +80,7 @@ def main() -> None:
         run_params = params_of(rd)
         tr = Trainer(run_params, rd, ctx)
         tr.inputs = resolve_inputs(run_params, rd)
-        tr.train_params.online, tr.fetch, tr.train_ds, tr.val_ds, tr.schedule = True, None, None, None, [None]
+        tr.fetch, tr.train_ds, tr.val_ds, tr.schedule = None, None, None, [None]  # online (params_of): no stage-3 files
         model, _, _ = tr._model()
         weights = load_file(str(rd / "04_train" / "drafter" / "model.safetensors"))
         missing, unexpected = model.load_state_dict(weights, strict=False)
