@@ -17,8 +17,8 @@ states in the contract layout) and time, on the same packed micro-batches:
 * ``bare``: the same ``Eagle3DraftModel`` built the same way, batches collated beforehand and kept
   in memory, and a plain loop of forward, backward, grad clip, AdamW step.
 
-The loop's overhead is ``1 - ours / bare`` (goal: <= 10 %). On GPU it also prints the model FLOP
-utilisation (training FLOPs per token from the layer shapes, below, against the bf16 dense peak of
+The loop's overhead is ``1 - ours / bare`` (issue 14: <= 5 %; both loops under the same ``--compile``).
+On GPU it also prints the model FLOP utilisation (training FLOPs per token from the layer shapes, below, against the bf16 dense peak of
 the card, 989 TFLOP/s for an H200 SXM) and the peak memory. The target is built in code, so nothing
 is downloaded: a config.json with the shapes (GPU: Llama-3.1-8B, hidden 4096, 32 layers, 32/8 heads,
 intermediate 14336, vocab 128256, llama3 rope; CPU: SmolLM2-135M, the embedded default) and random
@@ -129,31 +129,59 @@ def run_ours(params, run_dir: Path, warmup: int) -> dict:
     return out
 
 
+def run_ours_batches_on_device(params, run_dir: Path, warmup: int) -> dict:
+    """``ours`` with the training batches collated beforehand and kept on the device, as the bare step
+    has them: what the loop costs without its data path (read, collate, pin, copy)."""
+    from eagle3.train.loop import Trainer
+
+    micro = Trainer._micro
+
+    def on_device(self, index_lists, val: bool = False):
+        batches = micro(self, index_lists, val)
+        return batches if val else [{k: v.to(self.ctx.device) for k, v in b.items()} for b in batches]
+
+    Trainer._micro = on_device
+    try:
+        return run_ours(params, run_dir, warmup)
+    finally:
+        Trainer._micro = micro
+
+
 def run_bare(params, run_dir: Path, warmup: int) -> dict:
     """speculators' model, our batches pre-collated in memory, plain fwd/bwd/clip/AdamW loop."""
     from eagle3.contracts.hidden_states import HiddenStatesDataset
     from eagle3.train.data import MicroBatches, build_schedule, collate_fn, read_manifest
-    from eagle3.train.model import build_drafter, default_attn_implementation, loss_config, resolve_inputs
+    from eagle3.train.model import (
+        build_drafter,
+        configure_compile,
+        default_attn_implementation,
+        loss_config,
+        resolve_inputs,
+    )
 
     dev = torch.device("cuda:0" if params.train.device.startswith("cuda") else "cpu")
-    tp = params.train
+    train_params = params.train
     from eagle3.train.loop import autocast_dtype
 
     inp = resolve_inputs(params, run_dir)
     refs = read_manifest(run_dir)
-    sched = build_schedule([r.num_tokens - 1 for r in refs], tp.token_budget, tp.seed, tp.epochs, 1, tp.max_steps)
+    attn = train_params.attn_implementation if train_params.attn_implementation != "auto" else default_attn_implementation(dev.type)
+    sched = build_schedule([r.num_tokens - 1 for r in refs], train_params.token_budget, train_params.seed,
+                           train_params.epochs, 1, train_params.max_steps)
     ds = HiddenStatesDataset.for_training(refs, inp.n_aux, inp.hidden_size, inp.target_vocab_size)
-    dtype = autocast_dtype(tp.autocast, dev.type) or torch.float32
+    dtype = autocast_dtype(train_params.autocast, dev.type) or torch.float32
     batches = [{k: v.to(dev) for k, v in b.items()} for b in
-               MicroBatches([g[0] for _, g in sched], collate_fn(tp.token_budget, inp.hidden_size, inp.n_aux, dtype), dataset=ds)]
-    torch.manual_seed(tp.seed)
-    model = build_drafter(params, inp, default_attn_implementation(dev.type)).to(dev)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=tp.lr, betas=(0.9, 0.95),
+               MicroBatches([g[0] for _, g in sched], collate_fn(train_params.token_budget, inp.hidden_size, inp.n_aux, dtype), dataset=ds)]
+    torch.manual_seed(train_params.seed)
+    model = build_drafter(params, inp, attn).to(dev)
+    # the same torch.compile coverage as ours (train.compile): the bare step differs only in the loop
+    configure_compile(model, train_params.compile, attn, train_params.ttt_steps)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=train_params.lr, betas=(0.9, 0.95),
                             fused=dev.type == "cuda" or None)
-    kw = dict(ttt_steps=tp.ttt_steps, ttt_step_loss_decay=tp.ttt_step_loss_decay,
-              loss_config=loss_config(tp.loss, tp.loss_implementation if tp.loss_implementation != "auto"
+    kw = dict(ttt_steps=train_params.ttt_steps, ttt_step_loss_decay=train_params.ttt_step_loss_decay,
+              loss_config=loss_config(train_params.loss, train_params.loss_implementation if train_params.loss_implementation != "auto"
                                       else ("fused" if dev.type == "cuda" else "eager")))
-    adt = autocast_dtype(tp.autocast, dev.type)
+    adt = autocast_dtype(train_params.autocast, dev.type)
     ac = (lambda: torch.autocast(dev.type, dtype=adt)) if adt is not None else (lambda: torch.autocast("cpu", enabled=False))
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -166,7 +194,7 @@ def run_bare(params, run_dir: Path, warmup: int) -> dict:
         with ac():
             _, loss, _ = model(**b, **kw)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], tp.grad_clip)
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], train_params.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if i >= warmup:
@@ -297,6 +325,11 @@ def main(argv=None) -> int:
     ap.add_argument("--compare-autocast", action="store_true",
                     help="instead of ours vs bare: ours with train.autocast none (float32) vs bfloat16, alternating, "
                     "and their ratio (the CPU question of issue 12: does bf16 autocast pay on an AMX CPU?)")
+    ap.add_argument("--batches-on-device", action="store_true",
+                    help="a third loop: ours with the batches pre-collated on the device (the loop without its data path)")
+    ap.add_argument("--compile", default="attention", choices=["attention", "speculators", "none"],
+                    help="train.compile of both loops (the bare step used to keep speculators' compiled forward "
+                    "while ours ran the 'attention' default: a compile difference, not a loop cost)")
     ap.add_argument("--loss-impl", default="auto", choices=["auto", "eager", "fused"],
                     help="train.loss_implementation ('auto': fused Triton kernels on GPU, eager on CPU)")
     a = ap.parse_args(argv)
@@ -322,9 +355,11 @@ def main(argv=None) -> int:
                           [doc + 1] * n_samples, hs_dtype=getattr(torch, a.hs_dtype))
             print(f"synthetic data: {n_samples} samples x {doc + 1} tokens in {time.time() - t0:.0f} s", flush=True)
         workers = a.num_workers if a.num_workers is not None else (4 if cuda else 0)
-        common = dict(num_workers=workers, loss_implementation=a.loss_impl, ttt_steps=a.ttt)
+        common = dict(num_workers=workers, loss_implementation=a.loss_impl, ttt_steps=a.ttt, compile=a.compile)
         params = params_for(target_s, "cuda" if cuda else "cpu", budget, steps + warmup, epochs, autocast=a.autocast, **common)
         loops = (("bare", run_bare, params), ("ours", run_ours, params))
+        if a.batches_on_device:
+            loops += (("ours-on-device", run_ours_batches_on_device, params),)
         if a.compare_autocast:
             loops = tuple((f"ours {m}", run_ours, params_for(target_s, "cuda" if cuda else "cpu", budget, steps + warmup,
                                                              epochs, autocast=m, **common))
@@ -350,7 +385,7 @@ def main(argv=None) -> int:
         dev_name = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
         print(f"device: {dev_name}; target hidden {shape['hidden_size']}, vocab {shape['vocab_size']}, draft vocab {draft}, "
               f"1 draft layer, {a.ttt} TTT steps, token budget {budget}, samples of {doc} tokens, "
-              f"loss {params.train.loss} ({a.loss_impl}), stored states {a.hs_dtype}, torch {torch.__version__}")
+              f"loss {params.train.loss} ({a.loss_impl}), compile {a.compile}, stored states {a.hs_dtype}, torch {torch.__version__}")
         print(f"| {'loop':14} | {'tokens/s':>10} | {'steps':>5} | {'wall s':>7} | {'TFLOP/s':>8} | {'MFU':>6} | {'peak GiB':>8} |")
         print(f"|{'-' * 16}|{'-' * 12}|{'-' * 7}|{'-' * 9}|{'-' * 10}|{'-' * 8}|{'-' * 10}|")
         for k, r in best.items():
@@ -363,10 +398,14 @@ def main(argv=None) -> int:
             ratio = best["ours bfloat16"]["tokens_per_s"] / best["ours none"]["tokens_per_s"]
             print(f"\nbf16 autocast / float32 = {ratio:.3f}  (same batches, same steps, alternating runs)")
             best["ratio"] = ratio
-        elif len(best) == 2:
+        elif "ours" in best and "bare" in best:
             ratio = best["ours"]["tokens_per_s"] / best["bare"]["tokens_per_s"]
-            print(f"\nours / bare = {ratio:.3f}  (loop overhead {100 * (1 - ratio):.1f}%; goal <= 10%)")
+            print(f"\nours / bare = {ratio:.3f}  (loop overhead {100 * (1 - ratio):.1f}%; goal <= 5%)")
             best["ratio"] = ratio
+            if "ours-on-device" in best:
+                r = best["ours-on-device"]["tokens_per_s"] / best["bare"]["tokens_per_s"]
+                print(f"ours with the batches on the device / bare = {r:.3f}  (the loop without its data path)")
+                best["ratio_on_device"] = r
         best["flops_per_token"] = fl
         if a.json:
             Path(a.json).write_text(json.dumps({"args": vars(a), "all": res, "best": best}, indent=1))
