@@ -6,15 +6,16 @@
 Writes a synthetic stage-3 run (bench_train.synthetic_run: 3 aux layers + the last, samples of
 ``--doc-len`` tokens) and times, on the same packing plan (speculators' multipack, the loop's):
 
-* ``collate``: speculators' ``CollateFn`` on items already read (the worker's own work per batch), and
-  how much of it is its ``torch.zeros`` of the output buffers (fresh pages: page faults + zero fill);
-* ``loader, N workers``: :class:`eagle3.train.data.MicroBatches` (torch ``DataLoader``) end to end, ms per
-  micro-batch as the training loop would receive it (workers add the move of each batch into shared
-  memory and the main process's first touch of those pages).
+* the collate alone on items already read: speculators' ``CollateFn(shift_batch)`` (the loader's
+  collate before issue 14: fresh zeroed buffers, the aux states copied twice), the stage's
+  :class:`eagle3.train.data.PackedCollate` into fresh buffers, and into one reused buffer (what each
+  loader thread does per batch on CUDA, where the buffers are a pinned ring);
+* :class:`eagle3.train.data.MicroBatches` end to end with N loader threads, ms per micro-batch as the
+  training loop receives it, with fresh buffers and with the buffer ring (on CPU the ring adds a
+  copy out of the buffer, which CUDA replaces by the copy to the device).
 
 The training loop needs one micro-batch per optimizer step: on the H200 the bare 8B-shape step takes
-~76-112 ms (benchmarks/RESULTS.md), so a loader slower than that per batch caps the loop. Run it with
-``THP_MEM_ALLOC_ENABLE=1`` (torch's transparent-huge-page CPU allocations) to see the page-fault share.
+~76-144 ms (benchmarks/RESULTS.md), so a loader slower than that per batch caps the loop.
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=8192)
     ap.add_argument("--doc-len", type=int, default=2048)
     ap.add_argument("--samples", type=int, default=16)
-    ap.add_argument("--workers", default="0,1,2", help="comma-separated DataLoader worker counts")
+    ap.add_argument("--workers", default="0,1,2", help="comma-separated loader thread counts")
     ap.add_argument("--epochs", type=int, default=2, help="passes over the plan per measurement")
     ap.add_argument("--workdir", default="/tmp/bench_loader_run")
     args = ap.parse_args()
 
     import bench_train as bt
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
 
     from eagle3.contracts.hidden_states import HiddenStatesDataset
     from eagle3.train.data import MicroBatches, collate_fn, epoch_plan, read_manifest
@@ -58,21 +61,28 @@ def main() -> None:
 
     rows = []
     items = [[ds[(int(i), False)] for i in b] for b in plan]
-    t = time.perf_counter()
-    for its in items * args.epochs:
-        coll(its)
-    rows.append(("collate (speculators CollateFn), in process", (time.perf_counter() - t) / (len(items) * args.epochs)))
-    shapes = [(args.token_budget, 3 * args.hidden), (args.token_budget, args.hidden)]
-    t = time.perf_counter()
-    for _ in range(len(items) * args.epochs):
-        for s in shapes:
-            torch.zeros(s, dtype=torch.bfloat16)
-    rows.append(("  of which torch.zeros of the hidden-state buffers", (time.perf_counter() - t) / (len(items) * args.epochs)))
-    for w in [int(x) for x in args.workers.split(",")]:
-        loader = MicroBatches(plan * args.epochs, coll, dataset=ds, num_workers=w)
+    reps = len(items) * args.epochs
+
+    def per_batch(label: str, fn) -> None:
         t = time.perf_counter()
-        n = sum(1 for _ in loader)
-        rows.append((f"loader (DataLoader), {w} workers", (time.perf_counter() - t) / n))
+        for its in items * args.epochs:
+            fn(its)
+        rows.append((label, (time.perf_counter() - t) / reps))
+
+    # the collate before issue 14's change: speculators' CollateFn(shift_batch) on its flat item layout
+    spec = CollateFn(args.token_budget, args.hidden, num_target_layers=3, dtype=torch.bfloat16, preprocess=shift_batch)
+    per_batch("speculators CollateFn(shift_batch), fresh zeroed buffers",
+              lambda its: spec([{**x, "hidden_states": x["hidden_states"].flatten(1)} for x in its]))
+    per_batch("PackedCollate, fresh buffers", coll)
+    out = coll.buffers()
+    per_batch("PackedCollate into one reused buffer (the CUDA ring's work per batch)", lambda its: coll(its, out=out))
+    for w in [int(x) for x in args.workers.split(",")]:
+        for ring in (False, True):
+            loader = MicroBatches(plan * args.epochs, coll, dataset=ds, num_workers=w, ring=ring)
+            t = time.perf_counter()
+            n = sum(1 for _ in loader)
+            rows.append((f"MicroBatches, {w} loader threads{', buffer ring (+ a copy out on CPU)' if ring else ''}",
+                         (time.perf_counter() - t) / n))
 
     print(f"\nhidden {args.hidden}, token budget {args.token_budget}, samples of {args.doc_len} tokens, "
           f"{mb:.0f} MiB per micro-batch, {os.cpu_count()} CPUs, torch {torch.__version__}, "
@@ -82,5 +92,5 @@ def main() -> None:
         print(f"| {name} | {s * 1e3:.1f} | {mb / s:.0f} |")
 
 
-if __name__ == "__main__":  # DataLoader workers may spawn
+if __name__ == "__main__":
     main()

@@ -373,7 +373,9 @@ class TrainParams(_Section):
     )
     device: str = Field("auto", description="'auto', 'cpu', 'cuda' (under torchrun: cuda:LOCAL_RANK)")
     data_parallel: int = Field(1, ge=1, description="DDP processes; run() launches torchrun when > 1")
-    num_workers: int = Field(0, ge=0, description="background processes reading stage-3 files")
+    num_workers: int = Field(0, ge=0, description="loader threads reading and packing stage-3 files ahead of the step (0: in the "
+                             "training thread; on CUDA at least one); on CUDA each packs into a reused pinned buffer "
+                             "(train.data.MicroBatches)")
     compile: Literal["attention", "speculators", "none"] = Field(
         "attention", description="what torch.compile covers (eagle3.train.model.configure_compile): 'attention' = "
         "only flex attention (first step ~40 s on an H200), 'speculators' = speculators' whole compiled forward "

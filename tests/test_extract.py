@@ -349,7 +349,7 @@ def test_fp8_storage_is_half_of_bf16_and_reads_back_close(ref, tmp_path, tok):
     train = HiddenStatesDataset.for_training(refs, 3, 576, 49152, torch.bfloat16)
     item = train[0]
     assert item["hidden_states"].dtype == item["verifier_last_hidden_states"].dtype == torch.bfloat16
-    assert item["hidden_states"].shape == (refs[0].num_tokens, 3 * 576)
+    assert item["hidden_states"].shape == (refs[0].num_tokens, 3, 576)  # the aux slots (PackedCollate flattens)
     direct = to_training_item(a[0], 3, 576, 49152, "x")
     torch.testing.assert_close(item["hidden_states"].float(), direct["hidden_states"], rtol=2 ** -7, atol=1e-3)
     # online training with fp8 sees the values an fp8 file gives back

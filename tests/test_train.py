@@ -194,6 +194,68 @@ def test_batches_follow_shift_batch_alignment_and_pack_documents(tiny_target, tm
     assert (doc[:n0] == 0).all() and (doc[n0:n0 + n1] == 1).all() and (doc[n0 + n1:] == -1).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_collate_equals_speculators_collate_fn(dtype):
+    """data.PackedCollate (one copy per tensor, padding tail only) gives exactly speculators'
+    CollateFn(shift_batch) batch: shifted documents, a one-token item (no position, still a document
+    index), truncation at the budget, later items dropped, padding; and writes into given buffers."""
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+
+    from eagle3.contracts.hidden_states import to_training_item
+    from eagle3.train.data import BATCH_KEYS, PackedCollate
+
+    g = torch.Generator().manual_seed(0)
+
+    def stored(n):
+        return {"token_ids": torch.randint(0, 500, (n,), generator=g), "loss_mask": torch.randint(0, 2, (n,), generator=g),
+                "hidden_states": torch.randn(n, 4, 8, generator=g).to(torch.bfloat16)}
+
+    for lengths, budget in (([7, 1, 4, 12, 5], 16), ([3, 9], 32), ([], 8), ([40], 16)):
+        items = [to_training_item(stored(n), 3, 8, 500, f"item {i}") for i, n in enumerate(lengths)]
+        assert all(it["hidden_states"].shape[1:] == (3, 8) for it in items)  # the aux slots, a view
+        flat = [{**it, "hidden_states": it["hidden_states"].flatten(1)} for it in items]  # speculators' item layout
+        ref = CollateFn(budget, 8, num_target_layers=3, dtype=dtype, preprocess=shift_batch)(flat)
+        collate = PackedCollate(budget, 8, 3, dtype)
+        ours = collate(items)
+        reused = collate(items, out={k: v.fill_(7) for k, v in collate.buffers().items()})  # stale buffer contents
+        for got in (ours, reused):
+            assert tuple(got) == BATCH_KEYS
+            for k in BATCH_KEYS:
+                assert got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]), (lengths, budget, k)
+        if lengths == [7, 1, 4, 12, 5]:  # 6 + 0 + 3 positions, the 4th truncated to 7, the 5th dropped
+            assert ours["document_ids"][0].tolist() == [0] * 6 + [2] * 3 + [3] * 7
+
+
+def test_loader_threads_and_buffer_ring_give_the_batches_of_the_plain_loader(tiny_target, tmp_path):
+    """MicroBatches with loader threads (fresh buffers) and with the reused buffer ring (the CUDA path's
+    slot logic, copies on CPU) yield the in-thread loader's batches in plan order, over more batches
+    than the ring has slots; a missing file is a TrainError that names it, from the threads too."""
+    from eagle3.contracts.hidden_states import HiddenStatesDataset
+    from eagle3.errors import TrainError
+    from eagle3.train.data import MicroBatches, collate_fn, read_manifest
+
+    make_tiny_run(tmp_path, tiny_target, n=8)
+    refs = read_manifest(tmp_path)
+    plan = [np.array(b) for b in ([0, 1], [2], [3, 4, 5], [6, 7], [1, 0], [5], [7, 2], [4, 3], [6])]
+
+    def batches(**kw):
+        ds = HiddenStatesDataset.for_training(refs, n_aux=3, hidden_size=64, vocab_size=512)
+        return list(MicroBatches(plan, collate_fn(96, 64, 3, torch.float32), dataset=ds, **kw))
+
+    base = batches()
+    assert len(base) == 9 and int((base[2]["document_ids"] != -1).sum()) > 0
+    for kw in ({"num_workers": 3}, {"num_workers": 2, "ring": True}, {"num_workers": 0, "ring": True}):
+        got = batches(**kw)
+        assert len(got) == len(base)
+        for j, (a, b) in enumerate(zip(base, got)):
+            assert all(torch.equal(a[k], b[k]) for k in a), (kw, j)
+    refs[3].file.unlink()
+    for kw in ({"num_workers": 0}, {"num_workers": 2, "ring": True}):
+        with pytest.raises(TrainError, match=refs[3].file.name):
+            batches(**kw)
+
+
 def test_packing_plan_is_seeded_and_independent_of_how_a_step_is_split():
     from eagle3.train.data import build_schedule
 

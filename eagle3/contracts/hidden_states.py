@@ -602,9 +602,11 @@ def to_training_item(sample: dict, n_aux: int, hidden_size: int, vocab_size: int
         where: file name or sample id, for messages.
 
     Returns:
-        dict: ``hidden_states`` ``[seq, n_aux*H]`` (aux slots concatenated in order), ``input_ids``
-        int64 ``[seq]``, ``verifier_last_hidden_states`` ``[seq, H]`` (last slot), ``loss_mask`` bool
-        ``[seq]``, ``lengths`` int64 ``[1]``, ``position_ids`` int64 ``[seq]`` (speculators'
+        dict: ``hidden_states`` ``[seq, n_aux, H]`` (the aux slots in order, a view of the stored
+        tensor: the collate, :class:`eagle3.train.data.PackedCollate`, writes them side by side as
+        speculators' ``[T, n_aux*H]`` with one copy), ``input_ids`` int64 ``[seq]``,
+        ``verifier_last_hidden_states`` ``[seq, H]`` (last slot), ``loss_mask`` bool ``[seq]``,
+        ``lengths`` int64 ``[1]``, ``position_ids`` int64 ``[seq]`` (speculators'
         ``BaseDataset.__getitem__`` adds the last two the same way).
 
     Raises:
@@ -636,7 +638,7 @@ def to_training_item(sample: dict, n_aux: int, hidden_size: int, vocab_size: int
         raise TrainError(f"{where}: token id {int(ids.max())} outside the target vocab [0, {vocab_size})")
     n = ids.shape[0]
     return {
-        "hidden_states": hs[:, :n_aux].flatten(1),
+        "hidden_states": hs[:, :n_aux],
         "input_ids": ids.to(torch.long),
         "verifier_last_hidden_states": hs[:, n_aux],
         "loss_mask": lm.to(torch.bool),

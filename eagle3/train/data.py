@@ -3,9 +3,9 @@
 Per sample (file contract, DESIGN.md): ``token_ids`` int64 ``[seq]``, ``loss_mask`` ``[seq]``,
 ``hidden_states`` ``[seq, n_aux+1, H]``. The first ``n_aux`` slots, concatenated, are the drafter's
 ``hidden_states`` input ``[seq, n_aux*H]``; the last slot (layer N, before the final norm) is
-``verifier_last_hidden_states`` ``[seq, H]``. speculators' ``shift_batch`` then aligns
-``(x[t+1], g[t], y[t+1], l[t+1])``; speculators' ``CollateFn`` packs samples into one row of
-``token_budget`` positions with ``document_ids`` (-1 = padding), and its
+``verifier_last_hidden_states`` ``[seq, H]``. :class:`PackedCollate` packs samples into one row of
+``token_budget`` positions with ``document_ids`` (-1 = padding) in the layout of speculators'
+``CollateFn`` with ``shift_batch`` (which aligns ``(x[t+1], g[t], y[t+1], l[t+1])``); speculators'
 ``MultipackDistributedBatchSamplerV2`` decides (seeded, per epoch) which samples share a row.
 
 A *step* is ``G = world_size x grad_accum`` consecutive micro-batches of one epoch's packing plan;
@@ -36,6 +36,8 @@ __all__ = [
     "epoch_plan",
     "build_schedule",
     "plan_digest",
+    "BATCH_KEYS",
+    "PackedCollate",
     "collate_fn",
     "MicroBatches",
     "tokens_in",
@@ -159,39 +161,124 @@ def plan_digest(refs: Sequence[SampleRef]) -> str:
     return h.hexdigest()[:16]
 
 
-def collate_fn(token_budget: int, hidden_size: int, n_aux: int, dtype) -> Callable:
-    """speculators' ``CollateFn`` packing to ``token_budget`` with ``shift_batch`` as preprocessing.
+BATCH_KEYS = ("input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask", "position_ids", "document_ids")
 
-    The batch it returns: ``input_ids`` ``[1, T]``, ``hidden_states`` ``[1, T, n_aux*H]`` (``dtype``),
+
+class PackedCollate:
+    """Pack training items into one micro-batch of ``token_budget`` positions: the layout of
+    speculators' ``CollateFn`` with ``shift_batch`` as preprocessing (``tests/test_train.py`` compares
+    the two on random items), written with one copy per tensor into given or fresh buffers.
+
+    speculators' version zero-fills fresh buffers and copies the aux states twice (their flatten,
+    then the packing); at a GPU token budget (8,192 tokens x 4 slots x 4,096 x bf16 = 268 MB per
+    micro-batch) that is most of the loader's time (benchmarks/RESULTS.md, issue 14). Here only the
+    padding tail is filled, and :class:`MicroBatches` reuses pinned buffers.
+
+    Layout (``shift_batch``: token ``t + 1`` is paired with the states of position ``t``): item ``d``
+    of ``n`` tokens fills ``L = min(n - 1, T - offset)`` positions from ``offset`` with
+    ``input_ids[1:L+1]``, ``hidden_states[:L]`` as ``[L, n_aux*H]``, ``verifier_last_hidden_states[1:L+1]``,
+    ``loss_mask[1:L+1]``, ``position_ids[1:L+1]`` (so from 1 in each document) and ``document_ids = d``;
+    items after the one that reaches ``T`` are dropped; the tail is padding (zeros, ``loss_mask``
+    False, ``document_ids`` -1).
+
+    Args:
+        token_budget: ``T``, positions per micro-batch. hidden_size: ``H``. n_aux: aux layer slots.
+        dtype: dtype of the two hidden-state tensors in the batch (cast on the copy).
+    """
+
+    def __init__(self, token_budget: int, hidden_size: int, n_aux: int, dtype) -> None:
+        self.token_budget, self.hidden_size, self.n_aux, self.dtype = int(token_budget), int(hidden_size), int(n_aux), dtype
+
+    def buffers(self, device="cpu", pin_memory: bool = False) -> dict:
+        """Uninitialised buffers of one micro-batch (:data:`BATCH_KEYS`): ``[1, T]`` int64 / bool,
+        ``hidden_states`` ``[1, T, n_aux*H]`` and ``verifier_last_hidden_states`` ``[1, T, H]`` in ``dtype``."""
+        import torch
+
+        T, H = self.token_budget, self.hidden_size
+
+        def new(shape, dtype):
+            return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin_memory)
+
+        return {"input_ids": new((1, T), torch.long), "hidden_states": new((1, T, self.n_aux * H), self.dtype),
+                "verifier_last_hidden_states": new((1, T, H), self.dtype), "loss_mask": new((1, T), torch.bool),
+                "position_ids": new((1, T), torch.long), "document_ids": new((1, T), torch.long)}
+
+    def __call__(self, items: Sequence[dict], out: dict | None = None) -> dict:
+        """Pack ``items`` (:func:`eagle3.contracts.hidden_states.to_training_item` dicts; ``hidden_states``
+        ``[seq, n_aux, H]`` or ``[seq, n_aux*H]``) into ``out`` (from :meth:`buffers`; default: fresh
+        ones on the first item's device). Returns the batch dict (``out`` itself when given)."""
+        T = self.token_budget
+        if out is None:
+            out = self.buffers(items[0]["input_ids"].device if items else "cpu")
+        ids, hs, ver = out["input_ids"][0], out["hidden_states"][0], out["verifier_last_hidden_states"][0]
+        mask, pos, doc = out["loss_mask"][0], out["position_ids"][0], out["document_ids"][0]
+        offset = 0
+        for d, item in enumerate(items):
+            if offset >= T:
+                break
+            n = min(max(int(item["input_ids"].shape[0]) - 1, 0), T - offset)
+            if n:
+                rows = slice(offset, offset + n)
+                ids[rows].copy_(item["input_ids"][1:n + 1])
+                aux = item["hidden_states"][:n]
+                hs[rows].view(aux.shape).copy_(aux)  # [n, n_aux, H] written as [n, n_aux*H]
+                ver[rows].copy_(item["verifier_last_hidden_states"][1:n + 1])
+                mask[rows].copy_(item["loss_mask"][1:n + 1])
+                pos[rows].copy_(item["position_ids"][1:n + 1])
+                doc[rows].fill_(d)
+                offset += n
+        for t in (ids[offset:], hs[offset:], ver[offset:], mask[offset:], pos[offset:]):
+            t.zero_()
+        doc[offset:].fill_(-1)
+        return out
+
+
+def collate_fn(token_budget: int, hidden_size: int, n_aux: int, dtype) -> PackedCollate:
+    """The stage's collate: :class:`PackedCollate` (speculators' ``CollateFn(shift_batch)`` layout).
+
+    The batch: ``input_ids`` ``[1, T]``, ``hidden_states`` ``[1, T, n_aux*H]`` (``dtype``),
     ``verifier_last_hidden_states`` ``[1, T, H]``, ``loss_mask`` ``[1, T]``, ``position_ids``
     ``[1, T]`` (from 1 within each document), ``document_ids`` ``[1, T]`` (-1 = padding).
     """
-    from speculators.models.eagle3.data import shift_batch
-    from speculators.train.data import CollateFn
-
-    return CollateFn(token_budget, hidden_size, num_target_layers=n_aux, dtype=dtype, preprocess=shift_batch)
-
-
-def _strip(batch: dict) -> dict:
-    return {k: v for k, v in batch.items() if k in (
-        "input_ids", "hidden_states", "verifier_last_hidden_states", "loss_mask", "position_ids", "document_ids")}
+    return PackedCollate(token_budget, hidden_size, n_aux, dtype)
 
 
 class MicroBatches:
-    """Iterate collated micro-batches for a list of index lists (one per micro-batch), in order.
+    """Iterate collated micro-batches for a list of index lists (one per micro-batch), in order, on ``device``.
 
-    Offline: a torch ``DataLoader`` over :class:`eagle3.contracts.hidden_states.HiddenStatesDataset`
-    (``num_workers`` background readers; the first read of each file in this call checks its sha256
-    against the manifest). Online: ``fetch(indices) -> list of per-sample dicts`` is called per
-    micro-batch.
+    Offline (``dataset``: :class:`eagle3.contracts.hidden_states.HiddenStatesDataset`; the first read of
+    each file in this call checks its sha256 against the manifest): with ``num_workers`` 0 each batch
+    is read and packed in the calling thread (on CUDA: by one loader thread); otherwise ``num_workers`` threads read and pack the next
+    batches while the caller trains (the reads, hashes, copies and fp8 dequantization are torch,
+    hashlib and safetensors code that releases the GIL; threads instead of DataLoader processes save
+    the move of every batch into shared memory and back). On CUDA every thread packs into one of a
+    ring of ``num_workers + 1`` pinned host buffers that are reused (no fresh pages, no zero fill, no
+    second copy into pinned memory) and copies it to the device on a side stream; a buffer is packed
+    again only after its copy's CUDA event completed. Online: ``fetch(indices) -> list of training
+    items`` (already on the device) is called per micro-batch in the calling thread.
+
+    Measured on the H200 (benchmarks/RESULTS.md, issue 14 §3): the DataLoader path cost 12-15% of the
+    step rate against the same loop with the batches already on the device.
+
+    Args:
+        index_lists: sample indices per micro-batch. collate: :class:`PackedCollate`.
+        device: where the batches are yielded (None: where the collate puts them, the host).
+        ring: pack into reused buffers (default: on CUDA); a CPU ring (tests) yields copies.
+
+    Raises:
+        TrainError: from the dataset (a missing, changed or unreadable file), in the caller's thread.
     """
 
     def __init__(self, index_lists: Sequence[np.ndarray], collate: Callable, dataset=None,
                  fetch: Callable[[list[int]], list[dict]] | None = None, num_workers: int = 0,
-                 pin_memory: bool = False) -> None:
+                 device=None, ring: bool | None = None) -> None:
+        import torch
+
         self.index_lists = [list(map(int, b)) for b in index_lists]
         self.collate, self.dataset, self.fetch, self.num_workers = collate, dataset, fetch, num_workers
-        self.pin_memory = pin_memory
+        self.device = torch.device(device) if device is not None else None
+        self.cuda = self.device is not None and self.device.type == "cuda"
+        self.ring = self.cuda if ring is None else bool(ring)
 
     def __len__(self) -> int:
         return len(self.index_lists)
@@ -200,16 +287,72 @@ class MicroBatches:
         if not self.index_lists:
             return iter(())
         if self.fetch is not None:
-            return (_strip(self.collate(self.fetch(b))) for b in self.index_lists)
-        from torch.utils.data import DataLoader
-
+            return (self.collate(self.fetch(b)) for b in self.index_lists)
         # keys (i, verify): each file's first read in this call checks its sha256 (HiddenStatesDataset)
-        plan = self.dataset.first_reads(self.index_lists) if hasattr(self.dataset, "first_reads") else self.index_lists
-        loader = DataLoader(self.dataset, batch_sampler=plan, collate_fn=self.collate,
-                            num_workers=self.num_workers, pin_memory=self.pin_memory,
-                            prefetch_factor=2 if self.num_workers else None,
-                            persistent_workers=False)
-        return (_strip(b) for b in loader)
+        plan = (self.dataset.first_reads(self.index_lists) if hasattr(self.dataset, "first_reads")
+                else self.index_lists)
+        if self.num_workers == 0 and not self.ring:
+            return (self._to_device(self.collate([self.dataset[k] for k in keys])) for keys in plan)
+        return self._threaded(plan)
+
+    def _to_device(self, batch: dict) -> dict:
+        if self.device is None or self.device.type == "cpu":
+            return batch
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def _threaded(self, plan: list) -> Iterator[dict]:
+        from collections import deque
+        from concurrent.futures import ThreadPoolExecutor
+
+        import torch
+
+        workers = max(1, self.num_workers)
+        depth = workers + 1  # batches in flight; batch j packs into ring slot j % depth
+        slots: list[dict] = [{"host": None, "done": None} for _ in range(depth)]
+        copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+
+        def pack(j: int, keys) -> tuple[dict, object]:
+            items = [self.dataset[k] for k in keys]
+            if not self.ring:
+                return self._to_device(self.collate(items)), None
+            slot = slots[j % depth]
+            if slot["done"] is not None:
+                slot["done"].synchronize()  # the copy out of this buffer (batch j - depth) has finished
+            if slot["host"] is None:
+                slot["host"] = self.collate.buffers("cpu", pin_memory=self.cuda)
+            host = self.collate(items, out=slot["host"])
+            if not self.cuda:
+                return {k: v.clone() for k, v in host.items()}, None
+            with torch.cuda.device(self.device), torch.cuda.stream(copy_stream):  # a thread's device is its own
+                batch = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
+                done = torch.cuda.Event()
+                done.record(copy_stream)
+            slot["done"] = done
+            return batch, done
+
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="eagle3-batches")
+        pending: deque = deque()
+        todo = iter(enumerate(plan))
+        try:
+            for j, keys in todo:
+                pending.append(pool.submit(pack, j, keys))
+                if len(pending) == depth:
+                    break
+            while pending:
+                batch, done = pending.popleft().result()
+                nxt = next(todo, None)  # batch j + depth reuses the slot of the batch just taken
+                if nxt is not None:
+                    pending.append(pool.submit(pack, *nxt))
+                if done is not None:  # the caller's stream waits for the copy; its allocator learns the use
+                    stream = torch.cuda.current_stream(self.device)
+                    stream.wait_event(done)
+                    for v in batch.values():
+                        v.record_stream(stream)
+                yield batch
+        finally:
+            for f in pending:
+                f.cancel()
+            pool.shutdown(wait=True)
 
 
 def tokens_in(batch: dict) -> int:

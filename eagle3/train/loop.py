@@ -117,41 +117,6 @@ class _Signals:
 
 
 
-class _Prefetch:
-    """Hand out micro-batches already on the device; on CUDA the next one is copied on a side stream
-    while the current step computes (host tensors are pinned by the DataLoader). On CPU: as is."""
-
-    def __init__(self, batches, device) -> None:
-        import torch
-
-        self.it, self.device = iter(batches), device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.next = self._load()
-
-    def _load(self):
-        import torch
-
-        b = next(self.it, None)
-        if b is None or self.stream is None:
-            return b
-        with torch.cuda.stream(self.stream):
-            return {k: v.to(self.device, non_blocking=True) for k, v in b.items()}
-
-    def __next__(self) -> dict:
-        import torch
-
-        b = self.next
-        if b is None:
-            raise StopIteration
-        if self.stream is not None:
-            cur = torch.cuda.current_stream(self.device)
-            cur.wait_stream(self.stream)
-            for v in b.values():
-                v.record_stream(cur)
-        self.next = self._load()
-        return b
-
-
 def autocast_dtype(mode: str, device_type: str):
     """The autocast dtype of the drafter's training (``train.autocast``), or None for float32.
 
@@ -373,10 +338,11 @@ class Trainer:
         from eagle3.train.data import MicroBatches, collate_fn
 
         coll = collate_fn(self.train_params.token_budget, self.inputs.hidden_size, self.inputs.n_aux, self._batch_dtype())
+        # on CUDA: packed by loader threads into reused pinned buffers, copied on a side stream (data.MicroBatches)
         return MicroBatches(index_lists, coll, dataset=self.val_ds if val else self.train_ds,
                             fetch=self.vfetch if val else self.fetch,
                             num_workers=0 if self.train_params.online else self.train_params.num_workers,
-                            pin_memory=self.ctx.device.type == "cuda")
+                            device=self.ctx.device)
 
     def _log(self, rec: dict) -> None:
         if not self.ctx.main:
@@ -408,8 +374,7 @@ class Trainer:
         module.eval()
         chains = []
         with torch.no_grad(), self._autocast():
-            for batch in self._micro(mine, val=True):
-                batch = {k: v.to(self.ctx.device, non_blocking=True) for k, v in batch.items()}
+            for batch in self._micro(mine, val=True):  # on the device
                 drafts, _, m = module(**batch, **self.fwd_kwargs)
                 acc[:len(keys)] += torch.stack([m[k].detach().double() for k in keys])
                 acc[len(keys)] += (batch["document_ids"] != -1).sum()
@@ -513,7 +478,7 @@ class Trainer:
                                             broadcast_buffers=False)
         step = start = int(state["step"])
         my_lists = [mb for _, grp in self.schedule[start:] for mb in grp[ctx.rank * A:(ctx.rank + 1) * A]]
-        batches = _Prefetch(self._micro(my_lists), ctx.device)
+        batches = iter(self._micro(my_lists))  # on the device; the next ones are read and copied meanwhile
         trainable = [p for p in base.parameters() if p.requires_grad]
         path = None
         self._first_step_status(progress, start)
@@ -530,7 +495,7 @@ class Trainer:
                     m = StepMetrics.zeros(len(keys), G, ctx.device)
                     sig.abortable = True  # until the optimizer step: a signal aborts the step (_Signals)
                     for a in range(A):
-                        batch = next(batches)  # on CUDA: already copied on the side stream
+                        batch = next(batches)
                         sync = model.no_sync() if (ctx.world > 1 and a < A - 1) else contextlib.nullcontext()
                         with sync:
                             with self._autocast():
