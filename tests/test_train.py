@@ -1248,3 +1248,22 @@ def test_supervised_rows_give_the_full_forwards_loss_metrics_and_gradients(ref_r
     T, supervised = mask.numel(), int(mask.sum())
     assert seen[0] == ("verifier_lm_head", pytest.approx(supervised, abs=3 * (ttt - 1) + 2))
     assert [n for n, _ in seen[1:]] == ["lm_head"] * ttt and all(r < 0.95 * T for _, r in seen)
+
+
+def test_online_batches_are_packed_on_the_training_device():
+    """Online items carry their token ids on the host and their hidden states on the device: the batch is
+    packed into buffers on the training device (here the meta device stands in for CUDA), every key."""
+    from eagle3.train.data import BATCH_KEYS, MicroBatches, collate_fn
+
+    g = torch.Generator().manual_seed(0)
+
+    def fetch(indices):
+        return [{"input_ids": torch.randint(0, 50, (n,), generator=g), "loss_mask": torch.ones(n, dtype=torch.bool),
+                 "position_ids": torch.arange(n), "hidden_states": torch.empty(n, 3, 8, device="meta"),
+                 "verifier_last_hidden_states": torch.empty(n, 8, device="meta")} for n in indices]
+
+    batches = list(MicroBatches([np.array([5, 7]), np.array([3])], collate_fn(16, 8, 3, torch.float32), fetch=fetch,
+                                device="meta"))
+    assert len(batches) == 2 and all(tuple(b) == BATCH_KEYS for b in batches)
+    assert {str(v.device) for b in batches for v in b.values()} == {"meta"}
+    assert batches[0]["hidden_states"].shape == (1, 16, 24)

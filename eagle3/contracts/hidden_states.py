@@ -740,8 +740,8 @@ class HiddenStatesDataset(torch.utils.data.Dataset):
 
     def first_reads(self, index_lists: Sequence[Sequence[int]]) -> list[list[tuple[int, bool]]]:
         """``index_lists`` as keys ``(i, verify)``: ``verify`` is True on the first read of sample ``i``
-        in this process (marked here, in the process that plans the reads, so DataLoader workers
-        get the flag with the index)."""
+        in this process (marked here, where the reads are planned, so the loader threads get the
+        flag with the index)."""
         out = []
         for b in index_lists:
             keys = []

@@ -16,6 +16,7 @@ and two processes with ``grad_accum=1`` see exactly the same micro-batches.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -253,9 +254,11 @@ class MicroBatches:
     hashlib and safetensors code that releases the GIL; threads instead of DataLoader processes save
     the move of every batch into shared memory and back). On CUDA every thread packs into one of a
     ring of ``num_workers + 1`` pinned host buffers that are reused (no fresh pages, no zero fill, no
-    second copy into pinned memory) and copies it to the device on a side stream; a buffer is packed
-    again only after its copy's CUDA event completed. Online: ``fetch(indices) -> list of training
-    items`` (already on the device) is called per micro-batch in the calling thread.
+    second copy into pinned memory); the calling thread copies each to the device on a side stream one
+    batch ahead (one batch in use, one in flight on the device), and a buffer is packed again only after
+    its copy's CUDA event completed. Online: ``fetch(indices) -> list of training items`` (hidden states
+    on the device, token ids on the host) is called per micro-batch in the calling thread and packed
+    into fresh buffers on ``device``.
 
     Measured on the H200 (benchmarks/RESULTS.md, issue 14 §3): the DataLoader path cost 12-15% of the
     step rate against the same loop with the batches already on the device.
@@ -285,9 +288,10 @@ class MicroBatches:
 
     def __iter__(self) -> Iterator[dict]:
         if not self.index_lists:
-            return iter(())
-        if self.fetch is not None:
-            return (self.collate(self.fetch(b)) for b in self.index_lists)
+            return (b for b in ())  # a generator like every other path (the loop closes it)
+        if self.fetch is not None:  # online: the hidden states are on the device, the token ids on the host
+            return (self.collate(items, out=self.collate.buffers(self.device or items[0]["hidden_states"].device))
+                    for items in map(self.fetch, self.index_lists))
         # keys (i, verify): each file's first read in this call checks its sha256 (HiddenStatesDataset)
         plan = (self.dataset.first_reads(self.index_lists) if hasattr(self.dataset, "first_reads")
                 else self.index_lists)
@@ -301,54 +305,75 @@ class MicroBatches:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def _threaded(self, plan: list) -> Iterator[dict]:
+        """Loader threads pack ahead (into the ring on CUDA); the calling thread starts each batch's copy
+        to the device one batch ahead of the one it yields (so one batch is in use and one in flight on
+        the device, as many as the step needs) and yields it once its stream has waited for that copy."""
         from collections import deque
         from concurrent.futures import ThreadPoolExecutor
 
         import torch
 
         workers = max(1, self.num_workers)
-        depth = workers + 1  # batches in flight; batch j packs into ring slot j % depth
+        depth = workers + 1  # batches being packed or packed; batch j packs into ring slot j % depth
         slots: list[dict] = [{"host": None, "done": None} for _ in range(depth)]
         copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        on_device = torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
 
-        def pack(j: int, keys) -> tuple[dict, object]:
+        def pack(j: int, keys) -> dict:  # a loader thread
             items = [self.dataset[k] for k in keys]
             if not self.ring:
-                return self._to_device(self.collate(items)), None
+                return self.collate(items)
             slot = slots[j % depth]
             if slot["done"] is not None:
                 slot["done"].synchronize()  # the copy out of this buffer (batch j - depth) has finished
             if slot["host"] is None:
-                slot["host"] = self.collate.buffers("cpu", pin_memory=self.cuda)
-            host = self.collate(items, out=slot["host"])
+                with on_device:  # pinned memory is registered with this rank's device's context
+                    slot["host"] = self.collate.buffers("cpu", pin_memory=self.cuda)
+            return self.collate(items, out=slot["host"])
+
+        def send(j: int, host: dict) -> tuple[dict, object]:  # the calling thread: start batch j's copy
+            if not self.ring:
+                return self._to_device(host), None
             if not self.cuda:
-                return {k: v.clone() for k, v in host.items()}, None
-            with torch.cuda.device(self.device), torch.cuda.stream(copy_stream):  # a thread's device is its own
+                return {k: v.clone() for k, v in host.items()}, None  # a CPU ring (tests): the buffer is reused
+            with torch.cuda.stream(copy_stream):
                 batch = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
                 done = torch.cuda.Event()
                 done.record(copy_stream)
-            slot["done"] = done
+            slots[j % depth]["done"] = done  # before batch j + depth, which reuses the slot, is submitted
             return batch, done
+
+        def hand_over(sent: tuple[dict, object]) -> dict:
+            batch, done = sent
+            if done is not None:  # the caller's stream waits for the copy; its allocator learns the use
+                stream = torch.cuda.current_stream(self.device)
+                stream.wait_event(done)
+                for v in batch.values():
+                    v.record_stream(stream)
+            return batch
 
         pool = ThreadPoolExecutor(workers, thread_name_prefix="eagle3-batches")
         pending: deque = deque()
         todo = iter(enumerate(plan))
+
+        def submit() -> None:
+            nxt = next(todo, None)
+            if nxt is not None:
+                pending.append(pool.submit(pack, *nxt))
+
         try:
-            for j, keys in todo:
-                pending.append(pool.submit(pack, j, keys))
-                if len(pending) == depth:
-                    break
+            for _ in range(depth):
+                submit()
+            j, ahead = 0, None
             while pending:
-                batch, done = pending.popleft().result()
-                nxt = next(todo, None)  # batch j + depth reuses the slot of the batch just taken
-                if nxt is not None:
-                    pending.append(pool.submit(pack, *nxt))
-                if done is not None:  # the caller's stream waits for the copy; its allocator learns the use
-                    stream = torch.cuda.current_stream(self.device)
-                    stream.wait_event(done)
-                    for v in batch.values():
-                        v.record_stream(stream)
-                yield batch
+                sent = send(j, pending.popleft().result())
+                submit()
+                j += 1
+                if ahead is not None:
+                    yield hand_over(ahead)
+                ahead = sent
+            if ahead is not None:
+                yield hand_over(ahead)
         finally:
             for f in pending:
                 f.cancel()

@@ -138,8 +138,8 @@ def autocast_dtype(mode: str, device_type: str):
 
 def _online_fetch(params: Params, run_dir: Path, refs, inputs, device):
     """``fetch(indices)`` for online training: the target runs on this rank's device and its hidden
-    states stay there (speculators' CollateFn packs them where they are): no round trip through host
-    memory, no per-sample device sync."""
+    states stay there (the collate packs them into device buffers, train.data.MicroBatches): no round trip
+    through host memory, no per-sample device sync."""
     from eagle3.extract import online_samples
 
     dev = str(device)
@@ -205,7 +205,7 @@ class Trainer:
             self.fetch = _online_fetch(self.params, self.run_dir, train, inp, self.ctx.device)
             self.vfetch = _online_fetch(self.params, self.run_dir, val, inp, self.ctx.device)
         else:
-            dtype = self._batch_dtype()  # fp8 files are dequantized straight into it (in the DataLoader workers)
+            dtype = self._batch_dtype()  # fp8 files are dequantized straight into it (in the loader threads)
             self.train_ds = HiddenStatesDataset.for_training(train, inp.n_aux, inp.hidden_size, inp.target_vocab_size, dtype)
             self.val_ds = HiddenStatesDataset.for_training(val, inp.n_aux, inp.hidden_size, inp.target_vocab_size, dtype)
             self.fetch = self.vfetch = None
@@ -373,8 +373,9 @@ class Trainer:
         module = getattr(model, "module", model)
         module.eval()
         chains = []
-        with torch.no_grad(), self._autocast():
-            for batch in self._micro(mine, val=True):  # on the device
+        # closing: an exception (a signal's abort) ends the loader threads at once, not when the traceback goes
+        with torch.no_grad(), self._autocast(), contextlib.closing(iter(self._micro(mine, val=True))) as batches:
+            for batch in batches:  # on the device
                 drafts, _, m = module(**batch, **self.fwd_kwargs)
                 acc[:len(keys)] += torch.stack([m[k].detach().double() for k in keys])
                 acc[len(keys)] += (batch["document_ids"] != -1).sum()
@@ -478,7 +479,9 @@ class Trainer:
                                             broadcast_buffers=False)
         step = start = int(state["step"])
         my_lists = [mb for _, grp in self.schedule[start:] for mb in grp[ctx.rank * A:(ctx.rank + 1) * A]]
-        batches = iter(self._micro(my_lists))  # on the device; the next ones are read and copied meanwhile
+        # on the device; the next ones are read and copied meanwhile. Closed on the way out (the finally
+        # below): an interrupted or diverged run does not leave loader threads reading for its traceback
+        batches = iter(self._micro(my_lists))
         trainable = [p for p in base.parameters() if p.requires_grad]
         path = None
         self._first_step_status(progress, start)
@@ -570,4 +573,6 @@ class Trainer:
                     raise
                 # the handler's _StepAborted, turned into another exception by C code on its way out
                 raise self._aborted(base, step, start, sig.received) from None
+            finally:
+                batches.close()
         return LoopResult("done", step, path)
