@@ -229,8 +229,9 @@ def test_packed_collate_equals_speculators_collate_fn(dtype):
 
 def test_loader_threads_and_buffer_ring_give_the_batches_of_the_plain_loader(tiny_target, tmp_path):
     """MicroBatches with loader threads (fresh buffers) and with the reused buffer ring (the CUDA path's
-    slot logic, copies on CPU) yield the in-thread loader's batches in plan order, over more batches
-    than the ring has slots; a missing file is a TrainError that names it, from the threads too."""
+    slot logic, copies on CPU) yield the in-thread loader's batches in plan order, for plans shorter
+    than, as long as and longer than the ring; a missing file is a TrainError that names it, raised
+    after the batches before it were yielded, from the threads too."""
     from eagle3.contracts.hidden_states import HiddenStatesDataset
     from eagle3.errors import TrainError
     from eagle3.train.data import MicroBatches, collate_fn, read_manifest
@@ -239,21 +240,26 @@ def test_loader_threads_and_buffer_ring_give_the_batches_of_the_plain_loader(tin
     refs = read_manifest(tmp_path)
     plan = [np.array(b) for b in ([0, 1], [2], [3, 4, 5], [6, 7], [1, 0], [5], [7, 2], [4, 3], [6])]
 
-    def batches(**kw):
+    def batches(n=9, **kw):
         ds = HiddenStatesDataset.for_training(refs, n_aux=3, hidden_size=64, vocab_size=512)
-        return list(MicroBatches(plan, collate_fn(96, 64, 3, torch.float32), dataset=ds, **kw))
+        return MicroBatches(plan[:n], collate_fn(96, 64, 3, torch.float32), dataset=ds, **kw)
 
-    base = batches()
+    base = list(batches())
     assert len(base) == 9 and int((base[2]["document_ids"] != -1).sum()) > 0
-    for kw in ({"num_workers": 3}, {"num_workers": 2, "ring": True}, {"num_workers": 0, "ring": True}):
-        got = batches(**kw)
-        assert len(got) == len(base)
+    for n, kw in ((9, {"num_workers": 3}), (9, {"num_workers": 2, "ring": True}), (9, {"num_workers": 0, "ring": True}),
+                  (1, {"num_workers": 2, "ring": True}), (3, {"num_workers": 2, "ring": True}),
+                  (4, {"num_workers": 2, "ring": True})):  # 2 threads: a ring of 3
+        got = list(batches(n, **kw))
+        assert len(got) == n
         for j, (a, b) in enumerate(zip(base, got)):
             assert all(torch.equal(a[k], b[k]) for k in a), (kw, j)
-    refs[3].file.unlink()
-    for kw in ({"num_workers": 0}, {"num_workers": 2, "ring": True}):
+    refs[3].file.unlink()  # in the third micro-batch
+    for kw in ({"num_workers": 0}, {"num_workers": 2, "ring": True}, {"num_workers": 3}):
+        got = []
         with pytest.raises(TrainError, match=refs[3].file.name):
-            batches(**kw)
+            for b in batches(**kw):
+                got.append(b)
+        assert len(got) == 2, kw
 
 
 def test_packing_plan_is_seeded_and_independent_of_how_a_step_is_split():

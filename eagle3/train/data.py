@@ -16,7 +16,6 @@ and two processes with ``grad_accum=1`` see exactly the same micro-batches.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -253,9 +252,9 @@ class MicroBatches:
     batches while the caller trains (the reads, hashes, copies and fp8 dequantization are torch,
     hashlib and safetensors code that releases the GIL; threads instead of DataLoader processes save
     the move of every batch into shared memory and back). On CUDA every thread packs into one of a
-    ring of ``num_workers + 1`` pinned host buffers that are reused (no fresh pages, no zero fill, no
+    ring of ``max(1, num_workers) + 1`` pinned host buffers that are reused (no fresh pages, no zero fill, no
     second copy into pinned memory); the calling thread copies each to the device on a side stream one
-    batch ahead (one batch in use, one in flight on the device), and a buffer is packed again only after
+    batch ahead (the batch in use and the next one on the device), and a buffer is packed again only after
     its copy's CUDA event completed. Online: ``fetch(indices) -> list of training items`` (hidden states
     on the device, token ids on the host) is called per micro-batch in the calling thread and packed
     into fresh buffers on ``device``.
@@ -306,8 +305,9 @@ class MicroBatches:
 
     def _threaded(self, plan: list) -> Iterator[dict]:
         """Loader threads pack ahead (into the ring on CUDA); the calling thread starts each batch's copy
-        to the device one batch ahead of the one it yields (so one batch is in use and one in flight on
-        the device, as many as the step needs) and yields it once its stream has waited for that copy."""
+        to the device one batch ahead of the one it yields and yields it once its stream has waited for
+        that copy. On the device: the batch in use, the next one in flight, and the previous one until the
+        caller drops it. A loader error is raised after the batches before it were yielded."""
         from collections import deque
         from concurrent.futures import ThreadPoolExecutor
 
@@ -317,7 +317,6 @@ class MicroBatches:
         depth = workers + 1  # batches being packed or packed; batch j packs into ring slot j % depth
         slots: list[dict] = [{"host": None, "done": None} for _ in range(depth)]
         copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        on_device = torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()
 
         def pack(j: int, keys) -> dict:  # a loader thread
             items = [self.dataset[k] for k in keys]
@@ -327,8 +326,7 @@ class MicroBatches:
             if slot["done"] is not None:
                 slot["done"].synchronize()  # the copy out of this buffer (batch j - depth) has finished
             if slot["host"] is None:
-                with on_device:  # pinned memory is registered with this rank's device's context
-                    slot["host"] = self.collate.buffers("cpu", pin_memory=self.cuda)
+                slot["host"] = self.collate.buffers("cpu", pin_memory=self.cuda)
             return self.collate(items, out=slot["host"])
 
         def send(j: int, host: dict) -> tuple[dict, object]:  # the calling thread: start batch j's copy
@@ -352,7 +350,10 @@ class MicroBatches:
                     v.record_stream(stream)
             return batch
 
-        pool = ThreadPoolExecutor(workers, thread_name_prefix="eagle3-batches")
+        # each loader thread on this rank's device (its pinned memory and event waits; a thread's device is its own)
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="eagle3-batches",
+                                  initializer=torch.cuda.set_device if self.cuda else None,
+                                  initargs=(self.device,) if self.cuda else ())
         pending: deque = deque()
         todo = iter(enumerate(plan))
 
@@ -366,7 +367,13 @@ class MicroBatches:
                 submit()
             j, ahead = 0, None
             while pending:
-                sent = send(j, pending.popleft().result())
+                done_packing = pending.popleft()
+                if done_packing.exception() is not None:  # the batch before the bad one still goes out first
+                    if ahead is not None:
+                        yield hand_over(ahead)
+                        ahead = None
+                    raise done_packing.exception()
+                sent = send(j, done_packing.result())
                 submit()
                 j += 1
                 if ahead is not None:

@@ -69,7 +69,7 @@ class WarmupCosine:
 class _StepAborted(BaseException):
     """Raised by the signal handler inside the abortable part of a step (see :class:`_Signals`).
 
-    A BaseException, so that no ``except Exception`` on the way (dynamo, inductor, the DataLoader)
+    A BaseException, so that no ``except Exception`` on the way (dynamo, inductor, the loader)
     swallows or wraps it."""
 
     def __init__(self, signum: int) -> None:
@@ -139,7 +139,7 @@ def autocast_dtype(mode: str, device_type: str):
 def _online_fetch(params: Params, run_dir: Path, refs, inputs, device):
     """``fetch(indices)`` for online training: the target runs on this rank's device and its hidden
     states stay there (the collate packs them into device buffers, train.data.MicroBatches): no round trip
-    through host memory, no per-sample device sync."""
+    through host memory; each sample's token ids, loss mask and positions (host) are small blocking copies."""
     from eagle3.extract import online_samples
 
     dev = str(device)
@@ -574,5 +574,6 @@ class Trainer:
                 # the handler's _StepAborted, turned into another exception by C code on its way out
                 raise self._aborted(base, step, start, sig.received) from None
             finally:
+                sig.abortable = False  # a signal while the loader threads end is handled after, not inside, this
                 batches.close()
         return LoopResult("done", step, path)
