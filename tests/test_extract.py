@@ -31,6 +31,8 @@ from eagle3.contracts.hidden_states import (
     NonFiniteError,
     SampleWriter,
     check_sample_file,
+    save_sample,
+    written_sha256,
 )
 from eagle3.errors import ExtractError
 from eagle3.extract import load_rows, online_samples, preflight, run, verify
@@ -395,6 +397,30 @@ def test_progress_heartbeat_counts_bytes_without_walking_the_folder(tmp_path, mo
     snap = read_json(sd / "progress.json")
     assert calls == [], calls[:3]
     assert snap["bytes_on_disk"] == 30_000 + 500 and snap["bytes_written"] == 500 and snap["done"] == 3050
+
+
+def test_writer_hash_from_memory_equals_the_file_hash(tmp_path):
+    """save_sample's sha256 (header from the file, data from the tensors' memory) is the file's, for
+    every storage dtype and for a sample that is a slice of a packed batch (what the writer is given); a
+    file that does not hold those tensors gets None."""
+    import hashlib
+
+    gen = torch.Generator().manual_seed(0)
+    batch32 = torch.randn(50, 5, 24, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+        tensors = {"token_ids": torch.arange(37) * 7919, "loss_mask": (torch.arange(37) % 3 == 0).to(torch.int8),
+                   "hidden_states": batch32.to(dtype)[6:43]}  # a view 6 tokens into the batch's storage
+        if dtype == torch.float8_e4m3fn:
+            tensors["hidden_states_scales"] = batch32[6:43].abs().amax(-1, keepdim=True)
+        path = tmp_path / f"{dtype}.safetensors"
+        digest = save_sample(path, tensors, {"id": "s-1"})
+        assert digest == hashlib.sha256(path.read_bytes()).hexdigest(), dtype
+    # the file on disk is not the one these tensors make: no digest is vouched for
+    other = dict(tensors, hidden_states=tensors["hidden_states"][:-1])
+    assert written_sha256(path, other) is None
+    assert written_sha256(path, {k: v for k, v in tensors.items() if k != "loss_mask"}) is None
+    path.write_bytes(path.read_bytes()[:-1])
+    assert written_sha256(path, tensors) is None
 
 
 def test_layer_count_disagreeing_with_the_model():
