@@ -138,7 +138,10 @@ def run_ours_batches_on_device(params, run_dir: Path, warmup: int) -> dict:
 
     def on_device(self, index_lists, val: bool = False):
         batches = micro(self, index_lists, val)
-        return batches if val else [{k: v.to(self.ctx.device) for k, v in b.items()} for b in batches]
+        if val:
+            return batches
+        resident = [{k: v.to(self.ctx.device) for k, v in b.items()} for b in batches]
+        return (b for b in resident)  # a generator, like MicroBatches: the loop closes what it iterates
 
     Trainer._micro = on_device
     try:

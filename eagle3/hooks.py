@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "host_to_device",
     "PACKED_ATTENTION",
     "packed_attention_kernel",
     "default_aux_layer_ids",
@@ -182,6 +183,29 @@ def _probe_varlen(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small host tensor (token ids, position ids, sample bounds) to ``device`` without a host sync.
+
+    On CUDA the tensor is staged in pinned memory first: PyTorch synchronises the stream on a copy from
+    pageable memory even with ``non_blocking=True`` (the H200 profile of stage 3 showed two
+    ``cudaStreamSynchronize`` per batch, 0.3 s each, from these copies: the host then waited for every
+    batch's forward and the GPU idled while the next one was prepared; benchmarks/RESULTS.md, 2026-12-04
+    session 11). The pinned block returns to PyTorch's caching host allocator, which records the copy's
+    event before reusing it. Elsewhere a plain ``.to(device)``.
+
+    Args:
+        t: a CPU tensor, any dtype and shape. device: the target device.
+
+    Returns:
+        torch.Tensor: the same values on ``device`` (on CUDA the copy may still be in flight; work queued
+        on the current stream sees it complete).
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class _Packing:
     """What the packed attention needs, passed to every layer through the forward's kwargs.
 
@@ -198,7 +222,7 @@ class _Packing:
         self.bounds = list(zip(ends[:-1], ends[1:]))
         self.max_len = max(int(n) for n in lengths)
         self.kernel = kernel
-        self.cu_seqlens = (torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
+        self.cu_seqlens = (host_to_device(torch.tensor(ends, dtype=torch.int32), device)
                            if kernel == "varlen" else None)
 
 
@@ -429,7 +453,7 @@ class PrefillCapture(_LayerHooks):
             raise self.error(f"this target cannot run packed: {why}; use extract.batching: padded")
         _register_packed_attention()
         packing = _Packing(lengths, ids.device, self.packed_kernel)
-        pos = torch.cat([torch.arange(int(n)) for n in lengths]).unsqueeze(0).to(ids.device, non_blocking=True)
+        pos = host_to_device(torch.cat([torch.arange(int(n)) for n in lengths]).unsqueeze(0), ids.device)
         cfgs = self._configs()
         before = [c._attn_implementation for c in cfgs]
         self._buf = torch.empty(1, t, self.num_slots, self.hidden_size, dtype=self.storage_dtype, device=ids.device)

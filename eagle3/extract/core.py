@@ -23,7 +23,7 @@ from eagle3.contracts.hidden_states import (
     storage_tensors,
 )
 from eagle3.contracts.tokenized import TokenizedSplit
-from eagle3.hooks import PrefillCapture
+from eagle3.hooks import PrefillCapture, host_to_device
 
 __all__ = ["BATCHINGS", "resolve_batching", "plan_batches", "consecutive_batches", "batch_cost", "pad_batch", "pack_batch", "finite_flags",
            "finite_flags_packed", "CapturedBatch", "forward_batch", "to_host", "extract_batches"]
@@ -149,7 +149,7 @@ def finite_flags_packed(hs: torch.Tensor, lengths: Sequence[int]) -> torch.Tenso
     """
     bad = (~torch.isfinite(hs).flatten(1).all(-1)).to(torch.int32)  # [tokens]
     csum = torch.nn.functional.pad(bad.cumsum(0), (1, 0))
-    ends = torch.tensor(np.cumsum([0, *lengths]), device=hs.device)
+    ends = host_to_device(torch.from_numpy(np.cumsum([0, *lengths])), hs.device)
     return (csum[ends[1:]] - csum[ends[:-1]]) == 0
 
 
@@ -203,12 +203,12 @@ def forward_batch(capture: PrefillCapture, rows: TokenizedSplit, batch: Sequence
     dev = capture.device
     if packed:
         ids, lens = pack_batch(rows, batch)
-        hs = capture.capture_packed(ids.to(dev, non_blocking=True), lens)
+        hs = capture.capture_packed(host_to_device(ids, dev), lens)
         offs = np.cumsum([0, *lens[:-1]]).tolist()
         return CapturedBatch(hs, finite_flags_packed(hs, lens), lens, offs)
     ids, mask, lens = pad_batch(rows, batch, pad_id)
-    mask = mask.to(dev, non_blocking=True) if mask is not None else None
-    hs = capture.capture(ids.to(dev, non_blocking=True), mask)
+    mask = host_to_device(mask, dev) if mask is not None else None
+    hs = capture.capture(host_to_device(ids, dev), mask)
     return CapturedBatch(hs, finite_flags(hs, mask), lens, None, mask)
 
 
