@@ -14,6 +14,7 @@ Four passes over the same samples, side by side:
 * ``extract + write`` — the stage's loop (:func:`eagle3.extract.core.extract_batches`) in that
   layout with its background :class:`SampleWriter`: safetensors per sample, sha256, atomic rename,
   journal line;
+  (``--profile`` adds one more extract + write under torch.profiler: host calls, device idle gaps;)
 * ``online target forward`` — the capture as online training runs it (``extract.online_samples``):
   the samples in a shuffled (training) order, cut into consecutive batches of the budget in that
   layout (no length sorting, so a padded layout would pad much more).
@@ -216,6 +217,35 @@ def extract_write(cap: HiddenStateCapture, rows: TokenizedSplit, batches, out: P
     return res["seconds"], writer.bytes_written, writer.busy_s
 
 
+def profile_extract(cap: HiddenStateCapture, rows: TokenizedSplit, batches, out: Path, threads: int,
+                    pending_mb: int, packed: bool, storage: torch.dtype) -> None:
+    """One extract + write under torch.profiler: the host calls by self time (synchronisations, pinned
+    allocations, copies) and, on CUDA, the device's idle time between kernels (copies on the side stream
+    excluded), with the gaps over 2 ms and the kernel that ended each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        extract_write(cap, rows, batches, out, threads, pending_mb, packed, storage)
+        wall = time.perf_counter() - t0
+    print(f"\n--- torch.profiler: extract + write ({wall:.2f} s profiled) ---")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=50))
+    if torch.cuda.is_available():
+        spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA and not e.name.startswith("Memcpy"))
+        idle, end, gaps = 0.0, None, []
+        for start, stop, name in spans:
+            if end is not None and start > end:
+                idle += start - end
+                if start - end > 2000:
+                    gaps.append(f"{(start - end) / 1000:.1f} ms before {name[:40]}")
+            end = stop if end is None else max(end, stop)
+        print(f"device idle between kernels: {idle / 1e6:.3f} s of {wall:.2f} s; gaps over 2 ms: {len(gaps)}")
+        for g in gaps[:20]:
+            print("  " + g)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -239,6 +269,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="folder for the written files (default: a temp folder)")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results as JSON here")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the passes, one extract + write under torch.profiler (host calls, device idle gaps)")
     a = ap.parse_args(argv)
     gpu = a.device == "cuda"
     n = a.samples or (160 if gpu else 24)
@@ -304,6 +336,8 @@ def main(argv=None) -> int:
         best["online"] = min(best["online"], capture_only(cap, rows, online, packed, sdtype))
         print(f"repeat {r + 1}: unpadded {best['ceiling']:.2f} s, padded {best['plain']:.2f} s, "
               f"capture {best['capture']:.2f} s, extract {s:.2f} s", flush=True)
+    if a.profile:
+        profile_extract(cap, rows, plan, out_root / "run", threads, a.pending_mb, packed, sdtype)
     files = sum(1 for _ in (out_root / "run").rglob("*.safetensors"))
     if not a.keep:
         shutil.rmtree(out_root, ignore_errors=True)
