@@ -186,12 +186,14 @@ def _probe_varlen(device: torch.device, dtype: torch.dtype) -> str | None:
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Copy a small host tensor (token ids, position ids, sample bounds) to ``device`` without a host sync.
 
-    On CUDA the tensor is staged in pinned memory first: PyTorch synchronises the stream on a copy from
-    pageable memory even with ``non_blocking=True`` (the H200 profile of stage 3 showed two
-    ``cudaStreamSynchronize`` per batch, 0.3 s each, from these copies: the host then waited for every
-    batch's forward and the GPU idled while the next one was prepared; benchmarks/RESULTS.md, 2026-12-04
-    session 11). The pinned block returns to PyTorch's caching host allocator, which records the copy's
-    event before reusing it. Elsewhere a plain ``.to(device)``.
+    On CUDA the tensor is staged in pinned memory first: only a copy from pinned memory is asynchronous
+    for certain (a copy from pageable memory, or ``torch.tensor(..., device=)``, may wait for the stream).
+    The H200 profile of stage 3 showed two ``cudaStreamSynchronize`` per batch, 0.3 s each, under
+    ``aten::to`` from these per-batch copies: the host waited for every batch's forward and the GPU
+    idled while the next one was prepared (benchmarks/RESULTS.md, 2026-12-04 session 11; extraction
+    0.931x -> 0.937x the unpadded forward after this change). The pinned block returns to PyTorch's
+    caching host allocator, which records the copy's event before reusing it. Elsewhere a plain
+    ``.to(device)``.
 
     Args:
         t: a CPU tensor, any dtype and shape. device: the target device.

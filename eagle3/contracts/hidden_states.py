@@ -307,9 +307,10 @@ def written_sha256(path: Path, tensors: dict[str, torch.Tensor]) -> str | None:
     format, https://github.com/huggingface/safetensors#format), the tensors back to back in the order of
     their ``data_offsets``, each in little-endian row-major bytes: exactly the tensors' memory on a
     little-endian host. So the digest is the header read from the file (a few hundred bytes) followed by
-    each tensor's memory: the file's data is not read back through the page cache, and the writer's
-    throughput is 2.2-2.7x that of write + re-read (``benchmarks/bench_writer.py``, 64 MiB bf16 samples,
-    1-2 threads on the 2-core CPU VM; benchmarks/RESULTS.md, 2026-12-04 session 11).
+    each tensor's memory: the file's data is not read back through the page cache. Writer throughput vs
+    write + re-read (``benchmarks/bench_writer.py``, 64 MiB bf16 samples; benchmarks/RESULTS.md,
+    2026-12-04 session 11): 2.2-2.7x with 1-2 threads on the 2-core CPU VM, 1.9x with 1 thread and
+    1.1x with 8-16 threads on the H200's host (there the page cache bounds it at ~2.3 GB/s).
 
     Args:
         path: the file. tensors: what was written (any dtype, any shape; made contiguous here).
