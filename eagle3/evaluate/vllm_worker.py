@@ -18,7 +18,12 @@ endpoint does); the rendered ids are returned per prompt so that the caller can 
 its own rendering. One engine, without prefix caching (every prompt is prefilled), runs two passes:
 
 * **acceptance**: every prompt in one ``LLM.chat`` call, up to ``max_num_seqs`` requests at a time
-  (acceptance does not depend on the batch; the time does not matter here). Counters are read with
+  (the time does not matter here). The engine core runs in this process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the environment sets it): ``LLM.chat`` then adds every request before the first
+  engine step, so the schedule (which requests share a prefill or a decode batch) is the same on
+  every run. With the default engine-core process, steps start as soon as the first request
+  arrives and the rest join as they come: batch composition followed the machine's timing, and with
+  it, through the batch's arithmetic, T=0 outputs and acceptance (a re-run's τ differed once in CI). Counters are read with
   ``LLM.get_metrics()`` before and after (a one-prompt warm-up runs first) and the differences
   reported: ``vllm:spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens``,
   ``_num_accepted_tokens_per_pos``, ``vllm:iteration_tokens_total`` (count = engine steps),
@@ -101,7 +106,9 @@ def _speculative_config(job: dict) -> dict | None:
 
 
 def _engine(job: dict, spec: dict | None):
-    """The ``vllm.LLM`` of the job: ``max_num_seqs`` requests at a time, no prefix caching, stats on."""
+    """The ``vllm.LLM`` of the job: ``max_num_seqs`` requests at a time, no prefix caching, stats on,
+    the engine core in this process (a schedule that does not depend on timing: module docstring)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read when the engine is built; a set value is kept
     from vllm import LLM
 
     from eagle3.vllm_utils import engine_kwargs

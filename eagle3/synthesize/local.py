@@ -249,7 +249,10 @@ class TransformersBackend:
 class VllmBackend:
     """In-process vLLM (``vllm.LLM.chat``); engine settings from :func:`eagle3.vllm_utils.engine_kwargs`
     plus ``synthesize.vllm_kwargs``. Each request is seeded with ``synthesize.seed`` (vLLM's
-    per-request generator), so sampled outputs do not depend on batch composition. When the
+    per-request generator), so the sampling's random streams do not depend on batch composition (the
+    logits' arithmetic may: vLLM's engine-core process starts steps as requests arrive, which is
+    its fast mode; stage 5's measurements run the engine core in process instead, see
+    :mod:`eagle3.evaluate.vllm_worker`). When the
     template's end of turn is not among the engine's eos ids (a mis-converted tokenizer) it is passed
     as ``stop_token_ids``."""
 
