@@ -19,13 +19,14 @@ its own rendering. One engine, without prefix caching (every prompt is prefilled
 
 * **acceptance**: every prompt in one ``LLM.chat`` call, up to ``max_num_seqs`` requests at a time
   (the time does not matter here). The engine core runs in this process
-  (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the environment sets it): ``LLM.chat`` then adds every request before the first
-  engine step, so the schedule (which requests share a prefill or a decode batch) is the same on
-  every run. With the default engine-core process, steps start as soon as the first request
-  arrives and the rest join as they come: batch composition followed the machine's timing, and with
-  it, through the batch's arithmetic, T=0 outputs and acceptance (a re-run's τ differed once in CI). Counters are read with
-  ``LLM.get_metrics()`` before and after (a one-prompt warm-up runs first) and the differences
-  reported: ``vllm:spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens``,
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless the environment sets it): ``LLM.chat`` then adds
+  every request before the first engine step, so the schedule (which requests share a prefill or a
+  decode batch) is the same on every run. With vLLM's default engine-core process, steps start as
+  soon as the first request arrives and the rest join as they come: batch composition followed the
+  machine's timing, and with it, through the batch's arithmetic, T=0 outputs and acceptance (a
+  re-run's τ differed once in CI). Counters are read with ``LLM.get_metrics()`` before and after
+  (a one-prompt warm-up runs first) and the differences reported:
+  ``vllm:spec_decode_num_drafts``, ``_num_draft_tokens``, ``_num_accepted_tokens``,
   ``_num_accepted_tokens_per_pos``, ``vllm:iteration_tokens_total`` (count = engine steps),
   ``vllm:generation_tokens``. Per request, vLLM's per-step accepted/drafted lists
   (``per_request_spec_decode_metrics="detailed"``) are returned too: the per-set numbers.
