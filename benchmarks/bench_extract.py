@@ -31,8 +31,8 @@ Modes:
   sequences; ``--model smollm2-shaped`` uses the same architecture with random weights (no venv);
 * GPU (``--device cuda``): a Llama-3.1-8B-shaped model (hidden 4096, 32 layers, 32 heads, 8 KV
   heads, intermediate 14336, vocab 128256) with RANDOM weights in bfloat16 — nothing downloaded.
-  Needs only torch, transformers, numpy and safetensors (``eagle3.extract.core`` imports nothing
-  else). Also reports model FLOP utilisation: ``MFU = 2 x P x tokens / time / peak`` with ``P`` the
+  Needs torch, transformers, numpy, safetensors, pydantic and PyYAML (``eagle3.extract`` imports the
+  params model; the H200 machine lacks the last two: bring them as wheels). Also reports model FLOP utilisation: ``MFU = 2 x P x tokens / time / peak`` with ``P`` the
   decoder-layer parameters (embedding and LM head are never multiplied in a prefill that keeps
   hidden states; attention's ``T^2`` FLOPs are not counted) and ``peak = 989e12`` FLOP/s (H100/H200
   SXM dense bf16 tensor-core peak; ``--peak-flops`` to change).
@@ -242,6 +242,13 @@ def profile_extract(cap: HiddenStateCapture, rows: TokenizedSplit, batches, out:
                     gaps.append(f"{(start - end) / 1000:.1f} ms before {name[:40]}")
             end = stop if end is None else max(end, stop)
         print(f"device idle between kernels: {idle / 1e6:.3f} s of {wall:.2f} s; gaps over 2 ms: {len(gaps)}")
+        # the tail: what runs after the last kernel (the last batch's device-to-host copy and its write)
+        copies = [e.time_range.end for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA and e.name.startswith("Memcpy")]
+        last_event = max(e.time_range.end for e in prof.events())
+        if spans:
+            print(f"after the last kernel: {(max(copies, default=end) - end) / 1e6:.3f} s to the end of the last copy, "
+                  f"{(last_event - end) / 1e6:.3f} s to the last profiled event (the writer's drain)")
         for g in gaps[:20]:
             print("  " + g)
 
@@ -252,7 +259,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="auto", choices=["auto", "embedded", "smollm2-shaped", "llama8b-shaped"],
                     help="auto: embedded on cpu, llama8b-shaped on cuda; smollm2-shaped: random weights, CPU "
                          "machines without the project's environment")
-    ap.add_argument("--samples", type=int, default=None, help="synthetic samples (default: cpu 24, cuda 160)")
+    # cuda 480 (27 batches of <= 32K tokens): the pass ends with the last batch's write (~1 GB, ~0.46 s on
+    # the H200 host), a fixed cost that is 5% of a 160-sample pass but ~2% here (RESULTS.md, session 13)
+    ap.add_argument("--samples", type=int, default=None, help="synthetic samples (default: cpu 24, cuda 480)")
     ap.add_argument("--min-len", type=int, default=None, help="default: cpu 64, cuda 512")
     ap.add_argument("--max-len", type=int, default=None, help="default: cpu 384, cuda 3072")
     ap.add_argument("--token-budget", type=int, default=None, help="tokens per batch (cpu 2048, cuda 32768)")
@@ -273,7 +282,7 @@ def main(argv=None) -> int:
                     help="after the passes, one extract + write under torch.profiler (host calls, device idle gaps)")
     a = ap.parse_args(argv)
     gpu = a.device == "cuda"
-    n = a.samples or (160 if gpu else 24)
+    n = a.samples or (480 if gpu else 24)
     lo, hi = a.min_len or (512 if gpu else 64), a.max_len or (3072 if gpu else 384)
     budget = a.token_budget or (32768 if gpu else 2048)
     threads = a.writer_threads or (8 if gpu else 1)
@@ -311,7 +320,8 @@ def main(argv=None) -> int:
           f"padded tokens (padding efficiency {tokens / padded:.3f}); {a.batching}: {len(plan)} batches; ceiling: "
           f"{len(ceiling)} batches of rows of {row_len} tokens; online: {len(online)} batches "
           f"(computing {sum(batch_cost(rows.lengths, b, packed) for b in online)} tokens); stored layers {cap.stored_layers}, {a.dtype}; "
-          f"packed attention kernel {cap.packed_kernel}; writer threads {threads}; files under {out_root}", flush=True)
+          f"packed attention kernel {cap.packed_kernel}; writer threads {threads}; files under {out_root}; "
+          f"tokens per {a.batching} batch {[batch_cost(rows.lengths, b, packed) for b in plan]}", flush=True)
     t0 = time.perf_counter()
     check, stored_err = packed_check(model, rows, sdtype)
     print(f"packed vs alone, first 4 samples: max |diff| = {check:.3g} ({next(model.parameters()).dtype}); stored as {a.dtype}: "

@@ -133,8 +133,8 @@ def decoder_layers(model, error: type[Exception] = ValueError) -> tuple[torch.nn
 
 PACKED_ATTENTION = "eagle3_packed"
 """The name under which :func:`_packed_attention` is registered in transformers' ``AttentionInterface``
-(and a mask function returning None in ``AttentionMaskInterface``): the documented way to plug an
-attention kernel into a transformers model (``model.config._attn_implementation`` selects it)."""
+(no mask function: transformers then builds no mask for it): the documented way to plug an attention
+kernel into a transformers model (``model.config._attn_implementation`` selects it)."""
 
 
 def packed_attention_kernel(device: torch.device, dtype: torch.dtype) -> str:
@@ -259,7 +259,7 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
     Args:
         query: ``[1, heads, tokens, head_dim]``; key/value: ``[1, kv_heads, tokens, head_dim]``
             (after RoPE with per-sample position ids).
-        attention_mask: ignored (None: the mask function registered beside this one builds none).
+        attention_mask: ignored (None: transformers builds no mask for an attention without a mask function).
         eagle3_packing: the sample boundaries (:class:`_Packing`).
 
     Returns:
@@ -290,11 +290,6 @@ def _packed_attention(module, query, key, value, attention_mask, scaling=None, d
     return out, None
 
 
-def _no_mask(*args, **kwargs):
-    """The mask function of :data:`PACKED_ATTENTION`: the attention itself keeps samples apart."""
-    return None
-
-
 _REGISTERED = False
 
 
@@ -303,10 +298,13 @@ def _register_packed_attention() -> None:
     if _REGISTERED:
         return
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
+    # No mask function is registered (AttentionMaskInterface): for an attention name without one,
+    # transformers' mask creation returns None at once ("custom attention without equivalent mask
+    # creation", masking_utils._preprocess_mask_arguments). With one, it ran its packed-sequence
+    # detection on our position ids, whose `if (...).all()` read a device value: one
+    # cudaStreamSynchronize per batch, ~20 ms of GPU idle each on the H200 (RESULTS.md, session 13).
     AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
-    AttentionMaskInterface.register(PACKED_ATTENTION, _no_mask)
     _REGISTERED = True
 
 

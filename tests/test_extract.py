@@ -255,6 +255,48 @@ def test_packed_capture_equals_the_padded_batch_and_each_sample_alone(target_mod
         cap16.close()
 
 
+class _NoHostRead(torch.utils._python_dispatch.TorchDispatchMode):
+    """Fails on every op that reads a tensor's value on the host: on CUDA each one waits for the stream
+    (``cudaStreamSynchronize``), so the host stops queueing the next batch while the GPU drains."""
+
+    HOST_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,  # .item(), int(t)
+                  torch.ops.aten.is_nonzero.default,  # bool(t), `if t.all():`
+                  torch.ops.aten.equal.default, torch.ops.aten.nonzero.default,  # data-dependent results
+                  torch.ops.aten.masked_select.default)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.HOST_READS:
+            raise AssertionError(f"host read of a tensor value in the packed forward: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_packed_forward_reads_no_tensor_value_on_the_host(target_model, tok):
+    """Issue 14 §1 (H200 profile, 2026-12-04 session 13): one ``cudaStreamSynchronize`` per batch came from
+    transformers' packed-sequence detection (``find_packed_sequence_indices``: ``if (...).all()`` on the
+    position ids), which ran because a mask function was registered for the packed attention; the GPU
+    then idled ~20 ms per batch while the host prepared the next one. The packed forward (stage 3's
+    and online training's) must queue a batch without reading any device value."""
+    from _extract_fixtures import conversations, tokenize
+
+    from eagle3.contracts.tokenized import TokenizedSplit
+    from eagle3.extract.core import forward_batch
+
+    model, _ = target_model
+    seqs = [tokenize(tok, c)[0][:L] for c, L in zip(conversations(3, seed=5), (23, 9, 14))]
+    rows = TokenizedSplit.from_lists([f"s{i}" for i in range(3)], seqs, source="test")
+    cap = PrefillCapture(model, None, torch.float32)
+    try:
+        want = forward_batch(cap, rows, [0, 1, 2], packed=False)
+        with _NoHostRead():
+            got = forward_batch(cap, rows, [0, 1, 2], packed=True)
+        for j in range(3):
+            torch.testing.assert_close(got.sample(j), want.sample(j), rtol=1e-3, atol=1e-3)
+        with pytest.raises(AssertionError, match="host read"), _NoHostRead():  # the guard sees a host read
+            bool(torch.ones(2).all())
+    finally:
+        cap.close()
+
+
 def test_varlen_call_follows_both_torch_signatures(monkeypatch):
     """The CUDA packed kernel calls torch.nn.attention.varlen.varlen_attn causally under both of its
     signatures (is_causal= in torch 2.9-2.10; window_size=(-1, 0) and enable_gqa= later)."""
