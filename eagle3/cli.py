@@ -13,6 +13,7 @@ import errno
 import os
 import sys
 import time
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -73,8 +74,6 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(f"eagle3: report {index}")
         return 0
     if args.cmd == "status":
-        from pathlib import Path
-
         from eagle3.runner import format_status
 
         if not Path(args.run_dir).is_dir():
@@ -112,16 +111,28 @@ def _dispatch(args: argparse.Namespace) -> int:
     raise AssertionError(f"unhandled command {args.cmd!r}")  # argparse only admits the five above
 
 
+def invocation() -> list[str]:
+    """This process's own command, as it works from the current directory: the console script as it
+    was typed (``.venv/bin/eagle3``, ``eagle3``), ``<venv python> -m eagle3`` when started so (``make
+    run`` does: the venv's ``bin`` need not be on PATH), else ``eagle3``."""
+    argv0 = Path(sys.argv[0])
+    if argv0.name == "eagle3":
+        return [sys.argv[0]]
+    if argv0.name == "__main__.py" and argv0.parent.name == "eagle3":
+        rel = os.path.relpath(sys.executable)
+        return [sys.executable if rel.startswith("..") else rel, "-m", "eagle3"]
+    return ["eagle3"]
+
+
 def _interrupted_message(args: argparse.Namespace, exc) -> str:  # exc: a RunInterrupted or None
     """What ``eagle3 run`` says after a Ctrl-C: what stopped, that its files are kept, the exact
     command that resumes (the same options, the stages from the interrupted one on)."""
     import shlex
-    from pathlib import Path
 
     from eagle3.runner import format_stages, parse_stages, resume_stages
 
-    prog = sys.argv[0] if Path(sys.argv[0]).name == "eagle3" else "eagle3"
-    cmd = [prog, "run", args.params]
+    prog = invocation()
+    cmd = [*prog, "run", args.params]
     if exc is not None and exc.stage is not None:
         stages, redo = resume_stages(exc.stage, parse_stages(args.stages),
                                      parse_stages(args.redo, "--redo") if args.redo else None)
@@ -131,7 +142,7 @@ def _interrupted_message(args: argparse.Namespace, exc) -> str:  # exc: a RunInt
     cmd += (["--run-name", args.run_name] if args.run_name else []) + [x for o in args.overrides for x in ("--set", o)]
     cmd += (["--kernel", args.kernel] if args.kernel != "eagle3" else []) + (["--no-report"] if args.no_report else [])
     what = str(exc) if exc is not None else "interrupted (Ctrl-C)"
-    where = f" (`eagle3 status {exc.run_dir}` shows it)" if exc is not None and exc.run_dir else ""
+    where = f" (`{shlex.join([*prog, 'status', str(exc.run_dir)])}` shows it)" if exc is not None and exc.run_dir else ""
     return (f"\neagle3: {what}. What was written is kept{where}; each stage resumes its own work.\n"
             f"eagle3: resume with: {shlex.join(cmd)}")
 

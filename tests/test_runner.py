@@ -321,3 +321,26 @@ def test_a_full_disk_is_a_clean_error(monkeypatch, capsys):
     assert main(["report", "x"]) == 2
     assert capsys.readouterr().err == ("eagle3: No space left on device: /data/run/params.yaml (the disk is full: "
                                        "free space or set run.output_dir to a larger disk)\n")
+
+
+def test_the_resume_hint_names_the_command_as_it_was_started(monkeypatch, tmp_path):
+    """A fresh-clone trial (session 12) was told `eagle3 run ...` after `make run`, which starts
+    `.venv/bin/python -m eagle3` (the venv's bin is not on PATH): the hint repeats how eagle3 was started."""
+    import eagle3.cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / ".venv" / "bin" / "python"))
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "eagle3" / "__main__.py"), "run", "p.yaml"])
+    assert eagle3.cli.invocation() == [".venv/bin/python", "-m", "eagle3"]
+    monkeypatch.setattr(sys, "argv", [".venv/bin/eagle3", "run", "p.yaml"])
+    assert eagle3.cli.invocation() == [".venv/bin/eagle3"]
+    monkeypatch.setattr(sys, "argv", ["/usr/local/bin/eagle3", "run", "p.yaml"])
+    assert eagle3.cli.invocation() == ["/usr/local/bin/eagle3"]
+    monkeypatch.setattr(sys, "executable", "/opt/py/bin/python")  # outside the current directory: kept absolute
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "eagle3" / "__main__.py"), "run", "p.yaml"])
+    assert eagle3.cli.invocation() == ["/opt/py/bin/python", "-m", "eagle3"]
+    args = eagle3.cli._build_parser().parse_args(["run", "p.yaml", "--stages", "2-5"])
+    exc = eagle3.errors.RunInterrupted("stage 3 (03_extract) was interrupted (Ctrl-C)", stage=3, run_dir=tmp_path / "r")
+    msg = eagle3.cli._interrupted_message(args, exc)
+    assert msg.endswith("eagle3: resume with: /opt/py/bin/python -m eagle3 run p.yaml --stages 3-5")
+    assert f"(`/opt/py/bin/python -m eagle3 status {tmp_path / 'r'}` shows it)" in msg
