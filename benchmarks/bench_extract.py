@@ -33,9 +33,10 @@ Modes:
   heads, intermediate 14336, vocab 128256) with RANDOM weights in bfloat16 — nothing downloaded.
   Needs torch, transformers, numpy, safetensors, pydantic and PyYAML (``eagle3.extract`` imports the
   params model; the H200 machine lacks the last two: bring them as wheels). Also reports model FLOP
-  utilisation: ``MFU = 2 x P x tokens / time / peak`` with ``P`` the decoder-layer parameters (embedding and LM head are never multiplied in a prefill that keeps
-  hidden states; attention's ``T^2`` FLOPs are not counted) and ``peak = 989e12`` FLOP/s (H100/H200
-  SXM dense bf16 tensor-core peak; ``--peak-flops`` to change).
+  utilisation: ``MFU = 2 x P x tokens / time / peak`` with ``P`` the decoder-layer parameters
+  (embedding and LM head are never multiplied in a prefill that keeps hidden states; attention's
+  ``T^2`` FLOPs are not counted) and ``peak = 989e12`` FLOP/s (H100/H200 SXM dense bf16 tensor-core
+  peak; ``--peak-flops`` to change).
 
 Usage (from the repository root)::
 
