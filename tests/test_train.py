@@ -317,6 +317,11 @@ def test_run_writes_the_stage_contract(ref_run, tiny_target):
     # validation at every eval_every steps and at the end; the drafter is the best one by tau_hat
     assert [v["step"] for v in val] == [4, 8, 12, 16, 20, stats.total_steps]
     assert val[-1]["val_loss"] < val[0]["val_loss"]
+    # progress.json names each figure by its source: the last training batch and the last validation
+    assert prog["extra"]["train_loss"] == pytest.approx(train[-1]["loss"], abs=1e-4)
+    assert prog["extra"]["train_batch_tau_hat"] == pytest.approx(train[-1]["tau_hat"], abs=1e-3)
+    assert prog["extra"]["val_step"] == val[-1]["step"] and "tau_hat" not in prog["extra"]
+    assert prog["extra"]["val_tau_hat"] == pytest.approx(val[-1]["val_tau_hat"], abs=1e-3)
     best = max(val, key=lambda v: v["val_tau_hat"])
     assert stats.best_step == best["step"] and stats.best_val_tau_hat == best["val_tau_hat"]
     # tau_sim: greedy rounds over the validation answers, 1..1+k tokens a round, for every k

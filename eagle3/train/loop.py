@@ -542,7 +542,10 @@ class Trainer:
                             progress.extra["phase"] = "training"
                             progress.extra["first_step_s"] = round(dt, 2)
                             progress.bar.set_postfix_str("", refresh=False)
-                        progress.update(1, tokens=ntok, loss=round(rec["loss"], 4), tau_hat=round(rec["tau_hat"], 3))
+                        # named by where they come from: this step's training batch (the TTT chain on the
+                        # batch just learned from) vs the last validation, which reads lower (session-12 trial)
+                        progress.update(1, tokens=ntok, train_loss=round(rec["loss"], 4),
+                                        train_batch_tau_hat=round(rec["tau_hat"], 3))
 
                     # eval/checkpoint: validation every eval_every steps and at each checkpoint (host sync);
                     # a checkpoint periodically, at a new best, on a signal and when this call stops
@@ -557,6 +560,9 @@ class Trainer:
                     if ev:
                         state["val_history"].append({"step": step, "val_tau_hat": ev["val_tau_hat"], "val_loss": ev["val_loss"],
                                                      "val_tau_sim": ev["val_tau_sim"]})
+                        if progress is not None:
+                            progress.extra.update({"val_step": step, **{k: None if ev[k] is None else round(ev[k], 3)
+                                                                        for k in ("val_tau_hat", "val_tau_sim")}})
                     new_best = bool(ev) and (state["best_val_tau_hat"] is None or ev["val_tau_hat"] > state["best_val_tau_hat"])
                     if new_best:
                         state["best_step"], state["best_val_tau_hat"] = step, ev["val_tau_hat"]
