@@ -25,7 +25,7 @@ from eagle3.rundir import (
 )
 from eagle3.stage import stale_inputs, stale_message
 
-__all__ = ["parse_stages", "format_stages", "resume_stages", "run_pipeline", "reopen_stage", "verify_run", "StageFailed",
+__all__ = ["parse_stages", "format_stages", "resume_stages", "run_pipeline", "reopen_stage", "verify_run", "StageFailed", "ProgressEcho",
            "StaleStage", "status_rows", "format_status", "render_report", "static_widgets"]
 
 KERNEL = "eagle3"
@@ -255,7 +255,7 @@ def run_pipeline(
         stopped = RunInterrupted(f"stage {s} ({STAGES[s]}) was interrupted (Ctrl-C)", stage=s, run_dir=run_dir)
         fwd = _InterruptForwarder()
         try:
-            with fwd:
+            with fwd, ProgressEcho(run_dir / STAGES[s] / "progress.json", f"stage {s} ({STAGES[s][3:]})"):
                 pm.execute_notebook(
                     str(nb_in),
                     str(out_dir / NOTEBOOKS[s]),
@@ -357,6 +357,93 @@ def _fmt_s(s: float | None) -> str:
         return "-"
     s = int(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class ProgressEcho:
+    """Shows a running stage's ``progress.json`` in the terminal of ``eagle3 run`` while papermill runs
+    its notebook (whose own tqdm bars are notebook widgets, invisible there).
+
+    A thread reads the file every ``interval_s``. On a terminal it drives a tqdm bar on ``file``
+    (done/total, the stage's own tokens/s and ETA, bytes on disk); elsewhere (a log file, CI) it writes
+    one line per ``log_every_s`` when something changed. A file left by an earlier execution (older
+    than this echo) is not shown until the stage rewrites it. The numbers are the ones ``eagle3
+    status`` shows (:class:`eagle3.io.Progress` writes them); a new unit or total (a stage's next
+    phase) starts a new bar.
+
+    Args:
+        path: the stage's ``progress.json``. desc: the bar's label (``stage 3 (extract)``).
+        file: where to write (default ``sys.stderr``). interval_s: poll period, seconds.
+        log_every_s: seconds between lines when ``file`` is not a terminal.
+    """
+
+    def __init__(self, path: str | Path, desc: str, file=None, interval_s: float = 2.0,
+                 log_every_s: float = 60.0) -> None:
+        import threading
+
+        self.path, self.desc = Path(path), desc
+        self.file = file if file is not None else sys.stderr
+        self.interval_s, self.log_every_s = interval_s, log_every_s
+        isatty = getattr(self.file, "isatty", None)
+        self.tty = bool(isatty and isatty())
+        self.t0 = time.time()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="eagle3-progress-echo", daemon=True)
+        self._bar = None
+        self._key = None
+        self._last_line = (0.0, None)
+
+    def __enter__(self) -> ProgressEcho:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.poll(final=True)
+        if self._bar is not None:
+            self._bar.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.poll()
+            except Exception:  # noqa: BLE001 - the echo must never stop a stage
+                pass
+
+    def poll(self, final: bool = False) -> None:
+        """Read the file once and show it (``final``: write the last line even if not due)."""
+        prog = read_json(self.path, None)
+        if not isinstance(prog, dict) or float(prog.get("updated") or 0) < self.t0:
+            return
+        done, total, unit = int(prog.get("done") or 0), prog.get("total"), str(prog.get("unit") or "")
+        extras = [f"{prog.get('tokens_per_s') or 0:.0f} tokens/s"]
+        if prog.get("status") == "running" and prog.get("eta_s") is not None:
+            extras.append(f"ETA {_fmt_s(prog['eta_s'])}")
+        if prog.get("bytes_on_disk"):
+            extras.append(f"{format_bytes(prog['bytes_on_disk'])} on disk")
+        if self.tty:
+            self._show_bar(done, total, unit, ", ".join(extras))
+            return
+        line = f"eagle3: {self.desc}: {done}/{total if total is not None else '?'} {unit}, {', '.join(extras)}"
+        due = time.time() - self._last_line[0] >= self.log_every_s
+        if line != self._last_line[1] and (due or final):
+            print(line, file=self.file, flush=True)
+            self._last_line = (time.time(), line)
+
+    def _show_bar(self, done: int, total, unit: str, postfix: str) -> None:
+        from tqdm import tqdm
+
+        if self._key != (unit, total):
+            if self._bar is not None:
+                self._bar.close()
+            head = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} " if total else "{desc}: {n_fmt} "
+            fmt = head + unit + " [{postfix}]"
+            self._bar = tqdm(total=total, initial=done, desc=self.desc, file=self.file, bar_format=fmt,
+                             dynamic_ncols=True, leave=True)
+            self._key = (unit, total)
+        self._bar.n = done
+        self._bar.set_postfix_str(postfix, refresh=False)
+        self._bar.refresh()
 
 
 def _run_params(run_dir: str | Path):

@@ -344,3 +344,52 @@ def test_the_resume_hint_names_the_command_as_it_was_started(monkeypatch, tmp_pa
     msg = eagle3.cli._interrupted_message(args, exc)
     assert msg.endswith("eagle3: resume with: /opt/py/bin/python -m eagle3 run p.yaml --stages 3-5")
     assert f"(`/opt/py/bin/python -m eagle3 status {tmp_path / 'r'}` shows it)" in msg
+
+
+class _Tty(__import__("io").StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_terminal_shows_a_running_stage_s_progress(tmp_path):
+    """`eagle3 run` echoes the running stage's progress.json (the session-12 trial saw only a start and
+    an end line per stage): a line per interval in a log, a tqdm bar on a terminal; a file left by an
+    earlier execution is not shown; a new unit (the stage's next phase) starts a new bar."""
+    import io
+    import time
+
+    from eagle3.io import Progress
+    from eagle3.runner import ProgressEcho
+
+    sd = tmp_path / "03_extract"
+    old = Progress(sd, total=9, unit="samples")
+    old.update(4, tokens=400)
+    old.close("interrupted")  # an earlier execution's file
+    log = io.StringIO()
+    with ProgressEcho(sd / "progress.json", "stage 3 (extract)", file=log, interval_s=0.02, log_every_s=0.0) as echo:
+        time.sleep(0.1)
+        assert log.getvalue() == ""  # the old file is not this execution's
+        prog = Progress(sd, total=20, unit="samples", interval_s=0.0)
+        prog.update(5, tokens=1000)
+        deadline = time.time() + 5
+        while "5/20 samples" not in log.getvalue() and time.time() < deadline:
+            time.sleep(0.02)
+        prog.update(15, tokens=3000)
+        prog.close("done")
+        echo.poll()
+    lines = log.getvalue().splitlines()
+    five = [x for x in lines if x.startswith("eagle3: stage 3 (extract): 5/20 samples, ")]
+    assert five and "tokens/s" in five[0] and "ETA" in five[0]  # running: the stage's own rate and ETA
+    assert all(x.startswith("eagle3: stage 3 (extract): ") and "/9 " not in x for x in lines)
+    assert lines[-1].startswith("eagle3: stage 3 (extract): 20/20 samples, ") and "ETA" not in lines[-1]
+    assert len(lines) == len(set(lines))  # a line only when something changed
+
+    tty = _Tty()
+    echo = ProgressEcho(sd / "progress.json", "stage 3 (extract)", file=tty)
+    echo.t0 = 0.0  # show the file as it is
+    echo.poll()
+    assert "stage 3 (extract): 100%|" in tty.getvalue() and "20/20 samples" in tty.getvalue()
+    Progress(sd, total=None, unit="answers", interval_s=0.0).update(7, tokens=70)
+    echo.poll()
+    echo._bar.close()
+    assert echo._key == ("answers", None) and "stage 3 (extract): 7 answers [" in tty.getvalue()
