@@ -185,10 +185,11 @@ def capture_only(cap: HiddenStateCapture, rows: TokenizedSplit, batches, packed:
     return time.perf_counter() - t0
 
 
-def packed_check(model, rows: TokenizedSplit, storage: torch.dtype, n: int = 4) -> tuple[float, float]:
-    """Over the first ``n`` samples, captured in the model's compute dtype: max |packed - alone| and the
-    mean relative L2 error per token and slot of the states as stored in ``storage`` (bf16 rounding,
-    fp8 quantization)."""
+def packed_check(model, rows: TokenizedSplit, storage: torch.dtype, n: int = 4) -> tuple[float, float, float]:
+    """Over the first ``n`` samples, captured in the model's compute dtype: max |packed - alone|, that
+    maximum relative to each sample's max |state| (the scale of one rounding step: random 8B weights
+    give states in the hundreds, where one bf16 step is ~1-4), and the mean relative L2 error per token
+    and slot of the states as stored in ``storage`` (bf16 rounding, fp8 quantization)."""
     cap = HiddenStateCapture(model, None, next(model.parameters()).dtype)
     try:
         return _packed_check(cap, rows, storage, n)
@@ -196,16 +197,17 @@ def packed_check(model, rows: TokenizedSplit, storage: torch.dtype, n: int = 4) 
         cap.close()
 
 
-def _packed_check(cap: HiddenStateCapture, rows: TokenizedSplit, storage: torch.dtype, n: int) -> tuple[float, float]:
+def _packed_check(cap: HiddenStateCapture, rows: TokenizedSplit, storage: torch.dtype, n: int) -> tuple[float, float, float]:
     batch = list(range(min(n, len(rows))))
     cb = forward_batch(cap, rows, batch, packed=True)
-    err, rel = 0.0, []
+    err, err_rel, rel = 0.0, 0.0, []
     for j, r in enumerate(batch):
         alone = cap.capture(torch.from_numpy(rows.tokens(r)).long()[None].to(cap.device))[0]
-        err = max(err, float((cb.sample(j).float() - alone.float()).abs().max()))
+        diff = float((cb.sample(j).float() - alone.float()).abs().max())
+        err, err_rel = max(err, diff), max(err_rel, diff / max(float(alone.float().abs().max()), 1e-30))
         x = alone.float()
         rel.append(((as_stored(x, storage) - x).norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-30)).mean().item())
-    return err, sum(rel) / len(rel)
+    return err, err_rel, sum(rel) / len(rel)
 
 
 def extract_write(cap: HiddenStateCapture, rows: TokenizedSplit, batches, out: Path, threads: int,
@@ -254,6 +256,41 @@ def profile_extract(cap: HiddenStateCapture, rows: TokenizedSplit, batches, out:
             print("  " + g)
 
 
+def _commit() -> str | None:
+    """The checkout's commit (None outside a git checkout), recorded with the results."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def mask_function_ab(cap: HiddenStateCapture, rows: TokenizedSplit, batches, out: Path, threads: int,
+                     pending_mb: int, packed: bool, storage: torch.dtype, repeats: int) -> dict[str, float]:
+    """Extract + write with and without a mask function registered for the packed attention, alternated:
+    with one (the code before session 13), transformers' mask creation ran its packed-sequence
+    detection, a host read of the position ids (one stream sync per batch on CUDA). Returns the best
+    seconds of each."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from eagle3.hooks import PACKED_ATTENTION
+
+    best = {"registered": float("inf"), "none": float("inf")}
+    for r in range(repeats):
+        for key in best:
+            if key == "registered":
+                AttentionMaskInterface.register(PACKED_ATTENTION, lambda *args, **kwargs: None)
+            else:
+                AttentionMaskInterface._global_mapping.pop(PACKED_ATTENTION, None)
+            secs = extract_write(cap, rows, batches, out, threads, pending_mb, packed, storage)[0]
+            best[key] = min(best[key], secs)
+            print(f"A/B repeat {r + 1}: mask function {key}: extract + write {secs:.2f} s", flush=True)
+    AttentionMaskInterface._global_mapping.pop(PACKED_ATTENTION, None)
+    return best
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -279,6 +316,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="folder for the written files (default: a temp folder)")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--json", default=None, help="also write the results as JSON here")
+    ap.add_argument("--ab-mask-function", action="store_true",
+                    help="only the unpadded forward and extract + write with and without a mask function registered "
+                         "for the packed attention (before / after session 13), alternated --repeats times")
     ap.add_argument("--profile", action="store_true",
                     help="after the passes, one extract + write under torch.profiler (host calls, device idle gaps)")
     a = ap.parse_args(argv)
@@ -324,8 +364,9 @@ def main(argv=None) -> int:
           f"packed attention kernel {cap.packed_kernel}; writer threads {threads}; files under {out_root}; "
           f"tokens per {a.batching} batch {[batch_cost(rows.lengths, b, packed) for b in plan]}", flush=True)
     t0 = time.perf_counter()
-    check, stored_err = packed_check(model, rows, sdtype)
-    print(f"packed vs alone, first 4 samples: max |diff| = {check:.3g} ({next(model.parameters()).dtype}); stored as {a.dtype}: "
+    check, check_rel, stored_err = packed_check(model, rows, sdtype)
+    print(f"packed vs alone, first 4 samples: max |diff| = {check:.3g} = {check_rel:.2e} of the sample's max |state| "
+          f"({next(model.parameters()).dtype}); stored as {a.dtype}: "
           f"mean relative L2 error per token and slot {stored_err:.4f} ({time.perf_counter() - t0:.1f} s)", flush=True)
 
     # warm-up: one batch of each pass (kernels, allocator, autotuning)
@@ -333,6 +374,17 @@ def main(argv=None) -> int:
     plain_forward(model, rows, padded_plan[:1])
     capture_only(cap, rows, plan[:1], packed, sdtype)
     extract_write(cap, rows, plan[:1], out_root / "warm", threads, a.pending_mb, packed, sdtype)
+
+    if a.ab_mask_function:
+        ceiling_s = min(unpadded_forward(model, ceiling) for _ in range(max(a.repeats, 1)))
+        ab = mask_function_ab(cap, rows, plan, out_root / "run", threads, a.pending_mb, packed, sdtype, max(a.repeats, 1))
+        shutil.rmtree(out_root, ignore_errors=True)
+        print(f"\n| pass | seconds | tokens_per_s | ratio_vs_unpadded |\n|---|---|---|---|\n"
+              f"| unpadded causal forward ({row_len}-token rows) | {ceiling_s:.3f} | {tokens / ceiling_s:.1f} | 1.0 |")
+        for key, secs in ab.items():
+            print(f"| extract + write, mask function {key} | {secs:.3f} | {tokens / secs:.1f} | {ceiling_s / secs:.3f} |")
+        print(f"none / registered = {ab['registered'] / ab['none']:.3f} (speed ratio); commit {_commit()}")
+        return 0
 
     best = {"ceiling": float("inf"), "plain": float("inf"), "capture": float("inf"), "extract": float("inf"),
             "online": float("inf")}
@@ -381,14 +433,19 @@ def main(argv=None) -> int:
            "writer_busy_s": round(busy, 2), "peak_flops": a.peak_flops if gpu else None,
            "decoder_params": params_layers, "tokens": tokens, "batches": len(plan), "batching": a.batching,
            "packed_kernel": cap.packed_kernel, "padding_efficiency": round(tokens / padded, 4),
-           "ceiling_row_len": row_len, "packed_vs_alone_max_abs": check, "stored_rel_l2_error": stored_err,
-           "storage": a.dtype}
+           "ceiling_row_len": row_len, "packed_vs_alone_max_abs": check, "packed_vs_alone_max_rel": check_rel,
+           "stored_rel_l2_error": stored_err,
+           "storage": a.dtype, "commit": _commit(), "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
     print("\n" + json.dumps(env))
     if a.json:
         Path(a.json).write_text(json.dumps({"table": table, "env": env}, indent=1))
     ratio = table[3]["ratio_vs_unpadded"]
-    print(f"extraction / unpadded forward = {ratio:.3f} (goal >= 0.95: {'met' if ratio >= 0.95 else 'NOT met'}); "
-          f"/ padded forward = {table[3]['ratio_vs_padded']:.3f}")
+    goal = f" (goal on the H200, issue 14: >= 0.95: {'met' if ratio >= 0.95 else 'NOT met'})" if gpu else ""
+    print(f"extraction / unpadded forward = {ratio:.3f}{goal}; / padded forward = {table[3]['ratio_vs_padded']:.3f}")
+    if max(d["ratio_vs_unpadded"] for d in table[1:]) > 1.05:
+        # every other pass does the unpadded forward's work and more (padding, hooks, writes)
+        print("WARNING: a pass ran > 5% faster than the unpadded forward, which does less work: the passes did "
+              "not run under the same conditions (a busy machine?); these ratios are not a measurement")
     return 0
 
 
