@@ -374,17 +374,25 @@ class ProgressEcho:
         path: the stage's ``progress.json``. desc: the bar's label (``stage 3 (extract)``).
         file: where to write (default ``sys.stderr``). interval_s: poll period, seconds.
         log_every_s: seconds between lines when ``file`` is not a terminal.
+        tty: draw a bar (True) or write lines (False); None: a bar where ``file`` is a terminal that
+            reports a width (a pseudo-terminal of width 0, e.g. ``script`` run without a terminal, would
+            make tqdm draw empty lines).
     """
 
     def __init__(self, path: str | Path, desc: str, file=None, interval_s: float = 2.0,
-                 log_every_s: float = 60.0) -> None:
+                 log_every_s: float = 60.0, tty: bool | None = None) -> None:
+        import os
         import threading
 
         self.path, self.desc = Path(path), desc
         self.file = file if file is not None else sys.stderr
         self.interval_s, self.log_every_s = interval_s, log_every_s
-        isatty = getattr(self.file, "isatty", None)
-        self.tty = bool(isatty and isatty())
+        if tty is None:
+            try:
+                tty = self.file.isatty() and os.get_terminal_size(self.file.fileno()).columns > 0
+            except (AttributeError, OSError, ValueError):
+                tty = False
+        self.tty = tty
         self.t0 = time.time()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="eagle3-progress-echo", daemon=True)
@@ -437,7 +445,7 @@ class ProgressEcho:
             if self._bar is not None:
                 self._bar.close()
             head = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} " if total else "{desc}: {n_fmt} "
-            fmt = head + unit + " [{postfix}]"
+            fmt = head + unit + "{postfix}"  # tqdm puts ", " before a postfix
             self._bar = tqdm(total=total, initial=done, desc=self.desc, file=self.file, bar_format=fmt,
                              dynamic_ncols=True, leave=True)
             self._key = (unit, total)

@@ -385,11 +385,12 @@ def test_the_terminal_shows_a_running_stage_s_progress(tmp_path):
     assert len(lines) == len(set(lines))  # a line only when something changed
 
     tty = _Tty()
-    echo = ProgressEcho(sd / "progress.json", "stage 3 (extract)", file=tty)
+    assert not ProgressEcho(sd / "progress.json", "x", file=tty).tty  # a "terminal" that reports no width
+    echo = ProgressEcho(sd / "progress.json", "stage 3 (extract)", file=tty, tty=True)
     echo.t0 = 0.0  # show the file as it is
     echo.poll()
-    assert "stage 3 (extract): 100%|" in tty.getvalue() and "20/20 samples" in tty.getvalue()
+    assert "stage 3 (extract): 100%|" in tty.getvalue() and "| 20/20 samples, " in tty.getvalue()
     Progress(sd, total=None, unit="answers", interval_s=0.0).update(7, tokens=70)
     echo.poll()
     echo._bar.close()
-    assert echo._key == ("answers", None) and "stage 3 (extract): 7 answers [" in tty.getvalue()
+    assert echo._key == ("answers", None) and "stage 3 (extract): 7 answers, " in tty.getvalue()
