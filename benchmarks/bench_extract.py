@@ -257,11 +257,11 @@ def profile_extract(cap: HiddenStateCapture, rows: TokenizedSplit, batches, out:
 
 
 def _commit() -> str | None:
-    """The checkout's commit (None outside a git checkout), recorded with the results."""
+    """The checkout's commit, ``-dirty`` when its files differ from it (a copied tree), None outside git."""
     import subprocess
 
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], capture_output=True, text=True,
                               cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
