@@ -140,6 +140,9 @@ class _InterruptForwarder:
 
         class _RecordedKernelManager(AsyncKernelManager):
             def __init__(self, *args, **kwargs):
+                # the kernel talks to this process only: Unix sockets instead of TCP on localhost (ipykernel
+                # warned "running over TCP without encryption" at every stage's start)
+                kwargs.setdefault("transport", "ipc")
                 super().__init__(*args, **kwargs)
                 managers.append(self)
 
