@@ -28,7 +28,7 @@ so a GPU run also checks the packed attention kernel it used.
 Modes:
 
 * CPU (default): the embedded SmolLM2-135M target (needs the project's venv) on synthetic token
-  sequences; ``--model smollm2-shaped`` uses the same architecture with random weights (no venv);
+  sequences; ``--model smollm2-shaped`` uses the same architecture with random weights (no GGUF);
 * GPU (``--device cuda``): a Llama-3.1-8B-shaped model (hidden 4096, 32 layers, 32 heads, 8 KV
   heads, intermediate 14336, vocab 128256) with RANDOM weights in bfloat16 — nothing downloaded.
   Needs torch, transformers, numpy, safetensors, pydantic and PyYAML (``eagle3.extract`` imports the
