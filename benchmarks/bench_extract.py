@@ -295,8 +295,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--model", default="auto", choices=["auto", "embedded", "smollm2-shaped", "llama8b-shaped"],
-                    help="auto: embedded on cpu, llama8b-shaped on cuda; smollm2-shaped: random weights, CPU "
-                         "machines without the project's environment")
+                    help="auto: embedded on cpu, llama8b-shaped on cuda; smollm2-shaped: the embedded architecture "
+                         "with random weights (no GGUF needed)")
     # cuda 480 (27 batches of <= 32K tokens): the pass ends with the last batch's write (~1 GB, ~0.46 s on
     # the H200 host), a fixed cost that is 5% of a 160-sample pass but ~2% here (RESULTS.md, session 13)
     ap.add_argument("--samples", type=int, default=None, help="synthetic samples (default: cpu 24, cuda 480)")
