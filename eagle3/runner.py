@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -154,8 +156,6 @@ class _InterruptForwarder:
         return int(pid) if pid else None
 
     def _on_sigint(self, signum, frame) -> None:
-        import os
-
         self.count += 1
         pgid = self._kernel_pgid()
         if self.count > 1 or pgid is None:
@@ -168,8 +168,6 @@ class _InterruptForwarder:
               file=sys.stderr, flush=True)
 
     def __enter__(self) -> _InterruptForwarder:
-        import threading
-
         if threading.current_thread() is threading.main_thread():
             self._old = signal.signal(signal.SIGINT, self._on_sigint)
         return self
@@ -384,9 +382,6 @@ class ProgressEcho:
 
     def __init__(self, path: str | Path, desc: str, file=None, interval_s: float = 2.0,
                  log_every_s: float = 60.0, tty: bool | None = None) -> None:
-        import os
-        import threading
-
         self.path, self.desc = Path(path), desc
         self.file = file if file is not None else sys.stderr
         self.interval_s, self.log_every_s = interval_s, log_every_s
@@ -426,16 +421,15 @@ class ProgressEcho:
         prog = read_json(self.path, None)
         if not isinstance(prog, dict) or float(prog.get("updated") or 0) < self.t0:
             return
-        done, total, unit = int(prog.get("done") or 0), prog.get("total"), str(prog.get("unit") or "")
         extras = [f"{prog.get('tokens_per_s') or 0:.0f} tokens/s"]
         if prog.get("status") == "running" and prog.get("eta_s") is not None:
             extras.append(f"ETA {_fmt_s(prog['eta_s'])}")
         if prog.get("bytes_on_disk"):
             extras.append(f"{format_bytes(prog['bytes_on_disk'])} on disk")
         if self.tty:
-            self._show_bar(done, total, unit, ", ".join(extras))
+            self._show_bar(int(prog.get("done") or 0), prog.get("total"), str(prog.get("unit") or ""), ", ".join(extras))
             return
-        line = f"eagle3: {self.desc}: {done}/{total if total is not None else '?'} {unit}, {', '.join(extras)}"
+        line = f"eagle3: {self.desc}: {_done_text(prog)}, {', '.join(extras)}"
         due = time.time() - self._last_line[0] >= self.log_every_s
         if line != self._last_line[1] and (due or final):
             print(line, file=self.file, flush=True)
@@ -455,6 +449,12 @@ class ProgressEcho:
         self._bar.n = done
         self._bar.set_postfix_str(postfix, refresh=False)
         self._bar.refresh()
+
+
+def _done_text(prog: dict) -> str:
+    """``done/total unit`` of a ``progress.json`` (``?`` for an unknown total): status table and terminal echo."""
+    total = prog.get("total")
+    return f"{prog.get('done', 0)}/{total if total is not None else '?'} {prog.get('unit', '')}".strip()
 
 
 def _run_params(run_dir: str | Path):
@@ -490,12 +490,11 @@ def status_rows(run_dir: str | Path) -> list[dict]:
             if state == "running" and time.time() - prog.get("updated", 0) > 60:
                 state = "stalled?"
         p = prog or {}
-        total = p.get("total")
         rows.append(
             {
                 "stage": f"{s} {name[3:]}",
                 "state": state,
-                "done": f"{p.get('done', 0)}/{total if total is not None else '?'} {p.get('unit', '')}".strip() if prog else "-",
+                "done": _done_text(p) if prog else "-",
                 "tokens/s": f"{p.get('tokens_per_s', 0):.0f}" if prog else "-",
                 "elapsed": _fmt_s(p.get("elapsed_s")) if prog else "-",
                 "ETA": _fmt_s(p.get("eta_s")) if prog and state == "running" else "-",  # none once it stopped

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -347,7 +348,7 @@ def test_the_resume_hint_names_the_command_as_it_was_started(monkeypatch, tmp_pa
     assert f"(`/opt/py/bin/python -m eagle3 status {tmp_path / 'r'}` shows it)" in msg
 
 
-class _Tty(__import__("io").StringIO):
+class _Tty(io.StringIO):
     def isatty(self) -> bool:
         return True
 
@@ -356,7 +357,6 @@ def test_the_terminal_shows_a_running_stage_s_progress(tmp_path):
     """`eagle3 run` echoes the running stage's progress.json (the session-12 trial saw only a start and
     an end line per stage): a line per interval in a log, a tqdm bar on a terminal; a file left by an
     earlier execution is not shown; a new unit (the stage's next phase) starts a new bar."""
-    import io
     import time
 
     from eagle3.io import Progress
