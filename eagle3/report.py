@@ -116,10 +116,15 @@ def summary_html(run_dir: str | Path) -> str:
         return ""
     banner, warn_list = _warnings_html([w for w in st.get("warnings") or [] if isinstance(w, dict)])
     head = ("<tr><th>set</th><th>vLLM</th><th>tokens per target forward</th><th>τ (accepted per round)</th>"
-            "<th>tokens/s</th><th>speed-up vs no speculation</th></tr>")
+            "<th>tokens/s (one request at a time)</th><th>speed-up vs no speculation</th></tr>")
     sets = st.get("sets") or {}
-    groups = [(f"{n}<br><small>{html.escape(str(e.get('domain', '')))}, {_fmt(e.get('prompts'))} prompts</small>", e)
-              for n, e in sorted(sets.items(), key=lambda kv: kv[1].get("domain") != "out-of-domain")]
+
+    def label(n, e):  # the speed columns rest on far fewer prompts than the acceptance ones: say how many
+        speed = f"; tokens/s on {_fmt(e['speed_prompts'])} of them" if e.get("speed_prompts") else ""
+        return (f"{html.escape(n)}<br><small>{html.escape(str(e.get('domain', '')))}, {_fmt(e.get('prompts'))} "
+                f"prompts{speed}</small>")
+
+    groups = [(label(n, e), e) for n, e in sorted(sets.items(), key=lambda kv: kv[1].get("domain") != "out-of-domain")]
     if not groups:  # a stats.json without per-set numbers: the pooled ones
         groups = [(f"all<br><small>{_fmt(st.get('num_prompts'))} prompts</small>", st)]
     body = ""
@@ -129,7 +134,11 @@ def summary_html(run_dir: str | Path) -> str:
             cell = f"<th rowspan='{len(rows)}'>{label}</th>" if i == 0 else ""
             body += (f"<tr>{cell}<th>{name}</th><td>{_fmt(tpf)}</td><td>{_fmt(tau)}</td><td>{_fmt(tps)}</td>"
                      f"<td>{_fmt(up)}</td></tr>")
-    parts = ["<div id='headline'>", banner, "<h2>Result</h2>", f"<table>{head}{body}</table>"]
+    parts = ["<div id='headline'>", banner, "<h2>Result</h2>", f"<table>{head}{body}</table>",
+             "<p><small>Tokens per target forward compare the methods: every verification round counts, "
+             "a round without drafts as one token. τ counts only rounds that had drafts, so n-gram lookup, "
+             "which often has nothing to propose, can show a higher τ than the drafter and still give fewer "
+             "tokens per forward.</small></p>"]
     verdicts = []
     for n, e in (sets.items() if sets else [("all prompts", st)]):
         d, g = e.get("tokens_per_s_vllm_eagle3"), e.get("tokens_per_s_vllm_ngram")
@@ -180,7 +189,8 @@ def index_html(run_dir: str | Path, pages: list[str], figures: dict[str, list[st
         "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;}"
         "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}"
         "img{max-width:100%;margin:4px 0;border:1px solid #eee}code{background:#f4f4f4}"
-        ".warn{background:#fff0f0;border:2px solid #c00;padding:6px 12px;color:#600}</style>",
+        ".warn{background:#fff0f0;border:2px solid #c00;padding:6px 12px;color:#600}"
+        "ul.warn{padding-left:2.2em}</style>",  # the list's bullets inside its box
         "</head><body>",
         f"<h1>eagle3 report: {html.escape(run_dir.name)}</h1>",
         f"<p>Run directory: <code>{html.escape(str(run_dir.resolve()))}</code></p>",
@@ -193,6 +203,8 @@ def index_html(run_dir: str | Path, pages: list[str], figures: dict[str, list[st
             parts.append(f"<p>Executed notebook: <a href='{html.escape(page)}'>{html.escape(page)}</a></p>")
         if name in nums:
             rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>" for k, v in nums[name].items())
+            if s == 5:  # its stats.json top-level numbers mix in- and out-of-domain prompts
+                parts.append("<p><em>Pooled over every evaluation set; per set: Result, at the top.</em></p>")
             parts.append(f"<table>{rows}</table>")
         else:
             parts.append(f"<p><em>{html.escape(_unfinished(run_dir, s))}</em></p>")

@@ -128,7 +128,7 @@ def test_per_set_tables_and_figures_put_out_of_domain_first():
     m = {"vllm/eagle3": {"tau": 1.7, "tokens_per_forward": 1.7, "per_position_conditional": [0.5, 0.3, 0.1],
                          "prompts": 2, "tokens_per_s": 24.0},
          "vllm/ngram": {"tau": 2.5, "tokens_per_forward": 1.5, "prompts": 2, "tokens_per_s": 20.0},
-         "vllm/none": {"tau": None, "tokens_per_forward": 1.0, "tokens_per_s": 16.0}}
+         "vllm/none": {"tau": None, "tokens_per_forward": 1.0, "tokens_per_s": 16.0, "speed_prompts": 1}}
     results["sets"] = {
         "heldout": {"domain": "in-distribution", "info": {"count": 2, "by_category": {"human-eval": 2}}, "methods": m,
                     "by_category": {"human-eval": {"vllm/eagle3": {"tau": 1.7, "tokens_per_forward": 1.7}}}},
@@ -141,6 +141,8 @@ def test_per_set_tables_and_figures_put_out_of_domain_first():
     t = set_table(results)
     assert t["set"].tolist() == ["general-chat", "heldout", "heldout", "heldout"]
     assert t.loc[1, "speedup"] == pytest.approx(1.5) and t.loc[1, "P(pos 1)"] == 0.5
+    # the speed rests on its own (smaller) prompt count, shown beside the acceptance one
+    assert t.loc[3, "method"] == "no speculation (vLLM)" and t.loc[3, "speed_prompts"] == 1 and t.loc[3, "prompts"] == 2
     c = category_table(results)
     assert c[["set", "category"]].values.tolist() == [["general-chat", "math"], ["general-chat", "writing"],
                                                      ["heldout", "human-eval"]]

@@ -46,6 +46,7 @@ def test_progress_file_and_status(tmp_path):
     assert rows["1 synthesize"]["state"] == "not started"
     text = format_status(run)
     assert "4/10 samples" in text and "9.8 KiB" in text
+    assert text.splitlines()[-1].startswith("tokens/s, ETA: this execution")  # which clock the column reads
     prog.close()
     assert read_json(d / "progress.json")["status"] == "done"
     assert not stage_complete(run, 3)

@@ -451,12 +451,13 @@ def run(params, run_dir: str | Path) -> EvaluateStats:
     atomic_write_json(sd / "prompts.json", {"info": {s.name: s.info for s in inp.sets}, "prompts": [
         {kk: p[kk] for kk in ("id", "set", "source", "category", "prompt_hash")} | {"prompt_tokens": len(p["prompt_ids"])}
         for p in inp.prompts]})
+    # jobs: one per offline prompt and one per vLLM measurement (method); README "Watching a run"
     units = (len(inp.offline_prompts) if "offline" in ev.backends else 0) + (
         len(ev.vllm_methods) if "vllm" in ev.backends else 0)
     backends: dict[str, dict] = {}
     dm = offline_recs = None
     vllm_results: dict[str, dict] = {}
-    with StageRun(params, rd.root, EVALUATE, total=units, unit="steps") as st:
+    with StageRun(params, rd.root, EVALUATE, total=units, unit="jobs") as st:
         if "offline" in ev.backends:
             dm, offline_recs = _offline(params, inp, sd, st.progress)
             backends["offline/eagle3"] = _offline_summary(inp, offline_recs, k, temp)
