@@ -264,7 +264,7 @@ def run_pipeline(
                     kernel_name=kernel,
                     kernel_manager_class=fwd.manager_class(),
                     cwd=str(nb_root),
-                    log_output=True,
+                    log_output=False,  # True would print its stderr twice: stderr_file and a logged warning
                     progress_bar=False,
                     stdout_file=sys.stdout,
                     stderr_file=sys.stderr,

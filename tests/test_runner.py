@@ -110,6 +110,22 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
+def test_a_stage_s_stderr_line_reaches_the_terminal_once(tmp_params, tmp_path):
+    """Session-14 trial: vLLM's import-time warning ("Triton is installed, but doesn't include CPU
+    backend") showed twice in `eagle3 run`'s terminal: papermill wrote the notebook's stderr to our
+    stream and also logged it as a warning (log_output), which Python's last-resort handler printed.
+    A real `eagle3 run` process (in-process, pytest's own log capture would hide the second copy)."""
+    d = tmp_path / "nbs"
+    d.mkdir()
+    _nb(d / NOTEBOOKS[1], "import sys\nprint('probe-stderr-line', file=sys.stderr)\nprint('probe-stdout-line')\n"
+        + WRITE_STAGE.format(s=1))
+    r = subprocess.run([sys.executable, "-c", DRIVE, str(d), "run", str(tmp_params()), "--stages", "1", "--no-report"],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("probe-stderr-line") == 1, r.stderr
+    assert r.stdout.count("probe-stdout-line") == 1 and "probe-stdout-line" not in r.stderr, (r.stdout, r.stderr)
+
+
 def test_ctrl_c_in_eagle3_run_says_how_to_resume_and_exits_130(tmp_params, nbdir, tmp_path):
     """A terminal's Ctrl-C (SIGINT to the process group) while stage 1 runs: a few lines, no
     traceback, the stage marked interrupted by its own code, the kernel gone, exit 130, and the
