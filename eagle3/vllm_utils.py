@@ -201,7 +201,9 @@ def engine_logs_to(log_file: str | Path) -> Iterator[Path]:
     ``INFO``/``WARNING`` lines hides the stage's own output (issue 16). Inside the block: that
     variable names a logging config with one file handler on ``log_file``, a ``vllm`` logger already
     configured (an engine made earlier in this process) has its stream handlers pointed at the file,
-    and descriptors 1 and 2 point at it (engine processes started inside keep writing there). All is
+    a ``vllm`` logger not configured yet gets a handler on the file until vLLM configures it (what
+    ``from vllm import LLM`` itself warns goes there, not through Python's last-resort handler to
+    ``sys.stderr``), and descriptors 1 and 2 point at it (engine processes started inside keep writing there). All is
     restored on exit; the caller's Python-level ``print``, warnings and tqdm widgets are not touched.
 
     Args:
@@ -233,8 +235,19 @@ def engine_logs_to(log_file: str | Path) -> Iterator[Path]:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         saved = {fd: os.dup(fd) for fd in (1, 2)}
-        handlers = [h for h in logging.getLogger("vllm").handlers if type(h) is logging.StreamHandler]
+        vllm_logger = logging.getLogger("vllm")
+        handlers = [h for h in vllm_logger.handlers if type(h) is logging.StreamHandler]
         old = [h.stream for h in handlers]
+        # vLLM configures its logger only when an engine is made; what it logs before (the warnings of
+        # `from vllm import LLM`, e.g. "Triton is installed, but doesn't include CPU backend") would reach
+        # sys.stderr (the notebook and the terminal) through Python's last-resort handler.
+        early, propagate = None, vllm_logger.propagate
+        if not vllm_logger.handlers:
+            early = logging.StreamHandler(fh)
+            early.setFormatter(logging.Formatter(config["formatters"]["plain"]["format"],
+                                                 config["formatters"]["plain"]["datefmt"]))
+            vllm_logger.addHandler(early)
+            vllm_logger.propagate = False
         try:
             os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(cfg)
             for h in handlers:
@@ -243,6 +256,10 @@ def engine_logs_to(log_file: str | Path) -> Iterator[Path]:
                 os.dup2(fh.fileno(), fd)
             yield log_file
         finally:
+            if early is not None:
+                vllm_logger.removeHandler(early)
+                if not vllm_logger.handlers:  # no engine configured the logger inside: as it was
+                    vllm_logger.propagate = propagate
             fh.flush()
             for fd, dup in saved.items():
                 os.dup2(dup, fd)

@@ -201,3 +201,36 @@ def test_engine_output_goes_to_its_log_file_not_the_page(tmp_path, capfd, monkey
     init_logger("vllm.engine").warning("at shutdown")  # the engine's logger keeps its file
     assert "at shutdown" in path.read_text() and "at shutdown" not in "".join(capfd.readouterr())
     assert "VLLM_LOGGING_CONFIG_PATH" not in os.environ
+
+
+IMPORT_TIME = """
+import io, logging, sys
+from eagle3.vllm_utils import engine_logs_to
+buf = io.StringIO()
+sys.stderr = buf
+with engine_logs_to(sys.argv[1]):
+    # vLLM's logger is not configured before an engine is made: its import-time warnings (the Triton
+    # one on CPU) used to go to sys.stderr through the last-resort handler
+    logging.getLogger("vllm.triton_utils.importing").warning("import-time probe")
+    from vllm import LLM  # noqa: F401
+logging.getLogger("vllm.x").warning("after the block")
+sys.stderr = sys.__stderr__
+print(repr(buf.getvalue()))
+"""
+
+
+def test_what_vllm_warns_at_import_goes_to_the_engine_log(tmp_path):
+    """Session-14 trial: "Triton is installed, but doesn't include CPU backend. Disabling Triton."
+    on stage 1's page and in the terminal, from `from vllm import LLM` inside engine_logs_to."""
+    import ast
+    import subprocess
+    import sys
+
+    log = tmp_path / "vllm_engine.log"
+    r = subprocess.run([sys.executable, "-c", IMPORT_TIME, str(log)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    stderr_inside_and_after = ast.literal_eval(r.stdout.strip().splitlines()[-1])
+    text = log.read_text()
+    assert "WARNING" in text and "import-time probe" in text  # with the log's format
+    assert "import-time probe" not in stderr_inside_and_after and "Triton" not in stderr_inside_and_after
+    assert "after the block" in stderr_inside_and_after and "after the block" not in text  # the logger as it was
