@@ -14,7 +14,7 @@ from eagle3.rundir import prepare_run_dir
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "ci", "llama-3.1-8b", "kimi-k2.5"])
+@pytest.mark.parametrize("name", ["smollm2-135m", "smollm2-135m-2x", "ci", "llama-3.1-8b", "kimi-k2.5"])
 def test_shipped_params_load(name):
     p = load_params(ROOT / "params" / f"{name}.yaml")
     assert p.run.name == name
@@ -245,6 +245,19 @@ def test_params_defaults_are_the_embedded_default_run():
     # ... and the YAML states nothing else.
     stated = _flat(yaml.safe_load((ROOT / "params" / "smollm2-135m.yaml").read_text()))
     assert stated == DEFAULT_YAML_OVERRIDES
+
+
+def test_the_2x_params_are_the_default_with_twice_the_self_written_prompts():
+    # README "Results" measures it against the default: nothing else may differ.
+    default = _flat(load_params(ROOT / "params" / "smollm2-135m.yaml").model_dump(mode="json"))
+    twice = _flat(load_params(ROOT / "params" / "smollm2-135m-2x.yaml").model_dump(mode="json"))
+    assert set(twice) == set(default)
+    assert {k: twice[k] for k in twice if twice[k] != default[k]}.keys() == {"run.name", "synthesize.sources"}
+    assert twice["run.name"] == "smollm2-135m-2x"
+    srcs = load_params(ROOT / "params" / "smollm2-135m-2x.yaml").synthesize.sources
+    base = load_params(ROOT / "params" / "smollm2-135m.yaml").synthesize.sources
+    assert srcs[1].self_prompt.count == 2 * base[1].self_prompt.count == 1920
+    assert srcs[1].self_prompt.model_copy(update={"count": 960}) == base[1].self_prompt and srcs[0] == base[0]
 
 
 def test_target_coverage_alone_replaces_the_default_size(tmp_path):
