@@ -94,8 +94,12 @@ def _warnings_html(warnings: list[dict]) -> tuple[str, str]:
     if not warnings:
         return "", ""
     rules = ", ".join(sorted({w["rule"] for w in warnings}))
+    # a measured loss says "may not help"; a data-size/breadth rule alone says what it is
+    measured = {w["rule"] for w in warnings} - {"small_training_data", "narrow_training_data"}
+    what = ("this drafter may not help on the traffic you will serve" if measured else
+            "the training data is small or narrow: the numbers below may not carry over to other traffic")
     banner = (f"<div class='warn' id='mismatch-warning'><strong>&#9888; {len(warnings)} mismatch "
-              f"warning{'s' if len(warnings) > 1 else ''}: this drafter may not help on the traffic you will serve "
+              f"warning{'s' if len(warnings) > 1 else ''}: {what} "
               f"({html.escape(rules)}). See <a href='#warnings'>Warnings</a>.</strong></div>")
     items = "".join(
         f"<li><strong>{html.escape(w['rule'])}</strong>: {html.escape(w['message'])}.<br><em>Fix:</em> "
@@ -115,7 +119,7 @@ def summary_html(run_dir: str | Path) -> str:
     if not st:
         return ""
     banner, warn_list = _warnings_html([w for w in st.get("warnings") or [] if isinstance(w, dict)])
-    head = ("<tr><th>set</th><th>vLLM</th><th>tokens per target forward</th><th>τ (accepted per round)</th>"
+    head = ("<tr><th>set</th><th>vLLM</th><th>tokens per target forward</th><th>τ (1 + accepted drafts per round with drafts)</th>"
             "<th>tokens/s (one request at a time)</th><th>speed-up vs no speculation</th></tr>")
     sets = st.get("sets") or {}
 
@@ -124,7 +128,8 @@ def summary_html(run_dir: str | Path) -> str:
         return (f"{html.escape(n)}<br><small>{html.escape(str(e.get('domain', '')))}, {_fmt(e.get('prompts'))} "
                 f"prompts{speed}</small>")
 
-    groups = [(label(n, e), e) for n, e in sorted(sets.items(), key=lambda kv: kv[1].get("domain") != "out-of-domain")]
+    ordered = sorted(sets.items(), key=lambda kv: kv[1].get("domain") != "out-of-domain")  # out-of-domain first
+    groups = [(label(n, e), e) for n, e in ordered]
     if not groups:  # a stats.json without per-set numbers: the pooled ones
         groups = [(f"all<br><small>{_fmt(st.get('num_prompts'))} prompts</small>", st)]
     body = ""
@@ -139,14 +144,22 @@ def summary_html(run_dir: str | Path) -> str:
              "a round without drafts as one token. τ counts only rounds that had drafts, so n-gram lookup, "
              "which often has nothing to propose, can show a higher τ than the drafter and still give fewer "
              "tokens per forward.</small></p>"]
-    verdicts = []
-    for n, e in (sets.items() if sets else [("all prompts", st)]):
+    verdicts, ratios = [], []
+    for n, e in (ordered if sets else [("all prompts", st)]):
+        r = _ratio(e.get("tokens_per_forward_vllm"), e.get("tokens_per_forward_ngram"))
+        if r is not None:
+            ratios.append(f"{_fmt(r)}x n-gram's on {html.escape(n)}")
         d, g = e.get("tokens_per_s_vllm_eagle3"), e.get("tokens_per_s_vllm_ngram")
         if isinstance(d, (int, float)) and isinstance(g, (int, float)):
             faster = "the drafter" if d > g else "n-gram lookup"
-            verdicts.append(f"on {html.escape(n)} {faster} was faster ({_fmt(max(d, g))} vs {_fmt(min(d, g))} tokens/s)")
+            on = f", {e['speed_prompts']} prompts" if e.get("speed_prompts") else ""
+            verdicts.append(f"on {html.escape(n)} {faster} was faster ({_fmt(max(d, g))} vs {_fmt(min(d, g))} "
+                            f"tokens/s{on})")
+    if ratios:
+        parts.append(f"<p>The drafter's tokens per target forward: {'; '.join(ratios)}.</p>")
     if verdicts:
-        parts.append(f"<p>In vLLM {'; '.join(verdicts)}.</p>")
+        parts.append(f"<p>In vLLM {'; '.join(verdicts)}; a speed on so few prompts, one request at a time, "
+                     f"is indicative only.</p>")
     parity = st.get("parity_ok")
     parity_txt = ("not checked" if parity is None else ("agrees" if parity else "DISAGREES")) + (
         f" (relative gap {_fmt(st.get('parity_gap'))}, tolerance {_fmt(st.get('parity_tolerance'))}"
@@ -204,7 +217,9 @@ def index_html(run_dir: str | Path, pages: list[str], figures: dict[str, list[st
         if name in nums:
             rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>" for k, v in nums[name].items())
             if s == 5:  # its stats.json top-level numbers mix in- and out-of-domain prompts
-                parts.append("<p><em>Pooled over every evaluation set; per set: Result, at the top.</em></p>")
+                parts.append("<p><em>Pooled over every evaluation set (tau_offline over the offline prompts only, "
+                             "tau_vllm over all: not a parity pair; the parity line above compares the same "
+                             "prompts); per set: Result, at the top.</em></p>")
             parts.append(f"<table>{rows}</table>")
         else:
             parts.append(f"<p><em>{html.escape(_unfinished(run_dir, s))}</em></p>")

@@ -843,7 +843,8 @@ def test_sigkill_of_eagle3_run_during_a_vllm_job_then_resume_is_identical(fitted
 
 
 def test_small_training_data_fix_names_a_valid_source():
-    """The small-data warning's fix names params a user can paste: its ``{kind: self, ...}`` source loads."""
+    """The small-data warning names the thresholds that tripped and its fix names params a user can
+    paste: its ``{kind: self, ...}`` source loads."""
     import re
 
     from eagle3.config import load_params
@@ -852,7 +853,9 @@ def test_small_training_data_fix_names_a_valid_source():
     ev = load_params(None, ["tracking.mode=disabled"]).evaluate
     out = mismatch_warnings({}, {"known": True, "conversations": 10, "completion_tokens": 100,
                                  "sources": {"a": 5, "b": 5}, "categories": {"x": 5, "y": 5}}, ev)
-    fix = next(w["fix"] for w in out if w["rule"] == "small_training_data")
+    small = next(w for w in out if w["rule"] == "small_training_data")
+    assert "10 conversations < " in small["message"] and "100 completion tokens < " in small["message"]
+    fix = small["fix"]
     src = re.search(r"\{kind: self.*\}\}", fix).group(0).replace("N", "100")
     p = load_params(None, ["tracking.mode=disabled", f"synthesize.sources=[{src}]"])
     assert p.synthesize.sources[0].kind == "self" and p.synthesize.sources[0].self_prompt.count == 100

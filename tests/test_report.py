@@ -74,7 +74,9 @@ def test_the_index_opens_with_the_vllm_comparison(tmp_path):
     assert ("<th>EAGLE-3 drafter</th><td>1.696</td><td>1.696</td><td>45.4</td><td>1.227</td></tr>"
             "<tr><th>n-gram lookup</th><td>1.49</td><td>2.532</td><td>46.2</td><td>1.249</td></tr>"
             "<tr><th>no speculation</th><td>1</td><td>-</td><td>37</td><td>1</td></tr>") in page
-    assert "In vLLM on all prompts n-gram lookup was faster (46.2 vs 45.4 tokens/s)." in page
+    assert ("In vLLM on all prompts n-gram lookup was faster (46.2 vs 45.4 tokens/s); a speed on so few prompts, "
+            "one request at a time, is indicative only.") in page
+    assert "The drafter's tokens per target forward: 1.138x n-gram's on all prompts." in page  # 1.696 / 1.49
     assert "parity agrees (relative gap 0, tolerance 0.15)" in page and "<li>aux ids differ</li>" in page
     assert "mismatch-warning" not in page
     assert "<a href='figures/05_evaluate__tau.png'><img src='figures/05_evaluate__tau.png'" in page
@@ -106,6 +108,7 @@ def test_the_headline_states_every_set_out_of_domain_first_and_the_warnings_on_t
     assert top < page.index("<h2>Result</h2>") < page.index("general-chat<br>") < page.index("heldout<br>")
     assert page.index("<h2>Result</h2>") < page.index("<h2>1. synthesize</h2>")
     assert "1 mismatch warning: this drafter may not help" in page
+    assert "tokens/s, 2 prompts)" in page and "0.9076x n-gram's on general-chat; 1.141x n-gram's on heldout" in page
     # the speed columns say on how many prompts they rest (a set without the count says nothing)
     assert ("<th rowspan='3'>general-chat<br><small>out-of-domain, 96 prompts; tokens/s on 2 of them</small></th>"
             "<th>EAGLE-3 drafter</th><td>1.08</td><td>1.08</td><td>15</td><td>0.9375</td></tr>") in page
@@ -131,3 +134,14 @@ def test_the_parity_line_shows_the_parity_prompts_vllm_tau_not_the_pooled_one(tm
     page = index_html(tmp_path, [], {})
     assert "Offline τ 1.596 vs vLLM τ 1.559 on the same 16 prompts: parity agrees (relative gap 0.023" in page
     assert "vs vLLM τ 1.477" not in page
+
+
+def test_a_data_size_warning_alone_does_not_say_the_drafter_may_not_help(tmp_path):
+    """New-user check: "this drafter may not help on the traffic you will serve (small_training_data)"
+    stood above a table where the drafter beat n-gram and no speculation on both sets."""
+    sets = {"general-chat": {"domain": "out-of-domain", "prompts": 96, "tokens_per_forward_vllm": 1.669,
+                             "tokens_per_forward_ngram": 1.304}}
+    warn = {"rule": "small_training_data", "message": "m", "numbers": {}, "fix": "f"}
+    write_stats(stage_dir(tmp_path, 5), {"num_prompts": 96, "k": 3, "temperature": 0.0, "sets": sets, "warnings": [warn]})
+    page = index_html(tmp_path, [], {})
+    assert "1 mismatch warning: the training data is small or narrow" in page and "may not help" not in page

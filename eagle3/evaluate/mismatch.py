@@ -91,14 +91,17 @@ def mismatch_warnings(sets: dict[str, dict], training: dict, ev) -> list[dict]:
                             "fix": f"train on data like the traffic you will serve: {_MORE_DATA}"})
     if training.get("known"):
         conv, toks = int(training.get("conversations", 0)), int(training.get("completion_tokens", 0))
-        if conv < ev.warn_min_conversations or toks < ev.warn_min_tokens:
+        below = [f"{conv} conversations < {ev.warn_min_conversations}"] if conv < ev.warn_min_conversations else []
+        below += [f"{toks} completion tokens < {ev.warn_min_tokens}"] if toks < ev.warn_min_tokens else []
+        if below:
             out.append({"rule": "small_training_data",
                         "message": f"the drafter was trained on {conv} conversations / {toks} completion tokens "
-                                   f"(thresholds: {ev.warn_min_conversations} conversations, {ev.warn_min_tokens} tokens)",
+                                   f"({' and '.join(below)}, the evaluate.warn_min_* thresholds)",
                         "numbers": {"conversations": conv, "completion_tokens": toks,
                                     "min_conversations": ev.warn_min_conversations, "min_tokens": ev.warn_min_tokens},
-                        "fix": "more training conversations: raise synthesize.limit, add sources, or add a "
-                               "{kind: self, self_prompt: {count: N}} source (the target writes N prompts itself)"})
+                        "fix": "more training conversations: add sources, raise a source's limit or synthesize.limit "
+                               "where one is set, or add a {kind: self, self_prompt: {count: N}} source (the target "
+                               "writes N prompts itself)"})
         srcs, cats = training.get("sources") or {}, training.get("categories") or {}
         if len(srcs) <= 1 or len(cats) <= 1:
             what = (f"one source ({', '.join(srcs) or 'none'})" if len(srcs) <= 1
