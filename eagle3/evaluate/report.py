@@ -172,14 +172,16 @@ def _tau_vs_context(bk: dict):
     return fig
 
 
-def _speed(bk: dict):
+def _speed(bk: dict, speed_prompts: int | None = None):
     fig, ax = _axes()
     names = [n for n in ("vllm/eagle3", "vllm/ngram", "vllm/none") if n in bk]
     if names:
         ax.bar([LABELS[n].replace(" in vLLM", "").replace(" (vLLM)", "") for n in names],
                [bk[n].get("tokens_per_s") or 0 for n in names])
     ax.set_ylabel("output tokens/s (vLLM, one request at a time)")
-    ax.set_title("Decoding speed")
+    # the speed rests on a few prompts of every set, pooled: say how many
+    pooled = f", all sets pooled ({speed_prompts} prompt{'s' if speed_prompts != 1 else ''})" if speed_prompts else ""
+    ax.set_title("Decoding speed" + pooled)
     return fig
 
 
@@ -199,7 +201,8 @@ def _by_set(results: dict):
     ax.set_xticklabels([f"{n}\n({e['domain']})" for n, e in sets], fontsize=8)
     ax.set_ylabel("tokens per target forward")
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, max([b.get_height() for b in ax.patches] + [1.0]) * 1.35)  # room for the legend above the bars
+    ax.legend(fontsize=8, ncol=2, loc="upper center")
     ax.set_title("Tokens per target forward by evaluation set")
     return fig
 
@@ -250,5 +253,6 @@ def figures(results: dict) -> dict:
         "per_position": _per_position(bk, spec, k, results["settings"]["temperature"]),
         "tau_histogram": _tau_histogram(bk, spec, k),
         "tau_vs_context": _tau_vs_context(bk),
-        "speed": _speed(bk),
+        "speed": _speed(bk, sum((e["methods"].get("vllm/none") or e["methods"].get("vllm/eagle3") or {})
+                                .get("speed_prompts") or 0 for e in (results.get("sets") or {}).values()) or None),
     } | ({"by_set": _by_set(results), "by_category": _by_category(results)} if results.get("sets") else {})
