@@ -199,6 +199,9 @@ def test_stage1_with_a_self_source(tmp_path, embedded_target):
         assert s["messages"][2]["role"] == "assistant" and s["finish_reasons"]
     on_disk = json.loads((run_dir / "01_synthesize" / "stats.json").read_text())
     assert on_disk["prompts"]["self_prompt"][0]["filtered"] == sp["filtered"]
+    # the sources table names where each source came from (the self source is read from a file the
+    # target wrote, but it is no user file)
+    assert [(row["kind"], row["selected"]) for row in on_disk["prompts"]["sources"]] == [("embedded", 1), ("self", 2)]
     progress = (run_dir / "01_synthesize" / "progress.json").read_bytes()
     again = synthesize_run(params, run_dir)  # finished: returned as it is, nothing rewritten (issue 16)
     assert again == stats and (run_dir / "01_synthesize" / "progress.json").read_bytes() == progress

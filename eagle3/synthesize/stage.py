@@ -273,6 +273,9 @@ def _run_stage(params: Params, run_dir: Path, shared: list) -> SynthesizeStats:
             prog.close("running")  # stage 1 goes on: answering the prompts
         syn = syn.model_copy(update={"sources": sources})
     prompts, report = load_prompts(syn)
+    for row, src in zip(report.sources, params.synthesize.sources, strict=True):
+        if src.kind == "self":  # loaded from the file the target wrote; the sources table says where it came from
+            row["kind"] = "self"
     ids = [p.id for p in prompts]
     store = SampleStore(samples_path(run_dir))
     finished = completed_stats(run_dir, SYNTHESIZE, SynthesizeStats)
