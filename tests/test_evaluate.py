@@ -148,12 +148,15 @@ def test_per_set_tables_and_figures_put_out_of_domain_first():
                                                      ["heldout", "human-eval"]]
     assert c.loc[0, "tau_ngram"] == 3.0 and c.loc[0, "tokens_per_forward_drafter"] == 1.2
     assert warnings_table(results)["rule"].tolist() == ["drafter_below_ngram"]
+    m["offline/eagle3"] = {"tau": 1.6, "tokens_per_forward": 1.6, "prompts": 1}  # heldout's, on 1 of its 2 prompts
     figs = figures(results)
     assert isinstance(figs["by_set"], Figure) and isinstance(figs["by_category"], Figure)
     assert figs["speed"].axes[0].get_title() == "Decoding speed, all sets pooled (1 prompt)"  # heldout's vllm/none
     ax = figs["by_set"].axes[0]
     assert ax.get_ylim()[1] >= 1.7 * 1.35 - 1e-9  # the legend has room above the tallest bar
     assert [x.get_text().split("\n")[0] for x in ax.get_xticklabels()] == ["general-chat", "heldout"]
+    # the offline bar rests on fewer prompts than the set's vLLM bars: it says so
+    assert [t.get_text() for t in ax.texts if t.get_text()] == ["1 of 2 prompts"]
     assert len(figs["by_category"].axes) == 2
 
 

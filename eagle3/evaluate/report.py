@@ -196,7 +196,11 @@ def _by_set(results: dict):
     w = 0.8 / max(len(names), 1)
     for j, m in enumerate(names):
         vals = [(e["methods"].get(m) or {}).get("tokens_per_forward") or 0 for _, e in sets]
-        ax.bar(np.arange(len(sets)) + (j - (len(names) - 1) / 2) * w, vals, w, label=LABELS[m])
+        bars = ax.bar(np.arange(len(sets)) + (j - (len(names) - 1) / 2) * w, vals, w, label=LABELS[m])
+        if m == "offline/eagle3":  # offline decoding runs on evaluate.offline_prompts of each set: say how few
+            counts = [(e["methods"].get(m) or {}).get("prompts") for _, e in sets]
+            ax.bar_label(bars, labels=[f"{n} of {e['info']['count']} prompts" if n and n < e["info"]["count"] else ""
+                                       for n, (_, e) in zip(counts, sets)], fontsize=7)
     ax.set_xticks(range(len(sets)))
     ax.set_xticklabels([f"{n}\n({e['domain']})" for n, e in sets], fontsize=8)
     ax.set_ylabel("tokens per target forward")
