@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import sys
@@ -427,7 +428,7 @@ def main(argv=None) -> int:
     print("|" + "---|" * len(cols))
     for d in table:
         print("| " + " | ".join(str(d.get(c, "")) for c in cols) + " |")
-    env = {"device": torch.cuda.get_device_name() if gpu else platform.processor() or platform.machine(),
+    env = {"device": torch.cuda.get_device_name() if gpu else f"CPU ({platform.machine()}, {os.cpu_count()} cores)",
            "cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
            "transformers": __import__("transformers").__version__, "files": files,
            "writer_busy_s": round(busy, 2), "peak_flops": a.peak_flops if gpu else None,

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,16 +34,29 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--token-budget", type=int, default=8192)
-    ap.add_argument("--doc-len", type=int, default=2048)
-    ap.add_argument("--samples", type=int, default=16)
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        pass
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    ap.add_argument("--hidden", type=int, default=4096, help="the target's hidden size (4096: Llama-3.1-8B)")
+    ap.add_argument("--token-budget", type=int, default=8192, help="tokens per micro-batch")
+    ap.add_argument("--doc-len", type=int, default=2048, help="tokens per synthetic sample")
+    ap.add_argument("--samples", type=int, default=16, help="synthetic stage-3 samples written")
     ap.add_argument("--workers", default="0,1,2", help="comma-separated loader thread counts")
     ap.add_argument("--epochs", type=int, default=2, help="passes over the plan per measurement")
-    ap.add_argument("--workdir", default="/tmp/bench_loader_run")
+    ap.add_argument("--workdir", default=None,
+                    help="keep the synthetic run here and reuse it next time (default: a temporary folder, removed)")
     args = ap.parse_args()
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="bench_loader_"))
+    try:
+        run(args, work)
+    finally:
+        if not args.workdir:  # 16 samples of the 8B shape are ~1 GiB
+            shutil.rmtree(work, ignore_errors=True)
 
+
+def run(args: argparse.Namespace, rd: Path) -> None:
+    """Write (or reuse) the synthetic run in ``rd`` and print the table."""
     import bench_train as bt
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
@@ -49,7 +64,6 @@ def main() -> None:
     from eagle3.contracts.hidden_states import HiddenStatesDataset
     from eagle3.train.data import MicroBatches, collate_fn, epoch_plan, read_manifest
 
-    rd = Path(args.workdir)
     if not (rd / "03_extract" / "manifest.jsonl").exists():
         bt.synthetic_run(rd, args.hidden, 32, 128256, 32000, [args.doc_len + 1] * args.samples)
     refs = read_manifest(rd)
@@ -81,7 +95,7 @@ def main() -> None:
             loader = MicroBatches(plan * args.epochs, coll, dataset=ds, num_workers=w, ring=ring)
             t = time.perf_counter()
             n = sum(1 for _ in loader)
-            rows.append((f"MicroBatches, {w} loader threads{', buffer ring (+ a copy out on CPU)' if ring else ''}",
+            rows.append((f"MicroBatches, {w} loader thread{'' if w == 1 else 's'}{', buffer ring (+ a copy out on CPU)' if ring else ''}",
                          (time.perf_counter() - t) / n))
 
     print(f"\nhidden {args.hidden}, token budget {args.token_budget}, samples of {args.doc_len} tokens, "
