@@ -261,6 +261,22 @@ HOST_PARTS = {  # cProfile cumulative time of these functions inside Trainer.loo
 }
 
 
+def part_matches(pattern: str | tuple[str, ...], key: tuple[str, int, str]) -> bool:
+    """Whether a cProfile key ``(file, line, function)`` belongs to a :data:`HOST_PARTS` pattern:
+    ``"path/file.py:function"`` (or a tuple of them) by substring; ``"MicroBatches"`` by the first
+    lines of the generators ``MicroBatches.__iter__`` returns (a ``<genexpr>`` is named alike everywhere)."""
+    if pattern == "MicroBatches":
+        import inspect
+
+        from eagle3.train.data import MicroBatches
+
+        src, first = inspect.getsourcelines(MicroBatches.__iter__)
+        return key[0].replace("\\", "/").endswith("eagle3/train/data.py") and (
+            (key[2] == "<genexpr>" and first <= key[1] < first + len(src))
+            or key[1] == MicroBatches._threaded.__code__.co_firstlineno)
+    return any(p in f"{key[0]}:{key[2]}" for p in ((pattern,) if isinstance(pattern, str) else pattern))
+
+
 def host_breakdown(fn) -> None:
     """Run ``fn()`` (ours) under cProfile and print the share of ``Trainer.loop``'s wall time in each
     part (:data:`HOST_PARTS`): what the loop adds over forward + backward + optimizer. Fractions
@@ -275,22 +291,8 @@ def host_breakdown(fn) -> None:
     pr.disable()
     st = pstats.Stats(pr).stats
 
-    import inspect
-
-    from eagle3.train.data import MicroBatches
-
-    src, first = inspect.getsourcelines(MicroBatches.__iter__)
-    iter_lines = range(first, first + len(src))
-    threaded_line = MicroBatches._threaded.__code__.co_firstlineno
-
-    def matches(pattern: str | tuple[str, ...], key: tuple) -> bool:
-        if pattern == "MicroBatches":  # its generators: by their first line, not by name (<genexpr> is everywhere)
-            return key[0].endswith("eagle3/train/data.py") and (
-                (key[2] == "<genexpr>" and key[1] in iter_lines) or key[1] == threaded_line)
-        return any(p in f"{key[0]}:{key[2]}" for p in ((pattern,) if isinstance(pattern, str) else pattern))
-
     def cum(pattern: str | tuple[str, ...]) -> float:
-        return sum(v[3] for k, v in st.items() if matches(pattern, k))
+        return sum(v[3] for k, v in st.items() if part_matches(pattern, k))
 
     total = cum("eagle3/train/loop.py:loop")
     print(f"\nTrainer.loop under cProfile: {total:.2f} s")
@@ -298,7 +300,7 @@ def host_breakdown(fn) -> None:
     for label, pat in HOST_PARTS.items():
         v = cum(pat)
         print(f"| {label} | {v:.3f} | {100 * v / max(total, 1e-9):.1f}% |")
-    missing = [label for label, pat in HOST_PARTS.items() if not any(matches(pat, k) for k in st)]
+    missing = [label for label, pat in HOST_PARTS.items() if not any(part_matches(pat, k) for k in st)]
     if missing:  # a renamed function would print 0% as if it cost nothing: say so
         print(f"(not found in this profile, so shown as 0: {', '.join(missing)})")
 
