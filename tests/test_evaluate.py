@@ -158,6 +158,23 @@ def test_per_set_tables_and_figures_put_out_of_domain_first():
     # the offline bar rests on fewer prompts than the set's vLLM bars: it says so
     assert [t.get_text() for t in ax.texts if t.get_text()] == ["1 of 2 prompts"]
     assert len(figs["by_category"].axes) == 2
+    # per category the bars are tokens per target forward (n-gram's τ 3.0 counts only its rounds with drafts)
+    cat_ax = figs["by_category"].axes[0]
+    assert sorted(round(b.get_height(), 6) for b in cat_ax.patches) == [0.0, 1.0, 1.2, 1.9]
+    assert cat_ax.get_ylabel() == "tokens per target forward"
+
+
+def test_diagnosis_counts_only_the_prompts_both_sides_decoded():
+    """The greedy-output line compares vLLM with the offline records, which cover evaluate.offline_prompts
+    only: its denominator is those prompts (it said 9/140 where 16 had been compared)."""
+    from eagle3.evaluate.diagnosis import _vllm_outputs
+
+    vllm = {"temperature": 0.0, "per_prompt": [{"id": f"p{i}", "tokens": [1, 2, i]} for i in range(6)]}
+    offline = [{"id": "p0", "tokens": [1, 2, 0]}, {"id": "p1", "tokens": [1, 2, 9]}, {"id": "p2", "tokens": [1, 2, 2]}]
+    assert _vllm_outputs(vllm, [], offline) == [
+        "dtype: vLLM's greedy output differs from transformers' for 1/3 prompts decoded by both (numerics of the "
+        "target itself, e.g. dtype or kernels)"]
+    assert _vllm_outputs(vllm, [], offline[::2]) == []
 
 
 def _tv(samples: list[int], p: torch.Tensor) -> float:

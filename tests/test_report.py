@@ -145,3 +145,14 @@ def test_a_data_size_warning_alone_does_not_say_the_drafter_may_not_help(tmp_pat
     write_stats(stage_dir(tmp_path, 5), {"num_prompts": 96, "k": 3, "temperature": 0.0, "sets": sets, "warnings": [warn]})
     page = index_html(tmp_path, [], {})
     assert "1 mismatch warning: the training data is small or narrow" in page and "may not help" not in page
+
+
+def test_the_speed_line_says_when_no_speculation_beat_the_drafter(tmp_path):
+    stats = {"num_prompts": 4, "k": 3, "temperature": 0.0, "tokens_per_forward_vllm": 1.55, "tokens_per_forward_ngram": 1.3,
+             "tokens_per_s_vllm_eagle3": 30.7, "tokens_per_s_vllm_ngram": 32.5, "tokens_per_s_vllm_none": 33.0}
+    write_stats(stage_dir(tmp_path, 5), stats)
+    page = index_html(tmp_path, [], {})
+    assert ("In vLLM on all prompts n-gram lookup was faster (32.5 vs 30.7 tokens/s), and no speculation faster "
+            "than the drafter (33 tokens/s); a speed on so few prompts") in page
+    write_stats(stage_dir(tmp_path, 5), stats | {"tokens_per_s_vllm_none": 30.0})
+    assert "no speculation faster" not in index_html(tmp_path, [], {})

@@ -136,10 +136,11 @@ def _vllm_outputs(vllm: dict, prompts: list[dict], offline_records: list[dict] |
                      f"from the offline render (first differing token: {', '.join(diff[:3])})")
     if offline_records and vllm.get("temperature", 1) <= 0:
         off = {r["id"]: r["tokens"] for r in offline_records}
-        mism = [r["id"] for r in vllm["per_prompt"] if r["id"] in off and list(off[r["id"]]) != list(r["tokens"])]
+        compared = [r for r in vllm["per_prompt"] if r["id"] in off]  # the prompts decoded offline, not all of vLLM's
+        mism = [r["id"] for r in compared if list(off[r["id"]]) != list(r["tokens"])]
         if mism:
-            probs.append(f"dtype: vLLM's greedy output differs from transformers' for {len(mism)}/"
-                         f"{len(vllm['per_prompt'])} prompts (numerics of the target itself, e.g. dtype or kernels)")
+            probs.append(f"dtype: vLLM's greedy output differs from transformers' for {len(mism)}/{len(compared)} "
+                         f"prompts decoded by both (numerics of the target itself, e.g. dtype or kernels)")
     return probs
 
 

@@ -212,7 +212,8 @@ def _by_set(results: dict):
 
 
 def _by_category(results: dict):
-    """τ per category of every set: the drafter (vLLM, else offline) vs n-gram, one panel per set."""
+    """Tokens per target forward per category of every set: the drafter (vLLM, else offline) vs n-gram,
+    one panel per set (not τ: n-gram's τ counts only the rounds where it had a proposal)."""
     import numpy as np
     from matplotlib.figure import Figure
 
@@ -229,14 +230,15 @@ def _by_category(results: dict):
             shown.remove("offline/eagle3")
         w = 0.8 / max(len(shown), 1)
         for j, m in enumerate(shown):
-            vals = [((e["by_category"][c].get(m) or {}).get("tau") or 0) for c in cats]
+            vals = [((e["by_category"][c].get(m) or {}).get("tokens_per_forward") or 0) for c in cats]
             ax.bar(np.arange(len(cats)) + (j - (len(shown) - 1) / 2) * w, vals, w, label=LABELS[m])
         ax.set_xticks(range(len(cats)))
         ax.set_xticklabels(cats, fontsize=7, rotation=30, ha="right")
-        ax.set_ylabel("tau")
+        ax.set_ylabel("tokens per target forward", fontsize=8)
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_title(f"{name} ({e['domain']}): tau per category", fontsize=9)
-        ax.legend(fontsize=7)
+        ax.set_ylim(0, max([b.get_height() for b in ax.patches] + [1.0]) * 1.35)  # room for the legend above the bars
+        ax.set_title(f"{name} ({e['domain']}): tokens per target forward per category", fontsize=9)
+        ax.legend(fontsize=7, ncol=len(shown), loc="upper center")
     fig.tight_layout()
     return fig
 
