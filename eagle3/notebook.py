@@ -27,6 +27,11 @@ def setup(params_file: str | None, run_dir: str | None = None, overrides: list[s
         alt = project_root() / pf
         if alt.exists():
             pf = alt
+    # the stage tables hold whole sentences (warnings, fixes, prompts): pandas' default cuts a cell
+    # at 50 characters with "…", and the executed notebook is the report's page
+    import pandas as pd
+
+    pd.set_option("display.max_colwidth", None)
     params = load_params(pf, overrides or None)
     rd = Path(run_dir) if run_dir else resolve_run_dir(params)
     rd = prepare_run_dir(params, rd)
@@ -60,8 +65,8 @@ def _say_which_run(run_dir: Path, chosen: bool) -> None:
     display(Markdown(run_dir_note(run_dir, chosen)))
 
 
-def show_table(rows: dict | list, title: str | None = None) -> None:
-    """Display a dict (key -> value) or a list of dicts as an HTML table in a notebook.
+def show_table(rows, title: str | None = None) -> None:
+    """Display a dict (key -> value), a list of dicts or a pandas DataFrame as an HTML table in a notebook.
 
     Returns None, so that a call left as a cell's last line does not show the table a second time
     (as the cell's result).
@@ -69,7 +74,12 @@ def show_table(rows: dict | list, title: str | None = None) -> None:
     import pandas as pd
     from IPython.display import Markdown, display
 
-    df = pd.DataFrame([{"metric": k, "value": v} for k, v in rows.items()]) if isinstance(rows, dict) else pd.DataFrame(rows)
+    if isinstance(rows, pd.DataFrame):
+        df = rows  # kept as built: its dtypes say how each column prints
+    elif isinstance(rows, dict):
+        df = pd.DataFrame([{"metric": k, "value": v} for k, v in rows.items()])
+    else:
+        df = pd.DataFrame(rows)
     if title:
         display(Markdown(f"**{title}**"))
     display(df)

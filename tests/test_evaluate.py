@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -116,6 +117,9 @@ def test_figures_are_plain_figures_and_leave_the_backend_alone():
     hist = [round(b.get_height(), 6) for b in figs["tau_histogram"].axes[0].patches]
     assert hist == [round(1 / 3, 6), round(1 / 3, 6), 0.0, round(1 / 3, 6)]
     assert parity_table(results)["offline"].tolist()[:2] == [pytest.approx(1 + 4 / 3), pytest.approx(1 + 4 / 3)]
+    # rates and counts share a column: the count prints as one ("3", not "3.000000")
+    printed = parity_table(results).set_index("metric")["offline"].to_string()
+    assert re.search(r"^rounds +3$", printed, re.M) and "3.000000" not in printed
 
 
 def test_per_set_tables_and_figures_put_out_of_domain_first():
@@ -143,6 +147,9 @@ def test_per_set_tables_and_figures_put_out_of_domain_first():
     assert t.loc[1, "speedup"] == pytest.approx(1.5) and t.loc[1, "P(pos 1)"] == 0.5
     # the speed rests on its own (smaller) prompt count, shown beside the acceptance one
     assert t.loc[3, "method"] == "no speculation (vLLM)" and t.loc[3, "speed_prompts"] == 1 and t.loc[3, "prompts"] == 2
+    # counts missing in some rows stay integers when printed (they printed as 1.000000 / 2.000000)
+    assert str(t["speed_prompts"].dtype) == "Int64" and str(t["prompts"].dtype) == "Int64"
+    assert ".0" not in t[["prompts", "speed_prompts"]].to_string()
     c = category_table(results)
     assert c[["set", "category"]].values.tolist() == [["general-chat", "math"], ["general-chat", "writing"],
                                                      ["heldout", "human-eval"]]

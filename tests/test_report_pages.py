@@ -140,6 +140,28 @@ def test_show_table_displays_once(monkeypatch):
     monkeypatch.setattr(IPython.display, "display", lambda *a, **k: shown.append(a))
     assert show_table({"a": 1}, "T") is None  # nothing for the cell to show a second time
     assert len(shown) == 2  # the title and the table
+    table = __import__("pandas").DataFrame({"metric": ["rounds"], "value": [939]}, dtype=object)
+    show_table(table)
+    assert shown[-1][0] is table  # a DataFrame is shown as built (its dtypes say how counts print)
+
+
+def test_notebook_setup_lets_table_cells_show_whole_sentences(tmp_path):
+    """A warning's fix or a prompt is a sentence: the executed notebook (a report page) must not cut it
+    at pandas' default 50 characters with '…'."""
+    import pandas as pd
+
+    from eagle3.notebook import setup
+    from eagle3.rundir import project_root
+    from eagle3.vocab import report_table
+
+    pd.reset_option("display.max_colwidth")
+    setup(str(project_root() / "params" / "ci.yaml"), str(tmp_path / "run"))
+    fix = "train on more conversations, or add a kind: self source so the target writes general-chat prompts"
+    assert fix in pd.DataFrame([{"fix": fix}])._repr_html_()  # what the notebook page shows
+    # stage 2's counters: a split without one of them keeps integer columns (no 1234.0)
+    counts = report_table({"tokenize_reports": {"train": {"samples": 1234, "rows": 1234},
+                                                "val": {"samples": 56}}})
+    assert counts.loc["samples"].tolist() == [1234, 56] and ".0" not in counts.to_string()
 
 
 def test_the_setup_cell_says_which_run_directory_it_opened(tmp_path):

@@ -33,17 +33,24 @@ def read_results(run_dir: str | Path) -> dict:
     return res
 
 
-def comparison_table(results: dict):
-    """Drafter vs n-gram vs no speculation (and offline): τ, tokens/forward, tokens/s (pandas DataFrame)."""
+def _frame(rows: list[dict], counts: tuple[str, ...] = (), columns: list[str] | None = None):
+    """A DataFrame whose count columns are pandas' nullable ``Int64``: a count missing in some row
+    (None) would otherwise turn the whole column into float64, printed as ``939.000000``."""
     import pandas as pd
 
+    df = pd.DataFrame(rows, columns=columns)
+    return df.astype({c: "Int64" for c in counts if c in df.columns})
+
+
+def comparison_table(results: dict):
+    """Drafter vs n-gram vs no speculation (and offline): τ, tokens/forward, tokens/s (pandas DataFrame)."""
     rows = []
     for name, b in results["backends"].items():
         rows.append({"method": LABELS.get(name, name), "backend": b["backend"], "k": b.get("k"),
                      "tau": b.get("tau"), "tokens_per_forward": b.get("tokens_per_forward"),
                      "draft_acceptance_rate": b.get("draft_acceptance_rate"), "rounds": b.get("rounds"),
                      "tokens_per_s": b.get("tokens_per_s") if b["backend"] == "vllm" else None})
-    return pd.DataFrame(rows)
+    return _frame(rows, counts=("k", "rounds"))
 
 
 def _ordered_sets(results: dict) -> list[tuple[str, dict]]:
@@ -58,8 +65,6 @@ def set_table(results: dict):
     """Per evaluation set (out-of-domain first) and method: τ, tokens per target forward,
     conditional per-position acceptance, tokens/s, prompts (of the acceptance numbers) and
     speed_prompts (of tokens/s: far fewer, one request at a time) (pandas DataFrame)."""
-    import pandas as pd
-
     rows = []
     k = results["settings"]["k"]
     for name, e in _ordered_sets(results):
@@ -75,13 +80,11 @@ def set_table(results: dict):
                          **{f"P(pos {i + 1})": pos[i] for i in range(k)},
                          "tokens_per_s": tps, "speedup": tps / none_tps if tps and none_tps else None,
                          "prompts": met.get("prompts", e["info"]["count"]), "speed_prompts": met.get("speed_prompts")})
-    return pd.DataFrame(rows)
+    return _frame(rows, counts=("prompts", "speed_prompts"))
 
 
 def category_table(results: dict, methods: tuple[str, ...] = ("vllm/eagle3", "vllm/ngram", "offline/eagle3")):
     """Per set and category: τ and tokens per target forward of each method side by side (DataFrame)."""
-    import pandas as pd
-
     short = {"vllm/eagle3": "drafter", "vllm/ngram": "ngram", "offline/eagle3": "offline"}
     rows = []
     for name, e in _ordered_sets(results):
@@ -92,19 +95,20 @@ def category_table(results: dict, methods: tuple[str, ...] = ("vllm/eagle3", "vl
                     row[f"tau_{short[m]}"] = by_m[m].get("tau")
                     row[f"tokens_per_forward_{short[m]}"] = by_m[m].get("tokens_per_forward")
             rows.append(row)
-    return pd.DataFrame(rows)
+    return _frame(rows, counts=("prompts",))
 
 
 def warnings_table(results: dict):
     """The mismatch warnings: rule, message, suggested fix (DataFrame; empty when none applies)."""
-    import pandas as pd
-
-    return pd.DataFrame([{"rule": w["rule"], "warning": w["message"], "fix": w["fix"]}
-                         for w in results.get("warnings") or []], columns=["rule", "warning", "fix"])
+    return _frame([{"rule": w["rule"], "warning": w["message"], "fix": w["fix"]}
+                   for w in results.get("warnings") or []], columns=["rule", "warning", "fix"])
 
 
 def parity_table(results: dict):
-    """Offline vs vLLM side by side: τ, acceptance rate and per-position conditional rates (DataFrame)."""
+    """Offline vs vLLM side by side: τ, acceptance rate and per-position conditional rates (DataFrame).
+
+    Its columns hold rates and counts together, so they keep dtype ``object``: a count prints as
+    ``939``, not as the ``939.000000`` of a float64 column."""
     import pandas as pd
 
     off = results["backends"].get("offline/eagle3") or {}
@@ -116,7 +120,7 @@ def parity_table(results: dict):
         rows.append({"metric": f"P(accept pos {i + 1} | 1..{i} accepted)",
                      "offline": (off.get("per_position_conditional") or [None] * k)[i],
                      "vllm": (vl.get("per_position_conditional") or [None] * k)[i]})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, dtype=object)
 
 
 def _axes():

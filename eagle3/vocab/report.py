@@ -290,7 +290,8 @@ def report_table(stats: dict):
             "length_cut_turns", "reasoning_not_rendered_turns", "turns_with_completion_tokens",
             "turns_matching_completion_tokens", "truncated_rows", "truncated_tokens",
             "truncated_supervised_tokens", "dropped_rows_after_truncation", "no_supervised_samples", "failed_samples"]
-    return pd.DataFrame({split: [r.get(k) for k in keys] for split, r in reps.items()}, index=keys)
+    # every row is a count: nullable Int64 keeps a missing one (None) from making its column float64
+    return pd.DataFrame({split: [r.get(k) for k in keys] for split, r in reps.items()}, index=keys).astype("Int64")
 
 
 def show_masked_rows(run_dir, tokenizer, n: int = 2, split: str = "train", max_tokens: int = 400) -> None:
