@@ -231,7 +231,8 @@ class SynthesizeParams(_Section):
     server: ServerParams = Field(default_factory=ServerParams)
     batch_size: int = Field(
         64, ge=1, description="conversations per generate call (continuous batching: per generate_batch call, which "
-        "refills finished rows itself); vLLM, 2 busy cores: 52 tokens/s at 64 vs 35 at 16 (benchmarks/bench_synthesize.py)")
+        "refills finished rows itself); vLLM, 2 busy cores: 52 tokens/s at 64 vs 35 at 16; 2 idle cores: 256 gives "
+        "1.12-1.18x the answer rate of 64, kept at 64 for resume granularity (benchmarks/RESULTS.md 2026-12-05)")
     transformers_batching: Literal["auto", "continuous", "padded"] = Field(
         "auto", description="backend=transformers: 'continuous' = generate_batch (paged KV cache, finished rows "
         "refilled; needs flash attention to pay), 'padded' = generate on left-padded batches, 'auto' = padded "
