@@ -153,10 +153,10 @@ def summary_html(run_dir: str | Path) -> str:
         if isinstance(d, (int, float)) and isinstance(g, (int, float)):
             faster = "the drafter" if d > g else "n-gram lookup"
             on = f", {e['speed_prompts']} prompts" if e.get("speed_prompts") else ""
-            z = e.get("tokens_per_s_vllm_none")
+            none_tps = e.get("tokens_per_s_vllm_none")
             # the speed-up column says it too, but a drafter slower than not speculating is the headline
-            slower = (f", and no speculation faster than the drafter ({_fmt(z)} tokens/s)"
-                      if isinstance(z, (int, float)) and z > d else "")
+            slower = (f", and no speculation faster than the drafter ({_fmt(none_tps)} tokens/s)"
+                      if isinstance(none_tps, (int, float)) and none_tps > d else "")
             verdicts.append(f"on {html.escape(n)} {faster} was faster ({_fmt(max(d, g))} vs {_fmt(min(d, g))} "
                             f"tokens/s{on}){slower}")
     if ratios:

@@ -155,9 +155,12 @@ def test_notebook_setup_lets_table_cells_show_whole_sentences(tmp_path):
     from eagle3.vocab import report_table
 
     pd.reset_option("display.max_colwidth")
-    setup(str(project_root() / "params" / "ci.yaml"), str(tmp_path / "run"))
-    fix = "train on more conversations, or add a kind: self source so the target writes general-chat prompts"
-    assert fix in pd.DataFrame([{"fix": fix}])._repr_html_()  # what the notebook page shows
+    try:
+        setup(str(project_root() / "params" / "ci.yaml"), str(tmp_path / "run"))
+        fix = "train on more conversations, or add a kind: self source so the target writes general-chat prompts"
+        assert fix in pd.DataFrame([{"fix": fix}])._repr_html_()  # what the notebook page shows
+    finally:
+        pd.reset_option("display.max_colwidth")  # setup's option is for a notebook kernel, not this test process
     # stage 2's counters: a split without one of them keeps integer columns (no 1234.0)
     counts = report_table({"tokenize_reports": {"train": {"samples": 1234, "rows": 1234},
                                                 "val": {"samples": 56}}})
