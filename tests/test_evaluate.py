@@ -901,3 +901,31 @@ def test_a_missing_evaluation_source_file_is_named_under_evaluate_sources(tmp_pa
                                  f"evaluate:\n  sources:\n    - kind: file\n      path: {missing}\n")
     with pytest.raises(PromptError, match=r"^evaluate\.sources: prompt file .*nope\.jsonl does not exist"):
         evaluation_sets(params, run_dir, target_model[1])
+
+
+def test_offline_resume_key_is_the_same_for_a_relative_and_an_absolute_run_dir(tmp_path, monkeypatch):
+    """A new user ran papermill on notebook 05 with run_dir=outputs/<run> (relative) after `eagle3 run`
+    had opened it by its absolute path: the key held the vocab mapping's path as given, so a finished
+    stage 5 measured its offline prompts again (5.5 min) and rewrote its files. The mapping enters the
+    key by content: the same bytes give the same key wherever the run is opened from; other bytes, another."""
+    from eagle3.config import load_params
+    from eagle3.contracts.drafter import DrafterSettings
+    from eagle3.evaluate.stage import _Inputs, _offline_key
+
+    (tmp_path / "outputs" / "run" / "02_vocab").mkdir(parents=True)
+    mapping = tmp_path / "outputs" / "run" / "02_vocab" / "vocab_mapping.safetensors"
+    mapping.write_bytes(b"d2t and t2d")
+    monkeypatch.chdir(tmp_path)
+    params = load_params(None)
+
+    def key(path: str) -> str:
+        ref = DrafterSettings(aux_layer_ids=[1, 15, 27], norm_before_residual=True, vocab_mapping=path)
+        inp = _Inputs(resolved=None, model=None, tok=None, drafter_dir=tmp_path, sets=[], training={}, prompts=[],
+                      offline_prompts=[{"id": "p0", "prompt_ids": [1, 2, 3]}], speed_ids=[], ref=ref, served=ref,
+                      drafter_key="abc", t_dtype="float32")
+        return _offline_key(params, inp)
+
+    relative = key("outputs/run/02_vocab/vocab_mapping.safetensors")
+    assert relative == key(str(mapping)) == key("../" + tmp_path.name + "/outputs/run/02_vocab/vocab_mapping.safetensors")
+    mapping.write_bytes(b"another mapping")
+    assert key(str(mapping)) != relative

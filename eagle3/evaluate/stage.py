@@ -157,7 +157,7 @@ def training_reference(params, run_dir: str | Path, drafter_dir: str | Path) -> 
     vm = rd.vocab_mapping
     mapping = None
     if own and vm.is_file():
-        mapping = str(vm)
+        mapping = str(vm.resolve())  # absolute, as find_drafter's drafter_dir: results.json names the file
         srcs.append(f"vocab mapping: {vm.relative_to(rd.root)}")
     return DrafterSettings(aux_layer_ids=ids, **flags, source="; ".join(srcs) or "config.json", vocab_mapping=mapping)
 
@@ -206,9 +206,15 @@ def _load_inputs(params, run_dir: Path) -> _Inputs:
 
 def _offline_key(params, inp: _Inputs) -> str:
     """The resume key of the offline records: drafter, offline prompts, trained settings, decoding
-    settings, dtype (prompt ``i`` samples with seed + i, so the prompt list is part of it)."""
+    settings, dtype (prompt ``i`` samples with seed + i, so the prompt list is part of it).
+
+    The draft vocab mapping enters by content, not by path: a run opened as ``outputs/<run>`` by
+    ``eagle3 run`` and as ``/abs/.../outputs/<run>`` (or ``../outputs/<run>``) by a notebook is the
+    same run, and its finished records must be reused, not measured again."""
     ev = params.evaluate
-    return _key([inp.drafter_key, [[p["id"], p["prompt_ids"]] for p in inp.offline_prompts], asdict(inp.ref),
+    vm = inp.ref.vocab_mapping
+    ref = asdict(inp.ref) | {"vocab_mapping": file_sha256(vm)[:16] if vm else None}
+    return _key([inp.drafter_key, [[p["id"], p["prompt_ids"]] for p in inp.offline_prompts], ref,
                  ev.num_speculative_tokens, ev.temperature, ev.max_new_tokens, params.run.seed, inp.t_dtype])
 
 
