@@ -120,6 +120,9 @@ def test_figures_are_plain_figures_and_leave_the_backend_alone():
     # rates and counts share a column: the count prints as one ("3", not "3.000000")
     printed = parity_table(results).set_index("metric")["offline"].to_string()
     assert re.search(r"^rounds +3$", printed, re.M) and "3.000000" not in printed
+    # position 1 is conditioned on nothing (it read "| 1..0 accepted", an empty range)
+    assert parity_table(results)["metric"].tolist()[-3:] == [
+        "P(accept pos 1)", "P(accept pos 2 | 1..1 accepted)", "P(accept pos 3 | 1..2 accepted)"]
 
 
 def test_per_set_tables_and_figures_put_out_of_domain_first():

@@ -117,7 +117,8 @@ def parity_table(results: dict):
             for key in ("tau", "tokens_per_forward", "draft_acceptance_rate", "rounds", "accepted_tokens")]
     k = results["settings"]["k"]
     for i in range(k):
-        rows.append({"metric": f"P(accept pos {i + 1} | 1..{i} accepted)",
+        given = f" | 1..{i} accepted" if i else ""  # position 1 is conditioned on nothing
+        rows.append({"metric": f"P(accept pos {i + 1}{given})",
                      "offline": (off.get("per_position_conditional") or [None] * k)[i],
                      "vllm": (vl.get("per_position_conditional") or [None] * k)[i]})
     return pd.DataFrame(rows, dtype=object)
