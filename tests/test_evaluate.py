@@ -932,3 +932,31 @@ def test_offline_resume_key_is_the_same_for_a_relative_and_an_absolute_run_dir(t
     assert relative == key(str(mapping)) == key("../" + tmp_path.name + "/outputs/run/02_vocab/vocab_mapping.safetensors")
     mapping.write_bytes(b"another mapping")
     assert key(str(mapping)) != relative
+
+
+def test_vllm_job_key_takes_the_drafter_by_content_not_by_path(tmp_path):
+    """A new user noticed that a moved run directory measured vLLM again: the jobs' resume keys held the
+    drafter's absolute path. The same drafter bytes under another path give the same key (the job itself
+    still names the path the worker loads); other drafter bytes, another key; n-gram's key ignores the drafter."""
+    from types import SimpleNamespace
+
+    from eagle3.config import load_params
+    from eagle3.contracts.drafter import DrafterSettings
+    from eagle3.evaluate.stage import _Inputs, _job
+
+    params = load_params(None)
+    ref = DrafterSettings(aux_layer_ids=[1, 15, 27], norm_before_residual=True, vocab_mapping=None)
+    prompts = [{"id": "p0", "messages": [{"role": "user", "content": "hi"}], "prompt_ids": [1, 2, 3]}]
+
+    def job(method: str, drafter_dir: Path, drafter_key: str) -> tuple[dict, str]:
+        inp = _Inputs(resolved=SimpleNamespace(path="/cache/target"), model=None, tok=None, drafter_dir=drafter_dir,
+                      sets=[], training={}, prompts=prompts, offline_prompts=[], speed_ids=["p0"], ref=ref,
+                      served=ref, drafter_key=drafter_key, t_dtype="float32")
+        return _job(params, inp, method)
+
+    here, moved = tmp_path / "a" / "drafter", tmp_path / "b" / "drafter"
+    (job_here, key_here), (job_moved, key_moved) = job("eagle3", here, "k1"), job("eagle3", moved, "k1")
+    assert job_here["drafter"] == str(here) and job_moved["drafter"] == str(moved)
+    assert key_here == key_moved
+    assert job("eagle3", here, "k2")[1] != key_here
+    assert job("ngram", here, "k1")[1] == job("ngram", moved, "k2")[1] != key_here

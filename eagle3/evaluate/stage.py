@@ -219,10 +219,13 @@ def _offline_key(params, inp: _Inputs) -> str:
 
 
 def _job(params, inp: _Inputs, method: str) -> tuple[dict, str]:
-    """The vLLM job of ``method`` and its resume key (the job, plus the drafter's weights for eagle3)."""
+    """The vLLM job of ``method`` and its resume key (the job, plus the drafter's weights for eagle3).
+
+    The drafter enters the key by content (``drafter_key``), not by its path: a run directory that was
+    moved, or opened by another path, holds the same measurement and must not be measured again."""
     job = build_job(params, method, inp.resolved.path, inp.drafter_dir, inp.prompts,
                     template_kwargs(params) or None, speed_ids=inp.speed_ids)  # None: the template's defaults
-    return job, _key([job, inp.drafter_key if method == "eagle3" else None])
+    return job, _key([job | {"drafter": None}, inp.drafter_key if method == "eagle3" else None])
 
 
 def _finished(params, inp: _Inputs, rd: RunDir) -> EvaluateStats | None:
