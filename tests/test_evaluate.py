@@ -657,7 +657,7 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
     # the parity's two sides on its 4 prompts (not the pooled vLLM tau over all 5): the gap is theirs
     assert stats.parity_tau_vllm == res["parity"]["tau_vllm"] and stats.parity_tau_offline == res["parity"]["tau_offline"]
     assert abs(stats.parity_tau_offline - stats.parity_tau_vllm) / stats.parity_tau_offline == pytest.approx(stats.parity_gap)
-    assert list(stats.sets) == ["general-chat", "heldout"]
+    assert list(stats.sets) == list(stats.measured["prompts"]) == ["general-chat", "heldout"]
     held, gc = stats.sets["heldout"], stats.sets["general-chat"]
     assert (held["prompts"], held["offline_prompts"], gc["prompts"], gc["offline_prompts"]) == (2, 2, 3, 2)
     assert gc["categories"] == 3 and held["speed_prompts"] == gc["speed_prompts"] == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eagle3.evaluate.prompts import out_of_domain_first
 from eagle3.io import read_json
 from eagle3.rundir import RunDir
 
@@ -55,7 +56,7 @@ def comparison_table(results: dict):
 
 def _ordered_sets(results: dict) -> list[tuple[str, dict]]:
     """results.json ``sets``, out-of-domain sets first (the question the report answers first)."""
-    return sorted((results.get("sets") or {}).items(), key=lambda kv: kv[1]["domain"] != "out-of-domain")
+    return sorted((results.get("sets") or {}).items(), key=lambda kv: out_of_domain_first(kv[1]["domain"]))
 
 
 _METHODS = ("vllm/eagle3", "vllm/ngram", "vllm/none", "offline/eagle3")

@@ -31,7 +31,7 @@ from eagle3.evaluate.layer_ids import aux_layer_id_warnings
 from eagle3.evaluate.metrics import group_metrics, summarize_rounds
 from eagle3.evaluate.mismatch import mismatch_warnings
 from eagle3.evaluate.parity import parity_result
-from eagle3.evaluate.prompts import EvalSet, evaluation_sets, spread
+from eagle3.evaluate.prompts import EvalSet, evaluation_sets, out_of_domain_first, spread
 from eagle3.evaluate.report import figures
 from eagle3.evaluate.vllm_jobs import (
     build_job,
@@ -333,7 +333,7 @@ def _set_stats(sets: dict) -> dict:
         return (entry["methods"].get(m) or {}).get(key)
 
     out = {}
-    for name, e in sorted(sets.items(), key=lambda kv: kv[1]["domain"] != "out-of-domain"):
+    for name, e in sorted(sets.items(), key=lambda kv: out_of_domain_first(kv[1]["domain"])):
         tps = {m: g(e, f"vllm/{m}", "tokens_per_s") for m in ("eagle3", "ngram", "none")}
         none = tps["none"]
         out[name] = {
@@ -366,7 +366,7 @@ def _measured(params, inp: _Inputs, offline_n: int) -> dict:
     """What was measured on which prompts (stats.json ``measured``): the report states it."""
     ev = params.evaluate
     n = len(inp.prompts)
-    out = {"prompts": {s.name: s.info["count"] for s in inp.sets}}
+    out = {"prompts": {s.name: s.info["count"] for s in sorted(inp.sets, key=lambda s: out_of_domain_first(s.domain))}}
     if "vllm" in ev.backends:
         acc = [m for m in ev.vllm_methods if m != "none"]
         out["vllm_acceptance"] = (f"{', '.join(acc) or 'no method'}: all {n} prompts, one batched pass per engine "
