@@ -148,6 +148,8 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
     exception: params that only one stage reads (:data:`eagle3.config.STAGE_OWN_SECTIONS`:
     ``evaluate.*``, stage 5) may change when that stage is in ``redo`` (it is measured again on the
     new params; the earlier stages' outputs, e.g. the training prompts stage 5 excludes, stay).
+    The written ``params.yaml`` names the folder it lies in (``run.name`` = the folder's name, where
+    that is a valid run name), so that it resolves to this run whoever opened it.
 
     Args:
         params: the resolved :class:`eagle3.config.Params`.
@@ -186,6 +188,15 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
             # accepted: one stage's own params, that stage redone; say what changed
             print("eagle3: params changed since this run was made (the stage that reads them is redone): "
                   + "; ".join(diffs), flush=True)
+    # the directory is the run: its params.yaml names the folder it lies in, whichever params file
+    # opened it (a notebook that opened outputs/<a> with a params file of run.name b wrote b there, and
+    # a later setup on that params.yaml resolved to outputs/b, another run)
+    folder = rd.resolve().name
+    if params.run.name != folder:
+        try:
+            params = params.model_copy(update={"run": type(params.run)(**(params.run.model_dump() | {"name": folder}))})
+        except ValueError:  # a folder name that is no run name (pydantic's ValidationError): keep the params'
+            pass
     atomic_write_text(pfile, dump_params(params))
     return rd
 

@@ -301,3 +301,18 @@ def test_cli_set_help_examples_are_valid_params():
     assert examples
     for ex in examples:
         load_params(None, ["tracking.mode=disabled", ex])
+
+
+def test_run_dir_params_yaml_names_its_own_folder(tmp_params):
+    """A new user opened outputs/newuser16 (made by `eagle3 run --run-name newuser16`) in a notebook with
+    params/ci.yaml: setup rewrote the run's params.yaml with ci.yaml's run.name, so a later setup on that
+    params.yaml resolved to another directory. params.yaml names the folder it lies in, whoever opened it."""
+    p = load_params(tmp_params("train:\n  lr: 0.001\n"))
+    assert p.run.name != "newuser16"
+    rd = prepare_run_dir(p, Path(p.run.output_dir) / "newuser16")
+    assert load_params(rd / "params.yaml").run.name == "newuser16"
+    prepare_run_dir(p, rd)  # opened again with the params file of the other name
+    again = load_params(rd / "params.yaml")
+    assert again.run.name == "newuser16" and params_fingerprint(again) == params_fingerprint(p)
+    odd = prepare_run_dir(p, Path(p.run.output_dir) / "a folder")  # no run name: the params' name stays
+    assert load_params(odd / "params.yaml").run.name == p.run.name
