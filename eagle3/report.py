@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import json
+from collections import Counter
 from pathlib import Path
 
 from eagle3.io import read_json
@@ -93,7 +94,9 @@ def _warnings_html(warnings: list[dict]) -> tuple[str, str]:
     """(banner at the very top, the full list) of stage 5's mismatch warnings; empty strings when none."""
     if not warnings:
         return "", ""
-    rules = ", ".join(sorted({w["rule"] for w in warnings}))
+    # in the order of the list below, a rule that fired on several sets counted (5 warnings, 4 rules)
+    counts = Counter(w["rule"] for w in warnings)
+    rules = ", ".join(f"{rule} x{n}" if n > 1 else rule for rule, n in counts.items())
     # a measured loss says "may not help"; a data-size/breadth rule alone says what it is
     measured = {w["rule"] for w in warnings} - {"small_training_data", "narrow_training_data"}
     what = ("this drafter may not help on the traffic you will serve" if measured else

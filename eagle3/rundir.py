@@ -328,6 +328,16 @@ class RunDir:
         """``04_train/drafter/``: the exported speculators-format drafter (config.json, model.safetensors)."""
         return self.stage(TRAIN) / DRAFTER_DIR
 
+    def evaluated_drafter(self, params) -> Path:
+        """The drafter stage 5 measures: ``evaluate.drafter_dir`` when set, else this run's own export
+        (:attr:`drafter_dir`).
+
+        Never the path stage 4's ``stats.json`` recorded: that one is absolute, so in a moved or copied
+        run directory it names the old folder (or the original run's drafter, measured as this one's).
+        """
+        ext = getattr(getattr(params, "evaluate", None), "drafter_dir", None)
+        return Path(ext).expanduser() if ext else self.drafter_dir
+
     # ------------------------------------------------------------------ stage 5
     @property
     def evaluate_results(self) -> Path:

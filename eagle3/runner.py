@@ -343,9 +343,8 @@ def _verify_train(rd: RunDir) -> list[str]:
             problems.append(f"stage 2's draft vocab mapping: {exc}")
     problems += verify_checkpoints(rd.checkpoints_dir, mapping_digest(mapping.d2t, mapping.t2d) if mapping else None)
     st = read_json(rd.stats(TRAIN), {}) or {}
-    drafter = rd.drafter_dir  # the export's own place; stats.json's path is absolute (a moved run: elsewhere)
-    if not drafter.is_dir() and st.get("drafter_dir"):
-        drafter = Path(st["drafter_dir"]) if Path(st["drafter_dir"]).is_absolute() else rd.root / st["drafter_dir"]
+    # the export's own place; stats.json's path is absolute: in a moved or copied run it names another folder
+    drafter = rd.drafter_dir
     if st.get("complete") and not drafter.is_dir():
         problems.append(f"{drafter}: stage 4 is complete but its exported drafter is missing")
     elif (drafter / "config.json").is_file():

@@ -78,8 +78,7 @@ def consumed_files(run_dir: str | Path, stage: int, params=None) -> list[Path]:
         return [rd.tokenized("train"), rd.tokenized("heldout"), *mapping,
                 *([] if online else [rd.extract_meta, rd.manifest])]
     if stage == EVALUATE:
-        ext = getattr(getattr(params, "evaluate", None), "drafter_dir", None)
-        drafter = Path(ext) if ext else rd.drafter_dir
+        drafter = rd.evaluated_drafter(params)
         return [rd.samples, rd.tokenized("train"), rd.tokenized("heldout"), *mapping, rd.extract_meta,
                 drafter / "config.json", drafter / "model.safetensors", *local_files(getattr(params, "evaluate", None))]
     raise ValueError(f"no stage {stage}")

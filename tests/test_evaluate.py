@@ -960,3 +960,35 @@ def test_vllm_job_key_takes_the_drafter_by_content_not_by_path(tmp_path):
     assert key_here == key_moved
     assert job("eagle3", here, "k2")[1] != key_here
     assert job("ngram", here, "k1")[1] == job("ngram", moved, "k2")[1] != key_here
+
+
+def test_a_moved_or_copied_run_measures_its_own_drafter(tmp_path):
+    """A new user moved a finished run (outputs/nu17 -> outputs/nu17moved): notebook 05 stopped with "no
+    drafter at .../nu17/04_train/drafter", the absolute path stage 4's stats.json recorded; a copy of a run
+    beside the original measured the original's drafter as its own. Stage 5 takes the run's own export
+    (or evaluate.drafter_dir), never the recorded path."""
+    from eagle3.config import Params
+    from eagle3.errors import EvaluateError
+    from eagle3.evaluate.stage import find_drafter
+    from eagle3.io import write_stats
+
+    orig = RunDir(tmp_path / "outputs" / "nu17")
+    orig.drafter_dir.mkdir(parents=True)
+    (orig.drafter_dir / "config.json").write_text('{"run": "nu17"}')
+    write_stats(orig.stage(4), {"drafter_dir": str(orig.drafter_dir.resolve()), "complete": True})
+    params = Params.model_validate({})
+
+    copy = RunDir(tmp_path / "outputs" / "nu17copy")
+    shutil.copytree(orig.root, copy.root)
+    (copy.drafter_dir / "config.json").write_text('{"run": "nu17copy"}')
+    assert find_drafter(params, copy.root) == copy.drafter_dir.resolve()
+
+    moved = RunDir(tmp_path / "outputs" / "nu17moved")
+    shutil.move(orig.root, moved.root)
+    assert find_drafter(params, moved.root) == moved.drafter_dir.resolve()
+    assert json.loads((find_drafter(params, moved.root) / "config.json").read_text()) == {"run": "nu17"}
+    external = Params.model_validate({"evaluate": {"drafter_dir": str(copy.drafter_dir)}})
+    assert find_drafter(external, moved.root) == copy.drafter_dir.resolve()
+    shutil.rmtree(moved.drafter_dir)
+    with pytest.raises(EvaluateError, match="no drafter at .*nu17moved/04_train/drafter"):
+        find_drafter(params, moved.root)

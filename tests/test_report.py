@@ -156,3 +156,19 @@ def test_the_speed_line_says_when_no_speculation_beat_the_drafter(tmp_path):
             "than the drafter (33 tokens/s); a speed on so few prompts") in page
     write_stats(stage_dir(tmp_path, 5), stats | {"tokens_per_s_vllm_none": 30.0})
     assert "no speculation faster" not in index_html(tmp_path, [], {})
+
+
+def test_the_banner_names_the_rules_in_the_lists_order_with_their_counts(tmp_path):
+    """New-user check: "5 mismatch warnings … (drafter_below_ngram, narrow_training_data, ood_far_below_id,
+    small_training_data)" named 4 rules, sorted, above a list of 5 in another order."""
+    def warn(rule: str) -> dict:
+        return {"rule": rule, "message": f"m {rule}", "numbers": {}, "fix": "f"}
+
+    warnings = [warn("drafter_below_ngram"), warn("drafter_below_ngram"), warn("ood_far_below_id"),
+                warn("small_training_data"), warn("narrow_training_data")]
+    write_stats(stage_dir(tmp_path, 5), {"num_prompts": 14, "k": 3, "temperature": 0.0, "warnings": warnings})
+    page = index_html(tmp_path, [], {})
+    assert ("5 mismatch warnings: this drafter may not help on the traffic you will serve (drafter_below_ngram x2, "
+            "ood_far_below_id, small_training_data, narrow_training_data)") in page
+    listed = [page.index(f"<strong>{w['rule']}</strong>: m ") for w in warnings[1:]]
+    assert listed == sorted(listed)

@@ -108,19 +108,13 @@ def _key(obj: Any) -> str:
 
 
 def find_drafter(params, run_dir: str | Path) -> Path:
-    """``evaluate.drafter_dir`` when set, else the drafter Stage 4 exported (its ``stats.json``).
+    """The drafter to measure (:meth:`eagle3.rundir.RunDir.evaluated_drafter`: ``evaluate.drafter_dir``
+    when set, else this run's own Stage 4 export), checked to hold a config.json; absolute.
 
     Raises:
         EvaluateError: no drafter (Stage 4 not complete) or the directory lacks config.json.
     """
-    rd = RunDir(run_dir)
-    if params.evaluate.drafter_dir:
-        d = Path(params.evaluate.drafter_dir).expanduser()
-    else:
-        st = read_json(rd.stats(TRAIN), {}) or {}
-        d = Path(st.get("drafter_dir") or rd.drafter_dir)
-        if not d.is_absolute():
-            d = rd.root / d if (rd.root / d).exists() else rd.stage(TRAIN) / d
+    d = RunDir(run_dir).evaluated_drafter(params)
     if not (d / "config.json").is_file():
         raise EvaluateError(f"no drafter at {d} (config.json missing): run stage 4 (train) first, "
                             f"or set evaluate.drafter_dir to a speculators-format directory")
