@@ -110,6 +110,20 @@ def test_setup_script_installs_every_ordered_pin():
     assert "uninstall" in text and "torchvision" in text
 
 
+def test_setup_script_stops_on_a_full_disk_before_installing(tmp_path):
+    """A CI machine ran out of disk halfway through pip; the set-up now checks first: it names the free
+    MiB and the need, exits 1, and creates nothing. The threshold is raised past any real disk."""
+    venv = tmp_path / "new" / "venv"
+    env = {"PATH": "/usr/bin:/bin", "EAGLE3_VENV": str(venv), "EAGLE3_VENV_NEED_MIB": "1000000000"}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "setup_venv.sh")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    free_mib = int(re.search(r": (\d+) MiB free on ", done.stderr).group(1))
+    assert free_mib > 0 and "needs about 1000000000 MiB" in done.stderr
+    assert "nothing was installed" in done.stderr
+    assert not (tmp_path / "new").exists()
+
+
 # ----------------------------------------------------------------------------- package structure (AST)
 
 PKG = ROOT / "eagle3"
