@@ -7,6 +7,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from eagle3.evaluate.prompts import out_of_domain_first
 from eagle3.io import read_json
 from eagle3.rundir import STAGES
 from eagle3.stage import Stats
@@ -70,6 +71,14 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def _fixed(v, decimals: int, suffix: str = "") -> str:
+    """A number with a fixed count of decimals, so that a column of the headline table reads evenly
+    (1.000 beside 1.490, not 1 beside 1.49); anything else as ``_fmt`` shows it."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return f"{v:.{decimals}f}{suffix}"
+    return _fmt(v)
+
+
 def _ratio(a, b) -> float | None:
     return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
@@ -131,7 +140,7 @@ def summary_html(run_dir: str | Path) -> str:
         return (f"{html.escape(n)}<br><small>{html.escape(str(e.get('domain', '')))}, {_fmt(e.get('prompts'))} "
                 f"prompts{speed}</small>")
 
-    ordered = sorted(sets.items(), key=lambda kv: kv[1].get("domain") != "out-of-domain")  # out-of-domain first
+    ordered = sorted(sets.items(), key=lambda kv: out_of_domain_first(kv[1].get("domain")))
     groups = [(label(n, e), e) for n, e in ordered]
     if not groups:  # a stats.json without per-set numbers: the pooled ones
         groups = [(f"all<br><small>{_fmt(st.get('num_prompts'))} prompts</small>", st)]
@@ -140,8 +149,8 @@ def summary_html(run_dir: str | Path) -> str:
         rows = _method_rows(e)
         for i, (name, tpf, tau, tps, up) in enumerate(rows):
             cell = f"<th rowspan='{len(rows)}'>{label}</th>" if i == 0 else ""
-            body += (f"<tr>{cell}<th>{name}</th><td>{_fmt(tpf)}</td><td>{_fmt(tau)}</td><td>{_fmt(tps)}</td>"
-                     f"<td>{_fmt(up)}</td></tr>")
+            body += (f"<tr>{cell}<th>{name}</th><td>{_fixed(tpf, 3)}</td><td>{_fixed(tau, 3)}</td>"
+                     f"<td>{_fixed(tps, 1)}</td><td>{_fixed(up, 2, 'x')}</td></tr>")
     parts = ["<div id='headline'>", banner, "<h2>Result</h2>", f"<table>{head}{body}</table>",
              "<p><small>Tokens per target forward compare the methods: every verification round counts, "
              "a round without drafts as one token. τ counts only rounds that had drafts, so n-gram lookup, "
@@ -151,16 +160,16 @@ def summary_html(run_dir: str | Path) -> str:
     for n, e in (ordered if sets else [("all prompts", st)]):
         r = _ratio(e.get("tokens_per_forward_vllm"), e.get("tokens_per_forward_ngram"))
         if r is not None:
-            ratios.append(f"{_fmt(r)}x n-gram's on {html.escape(n)}")
+            ratios.append(f"{_fixed(r, 2, 'x')} n-gram's on {html.escape(n)}")
         d, g = e.get("tokens_per_s_vllm_eagle3"), e.get("tokens_per_s_vllm_ngram")
         if isinstance(d, (int, float)) and isinstance(g, (int, float)):
             faster = "the drafter" if d > g else "n-gram lookup"
             on = f", {e['speed_prompts']} prompts" if e.get("speed_prompts") else ""
             none_tps = e.get("tokens_per_s_vllm_none")
             # the speed-up column says it too, but a drafter slower than not speculating is the headline
-            slower = (f", and no speculation faster than the drafter ({_fmt(none_tps)} tokens/s)"
+            slower = (f", and no speculation faster than the drafter ({_fixed(none_tps, 1)} tokens/s)"
                       if isinstance(none_tps, (int, float)) and none_tps > d else "")
-            verdicts.append(f"on {html.escape(n)} {faster} was faster ({_fmt(max(d, g))} vs {_fmt(min(d, g))} "
+            verdicts.append(f"on {html.escape(n)} {faster} was faster ({_fixed(max(d, g), 1)} vs {_fixed(min(d, g), 1)} "
                             f"tokens/s{on}){slower}")
     if ratios:
         parts.append(f"<p>The drafter's tokens per target forward: {'; '.join(ratios)}.</p>")

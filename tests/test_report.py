@@ -71,12 +71,13 @@ def test_the_index_opens_with_the_vllm_comparison(tmp_path):
     page = index_html(tmp_path, [], {"05_evaluate": ["figures/05_evaluate__tau.png"]})
     assert page.index("<h2>Result</h2>") < page.index("<h2>1. synthesize</h2>")
     # a stats.json without per-set numbers: the pooled ones, in one group
-    assert ("<th>EAGLE-3 drafter</th><td>1.696</td><td>1.696</td><td>45.4</td><td>1.227</td></tr>"
-            "<tr><th>n-gram lookup</th><td>1.49</td><td>2.532</td><td>46.2</td><td>1.249</td></tr>"
-            "<tr><th>no speculation</th><td>1</td><td>-</td><td>37</td><td>1</td></tr>") in page
+    # every column with its own fixed decimals (1.000 beside 1.490, 37.0 beside 46.2)
+    assert ("<th>EAGLE-3 drafter</th><td>1.696</td><td>1.696</td><td>45.4</td><td>1.23x</td></tr>"
+            "<tr><th>n-gram lookup</th><td>1.490</td><td>2.532</td><td>46.2</td><td>1.25x</td></tr>"
+            "<tr><th>no speculation</th><td>1.000</td><td>-</td><td>37.0</td><td>1.00x</td></tr>") in page
     assert ("In vLLM on all prompts n-gram lookup was faster (46.2 vs 45.4 tokens/s); a speed on so few prompts, "
             "one request at a time, is indicative only.") in page
-    assert "The drafter's tokens per target forward: 1.138x n-gram's on all prompts." in page  # 1.696 / 1.49
+    assert "The drafter's tokens per target forward: 1.14x n-gram's on all prompts." in page  # 1.696 / 1.49
     assert "parity agrees (relative gap 0, tolerance 0.15)" in page and "<li>aux ids differ</li>" in page
     assert "mismatch-warning" not in page
     assert "<a href='figures/05_evaluate__tau.png'><img src='figures/05_evaluate__tau.png'" in page
@@ -108,10 +109,10 @@ def test_the_headline_states_every_set_out_of_domain_first_and_the_warnings_on_t
     assert top < page.index("<h2>Result</h2>") < page.index("general-chat<br>") < page.index("heldout<br>")
     assert page.index("<h2>Result</h2>") < page.index("<h2>1. synthesize</h2>")
     assert "1 mismatch warning: this drafter may not help" in page
-    assert "tokens/s, 2 prompts)" in page and "0.9076x n-gram's on general-chat; 1.141x n-gram's on heldout" in page
+    assert "tokens/s, 2 prompts)" in page and "0.91x n-gram's on general-chat; 1.14x n-gram's on heldout" in page
     # the speed columns say on how many prompts they rest (a set without the count says nothing)
     assert ("<th rowspan='3'>general-chat<br><small>out-of-domain, 96 prompts; tokens/s on 2 of them</small></th>"
-            "<th>EAGLE-3 drafter</th><td>1.08</td><td>1.08</td><td>15</td><td>0.9375</td></tr>") in page
+            "<th>EAGLE-3 drafter</th><td>1.080</td><td>1.080</td><td>15.0</td><td>0.94x</td></tr>") in page
     assert "<th rowspan='3'>heldout<br><small>in-distribution, 18 prompts</small></th>" in page
     # why n-gram's τ (2.5 here) can top the drafter's while its tokens per forward are lower, on the page itself
     assert page.index("<h2>Result</h2>") < page.index("can show a higher τ than the drafter") < page.index("<h3 id='warnings'>")
@@ -153,7 +154,7 @@ def test_the_speed_line_says_when_no_speculation_beat_the_drafter(tmp_path):
     write_stats(stage_dir(tmp_path, 5), stats)
     page = index_html(tmp_path, [], {})
     assert ("In vLLM on all prompts n-gram lookup was faster (32.5 vs 30.7 tokens/s), and no speculation faster "
-            "than the drafter (33 tokens/s); a speed on so few prompts") in page
+            "than the drafter (33.0 tokens/s); a speed on so few prompts") in page
     write_stats(stage_dir(tmp_path, 5), stats | {"tokens_per_s_vllm_none": 30.0})
     assert "no speculation faster" not in index_html(tmp_path, [], {})
 
