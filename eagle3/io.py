@@ -174,7 +174,8 @@ class Progress:
     execution that did not end ``done`` (an interrupted, failed or killed run being resumed, or stage
     1's self-prompting phase, closed ``running``, before its answering phase), its ``elapsed_s`` is
     carried on. The rates (``tokens_per_s``, ``rate_units_per_s``, the ETA) count only this
-    execution's own work: units passed as ``done``/``tokens`` or :meth:`resumed` are not in them.
+    execution's own work of the current phase (:meth:`next_phase`): units passed as
+    ``done``/``tokens`` or :meth:`resumed` are not in them.
 
     Args:
         stage_dir: the stage folder; ``progress.json`` goes there.
@@ -259,9 +260,26 @@ class Progress:
         self.bar.update(n)
         self._write("running")
 
+    def next_phase(self, total: int | None, unit: str, desc: str | None = None) -> None:
+        """Start the stage's next phase in the same ``progress.json``: a new unit and total, ``done``
+        from 0, and rates (so the ETA) of this phase's own work. Stage 5's offline prompts take seconds
+        each and its vLLM measurements minutes: one rate over both put its ETA minutes short.
+        ``elapsed_s`` runs on (the earlier phases' time is kept) and ``tokens`` keeps counting."""
+        from tqdm.auto import tqdm
+
+        with self._lock:
+            self.elapsed_before += self.elapsed_s
+            self.t0 = time.time()
+            self.total, self.unit = total, unit
+            self.done = self._start_done = 0
+            self._start_tokens = self.tokens
+            self.bar.close()
+            self.bar = tqdm(total=total, unit=f" {unit}", desc=desc or self.dir.name, dynamic_ncols=True)
+        self._write("running", force=True)
+
     @property
     def elapsed_s(self) -> float:
-        """Seconds of this execution (the rates' denominator)."""
+        """Seconds of this phase of this execution (the rates' denominator; :meth:`next_phase`)."""
         return max(time.time() - self.t0, 1e-9)
 
     @property

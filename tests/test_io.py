@@ -79,6 +79,29 @@ def test_a_resumed_stage_shows_done_with_its_total_its_whole_time_and_no_eta(tmp
     assert (row["state"], row["done"], row["ETA"], row["elapsed"]) == ("complete", "19/19 steps", "-", "5m00s")
 
 
+def test_a_new_phase_has_its_own_unit_total_and_eta_and_the_stage_time_runs_on(tmp_path):
+    """Stage 5: 16 offline prompts in 60 s, then 3 vLLM measurements of 120 s each. One rate over the
+    19 jobs gave an ETA of 14 s after the first measurement; the phase's own rate gives 240 s."""
+    d = tmp_path / "05_evaluate"
+    d.mkdir()
+    prog = Progress(d, total=16, unit="offline prompts", interval_s=0.0)
+    prog.t0 -= 60.0
+    prog.update(16, tokens=1600)
+    prog.next_phase(3, "vLLM measurements")
+    snap = read_json(d / "progress.json")
+    assert (snap["unit"], snap["done"], snap["total"], snap["eta_s"]) == ("vLLM measurements", 0, 3, None)
+    assert snap["tokens"] == 1600 and snap["tokens_per_s"] == 0.0 and 60.0 <= snap["elapsed_s"] < 70.0
+    prog.t0 -= 120.0  # the first measurement took 120 s
+    prog.update(1, tokens=300)
+    snap = read_json(d / "progress.json")
+    assert 235.0 <= snap["eta_s"] <= 240.0 and snap["tokens"] == 1900 and 180.0 <= snap["elapsed_s"] < 190.0
+    assert 2.4 < snap["tokens_per_s"] <= 2.5  # 300 tokens of this phase over its 120 s
+    prog.update(2)
+    prog.close("done")
+    snap = read_json(d / "progress.json")
+    assert (snap["status"], snap["done"], snap["total"], snap["eta_s"]) == ("done", 3, 3, 0.0)
+
+
 def test_stage_1_elapsed_covers_self_prompting_and_answering(tmp_path):
     """Stage 1 writes progress.json from two Progress objects (self-prompting, closed 'running', then
     answering): the stage's elapsed covers both; a stage redone after a finished run starts at 0."""

@@ -454,17 +454,21 @@ def run(params, run_dir: str | Path) -> EvaluateStats:
     atomic_write_json(sd / "prompts.json", {"info": {s.name: s.info for s in inp.sets}, "prompts": [
         {kk: p[kk] for kk in ("id", "set", "source", "category", "prompt_hash")} | {"prompt_tokens": len(p["prompt_ids"])}
         for p in inp.prompts]})
-    # jobs: one per offline prompt and one per vLLM measurement (method); README "Watching a run"
-    units = (len(inp.offline_prompts) if "offline" in ev.backends else 0) + (
-        len(ev.vllm_methods) if "vllm" in ev.backends else 0)
+    # two phases, each with its own unit, total and rate (README "Watching a run"): the offline prompts
+    # (seconds each), then the vLLM measurements (minutes each), so the ETA is the current phase's
+    phases = ([(len(inp.offline_prompts), "offline prompts")] if "offline" in ev.backends else []) + (
+        [(len(ev.vllm_methods), "vLLM measurements")] if "vllm" in ev.backends else [])
     backends: dict[str, dict] = {}
     dm = offline_recs = None
     vllm_results: dict[str, dict] = {}
-    with StageRun(params, rd.root, EVALUATE, total=units, unit="jobs") as st:
+    total, unit = phases[0] if phases else (0, "jobs")
+    with StageRun(params, rd.root, EVALUATE, total=total, unit=unit) as st:
         if "offline" in ev.backends:
             dm, offline_recs = _offline(params, inp, sd, st.progress)
             backends["offline/eagle3"] = _offline_summary(inp, offline_recs, k, temp)
         if "vllm" in ev.backends:
+            if "offline" in ev.backends:
+                st.progress.next_phase(*phases[1], desc=f"{sd.name} vLLM")
             vllm_results = _vllm(params, inp, sd, st.progress)
             for m, res in vllm_results.items():
                 backends[f"vllm/{m}"] = vllm_summary(res, inp.prompts, k)
