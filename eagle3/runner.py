@@ -272,9 +272,13 @@ def run_pipeline(
         except pm.PapermillExecutionError as exc:
             if fwd.count or exc.ename == "KeyboardInterrupt":
                 raise stopped from None
+            # the executed notebook labels its cells "In [n]" (papermill's own message says the same);
+            # exc.cell_index counts from 0 and includes markdown and the injected parameters cell
+            first = next((ln.strip() for ln in (exc.source or "").splitlines() if ln.strip()), "")
             raise StageFailed(
-                f"Stage {s} ({STAGES[s]}) failed in cell {exc.cell_index} of {nb_in.name}: "
-                f"{exc.ename}: {exc.evalue}\nExecuted notebook: {out_dir / NOTEBOOKS[s]}"
+                f"Stage {s} ({STAGES[s]}) failed at In [{exc.exec_count}] of {nb_in.name}"
+                f"{f' ({first[:80]})' if first else ''}: {exc.ename}: {exc.evalue}\n"
+                f"Executed notebook: {out_dir / NOTEBOOKS[s]}"
             ) from None
         except KeyboardInterrupt:  # a second Ctrl-C, or one before the kernel was up
             raise stopped from None

@@ -210,7 +210,12 @@ def test_failing_stage_shows_cell_error(tmp_params, nbdir):
     with pytest.raises(StageFailed) as e:
         run_pipeline(pf, [1, 2, 3], notebooks=nbdir)
     msg = str(e.value)
-    assert "Stage 2 (02_vocab) failed in cell 3" in msg and "planted failure in stage 2" in msg
+    # named as the executed notebook labels the failing cell (papermill injects a parameters cell)
+    executed = nbformat.read(Path(pf).parent / "outputs" / "t" / "notebooks" / NOTEBOOKS[2], as_version=4)
+    failed = [c for c in executed.cells if any(o.get("output_type") == "error" for o in c.get("outputs", []))]
+    assert len(failed) == 1 and failed[0].execution_count == 4
+    assert ("Stage 2 (02_vocab) failed at In [4] of 02_vocab_coverage.ipynb (raise ValueError('planted failure "
+            "in stage 2')): ValueError: planted failure in stage 2") in msg
     # stage 1 finished and stays finished; stage 3 never ran
     assert read_json(Path(pf).parent / "outputs" / "t" / "01_synthesize" / "stats.json")["complete"]
     assert not (Path(pf).parent / "outputs" / "t" / "03_extract").exists()
