@@ -65,8 +65,11 @@ def _say_which_run(run_dir: Path, chosen: bool) -> None:
     display(Markdown(run_dir_note(run_dir, chosen)))
 
 
-def show_table(rows, title: str | None = None) -> None:
+def show_table(rows, title: str | None = None, sentences: bool = False) -> None:
     """Display a dict (key -> value), a list of dicts or a pandas DataFrame as an HTML table in a notebook.
+
+    ``sentences``: the cells hold sentences (stage 5's warnings), shown left-aligned and without the
+    row index; JupyterLab right-aligns table cells, which reads well for numbers only.
 
     Returns None, so that a call left as a cell's last line does not show the table a second time
     (as the cell's result).
@@ -82,4 +85,9 @@ def show_table(rows, title: str | None = None) -> None:
         df = pd.DataFrame(rows)
     if title:
         display(Markdown(f"**{title}**"))
-    display(df)
+    if sentences:
+        left = [("text-align", "left")]
+        display(df.style.set_properties(**dict(left)).set_table_styles([{"selector": "th", "props": left}])
+                .hide(axis="index"))
+    else:
+        display(df)

@@ -5,6 +5,7 @@ a table), tables shown once, and the notebooks saying which run directory they o
 from __future__ import annotations
 
 import json
+import re
 
 import nbformat
 import numpy as np
@@ -143,6 +144,14 @@ def test_show_table_displays_once(monkeypatch):
     table = __import__("pandas").DataFrame({"metric": ["rounds"], "value": [939]}, dtype=object)
     show_table(table)
     assert shown[-1][0] is table  # a DataFrame is shown as built (its dtypes say how counts print)
+    # stage 5's warnings are sentences: left-aligned, headers too, without the row index
+    warn = __import__("pandas").DataFrame([{"rule": "drafter_below_ngram", "warning": "on general-chat the drafter "
+                                            "gives 1.042 tokens per target forward", "fix": "more data"}])
+    show_table(warn, sentences=True)
+    page = shown[-1][0].to_html()
+    assert re.search(r"#T_\w+ th \{\s*text-align: left;", page)  # the headers
+    assert re.search(r"_row0_col2 \{\s*text-align: left;", page)  # every cell, the last column's included
+    assert "gives 1.042 tokens per target forward</td>" in page and "row_heading" not in page
 
 
 def test_notebook_setup_lets_table_cells_show_whole_sentences(tmp_path):
