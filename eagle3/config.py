@@ -168,6 +168,20 @@ class PromptSource(_Section):
         defaults = PromptSource.model_construct().model_dump(mode="json")  # every field at its default
         return {k: v for k, v in d.items() if k in keep or v != defaults[k]}
 
+    # the keys a field mapping may set (eagle3.prompts.record_to_turns reads these and no other)
+    FIELD_KEYS: ClassVar[tuple[str, ...]] = ("messages", "role", "content", "instruction", "input", "system", "prompt")
+
+    @field_validator("fields")
+    @classmethod
+    def _known_field_keys(cls, fields: dict[str, str]) -> dict[str, str]:
+        # a misspelled key (instrction: ...) would be ignored and the default field read instead
+        for key in fields:
+            if key not in cls.FIELD_KEYS:
+                close = difflib.get_close_matches(key, cls.FIELD_KEYS, n=1)
+                hint = f" Did you mean '{close[0]}'?" if close else ""
+                raise ValueError(f"fields.{key}: unknown key.{hint} Allowed here: {', '.join(cls.FIELD_KEYS)}")
+        return fields
+
     @model_validator(mode="after")
     def _self_prompt_only_for_self(self) -> PromptSource:
         if self.kind == "self" and self.self_prompt is None:

@@ -102,6 +102,8 @@ _ROLE_MAP = {
     "developer": "system",
 }
 _PROMPT_FIELDS = ("prompt", "question", "instruction", "query", "text", "input")
+# fields a mapping may name that a record can lack (read as empty): record_to_turns reads them with required=False
+_OPTIONAL_FIELDS = ("input", "system")
 _MAX_EXAMPLES = 20
 _BOM = b"\xef\xbb\xbf"  # UTF-8 byte order mark (Windows editors, Excel's "CSV UTF-8" exports)
 _UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
@@ -574,8 +576,21 @@ def _read_prompts(src: PromptSource, label: str, report: LoadReport, on_bad_line
     formats: Counter = Counter()
     local: set[str] = set()
     out: list[Prompt] = []
+    # a mapped optional field (input, system) missing from a record is read as empty: one that no
+    # record has is a wrong path (instances[0].input for instances.0.input) that would silently drop
+    # text from every prompt
+    unresolved = {k: src.fields[k] for k in _OPTIONAL_FIELDS if k in src.fields}
+    first_keys: list[str] = []
     for rec, where in iter_records(src, report, on_bad_line, field):
         records += 1
+        if records == 1 and isinstance(rec, dict):
+            first_keys = sorted(rec)[:12]
+        for k, path in list(unresolved.items()):
+            try:
+                _get_path(rec, path)
+                del unresolved[k]
+            except KeyError:
+                pass
         fmt = src.format
         if fmt == "auto":
             try:
@@ -599,6 +614,14 @@ def _read_prompts(src: PromptSource, label: str, report: LoadReport, on_bad_line
         out.append(Prompt(id=sample_id(label, ph), source=label, prompt_hash=ph,
                           split=split_for(ph, heldout_fraction), turns=turns, origin=where,
                           category=cat if isinstance(cat, str) and cat else None))
+    if records and unresolved:
+        k, path = next(iter(unresolved.items()))
+        dotted = re.sub(r"\[(-?\d+)\]", r".\1", path)
+        hint = f" (did you mean {dotted!r}? list items are dotted too)" if dotted != path else ""
+        raise PromptError(
+            f"{field}[{label}]: fields.{k} = {path!r} is in none of its {records} records{hint}; the first "
+            f"record's keys: {first_keys}. A path names keys and list indices with dots, e.g. instances.0.input"
+        )
     return out, records, dups, formats
 
 

@@ -83,6 +83,29 @@ def test_prompt_field_dotted_mapping_and_template(tmp_path):
                         {"role": "user", "content": "Question: What is 6*7?\nAnswer:"}]]
 
 
+def test_a_mapped_optional_field_that_no_record_has_is_an_error_not_silent_text_loss(tmp_path):
+    """A new user wrote input: instances[0].input (the loader's paths are dotted): every prompt lost
+    its input with no count and no warning. A mapped input/system found in no record now stops the
+    load; one found in some records is read as empty where it is missing."""
+    rows = [{"instruction": "Classify the pair.", "instances": [{"input": "Night : Day"}]},
+            {"instruction": "Say hello.", "instances": [{}]}]
+    path = str(_jsonl(tmp_path / "nested.jsonl", rows))
+    ok = load_source(PromptSource(kind="file", path=path, format="alpaca", fields={"input": "instances.0.input"}))
+    assert [p.turns[0][-1]["content"] for p in ok] == ["Classify the pair.\n\nNight : Day", "Say hello."]
+    with pytest.raises(PromptError) as e:
+        load_source(PromptSource(kind="file", path=path, fields={"input": "instances[0].input"}), field="evaluate.sources")
+    assert ("evaluate.sources[nested]: fields.input = 'instances[0].input' is in none of its 2 records (did you mean "
+            "'instances.0.input'? list items are dotted too); the first record's keys: ['instances', 'instruction']") in str(e.value)
+    with pytest.raises(PromptError, match=r"fields.system = 'sys' is in none of its 2 records; the first record's keys"):
+        load_source(PromptSource(kind="file", path=path, fields={"system": "sys"}))
+
+
+def test_a_misspelled_field_mapping_key_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"fields.instrction: unknown key. Did you mean 'instruction'\? Allowed here: "
+                                         r"messages, role, content, instruction, input, system, prompt"):
+        PromptSource(kind="file", path="x.jsonl", fields={"instrction": "instruction"})
+
+
 def test_auto_detection_failure_names_the_keys(tmp_path):
     path = _jsonl(tmp_path / "weird.jsonl", [{"foo": 1, "bar": "x"}])
     with pytest.raises(PromptError, match=r"weird.jsonl:1: cannot detect the prompt format .*\['bar', 'foo'\]"):
