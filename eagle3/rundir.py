@@ -81,6 +81,7 @@ REPORT_DIR = "report"
 
 # Stage 1
 SAMPLES_FILE = "samples.jsonl"
+SELF_PROMPTS_DIR = "self_prompts"  # the target's self-written prompts (eagle3.self_prompt)
 # Stage 2
 TOKENIZED_FILE = "{split}.parquet"  # split: "train" | "heldout"
 VOCAB_MAPPING_FILE = "vocab_mapping.safetensors"
@@ -97,6 +98,16 @@ CHECKPOINTS_DIR = "checkpoints"
 DRAFTER_DIR = "drafter"
 # Stage 5
 RESULTS_FILE = "results.json"
+OFFLINE_RECORDS_FILE = "offline_records.jsonl"
+VLLM_RESULT_FILE = "vllm_{method}.json"  # method: eagle3 | ngram | none; the job beside it as .job.json
+
+# What a stage starting over on changed inputs keeps (eagle3.runner.reopen_stage; globs in the stage
+# folder): files whose reuse the stage's own resume decides by content, so that a start-over, or one
+# interrupted and run again on the earlier params, redoes none of the work they hold. Stage 1: the
+# self-written prompts (they depend on the target and the self-prompting settings, never on the prompt
+# files); stage 5: the offline records and each vLLM measurement, reused only where their resume key
+# (drafter weights, prompts, settings) matches.
+START_OVER_KEEPS = {1: (SELF_PROMPTS_DIR,), 5: (OFFLINE_RECORDS_FILE, VLLM_RESULT_FILE.format(method="*"))}  # + .job.json
 
 
 def project_root() -> Path:
@@ -343,3 +354,13 @@ class RunDir:
     def evaluate_results(self) -> Path:
         """``05_evaluate/results.json``: τ offline / vLLM / n-gram and the parity check."""
         return self.stage(EVALUATE) / RESULTS_FILE
+
+    @property
+    def offline_records(self) -> Path:
+        """``05_evaluate/offline_records.jsonl``: one offline EAGLE-3 decoding record per prompt, each
+        with the resume key of its inputs."""
+        return self.stage(EVALUATE) / OFFLINE_RECORDS_FILE
+
+    def vllm_result(self, method: str) -> Path:
+        """``05_evaluate/vllm_<method>.json``: one vLLM measurement, ``job_key`` its inputs' resume key."""
+        return self.stage(EVALUATE) / VLLM_RESULT_FILE.format(method=method)

@@ -16,8 +16,9 @@ from eagle3.errors import ParamsError, RunInterrupted, RunnerError, StageFailed,
 from eagle3.io import format_bytes, read_json
 from eagle3.rundir import (
     NOTEBOOKS,
+    PROGRESS_FILE,
     STAGES,
-    SYNTHESIZE,
+    START_OVER_KEEPS,
     TRAIN,
     RunDir,
     notebooks_dir,
@@ -84,6 +85,27 @@ def resume_stages(stage: int, stages: list[int], redo: list[int] | None) -> tupl
     return [s for s in stages if s >= stage], again
 
 
+def check_prompt_files(params, stages: list[int]) -> None:
+    """Read the local prompt files (``kind: file`` sources) of the stages about to run, through the
+    loader the stages use, before the run directory is touched: a wrong path or field mapping, or a
+    file without a usable prompt, stops the run here, not after ``--redo`` removed the stage's
+    results and ``params.yaml`` recorded the broken params (a new user's finding). Stage 1 reads
+    ``synthesize.sources`` (with ``synthesize.on_bad_line``), stage 5 ``evaluate.sources``.
+
+    Raises:
+        PromptError: the loader's message, naming the params list, the source and the file/line.
+    """
+    from eagle3.prompts import load_source
+
+    lists = {1: ("synthesize.sources", params.synthesize.sources, params.synthesize.on_bad_line),
+             5: ("evaluate.sources", params.evaluate.sources, "skip")}
+    for stage in sorted(set(stages) & set(lists)):
+        field, sources, on_bad_line = lists[stage]
+        for src in sources:
+            if src.kind == "file":
+                load_source(src, on_bad_line=on_bad_line, dedup=False, field=field)
+
+
 def reopen_stage(run_dir: str | Path, stage: int, params=None) -> str:
     """Make stage ``stage`` run again (``eagle3 run --redo N``); returns what was done, for the console.
 
@@ -99,21 +121,23 @@ def reopen_stage(run_dir: str | Path, stage: int, params=None) -> str:
     sd = rd.stage(stage)
     reasons = stale_inputs(run_dir, stage, params)
     if reasons:
-        kept = ""
+        kept: list[str] = []
         if sd.exists():
             trash = rd.root / f".redo-{sd.name}-{int(time.time())}"
             sd.rename(trash)  # one rename, then the slow removal: a kill leaves no half-removed folder
-            if stage == SYNTHESIZE:
-                from eagle3.self_prompt import SELF_PROMPTS_DIR
-
-                if (trash / SELF_PROMPTS_DIR).is_dir():
-                    rd.stage(stage).mkdir(exist_ok=True)
-                    (trash / SELF_PROMPTS_DIR).rename(sd / SELF_PROMPTS_DIR)
-                    kept = f"; its self-written prompts ({SELF_PROMPTS_DIR}/) are kept"
+            for pattern in START_OVER_KEEPS.get(stage, ()):
+                for f in sorted(trash.glob(pattern)):
+                    sd.mkdir(exist_ok=True)
+                    f.rename(sd / f.name)
+                    kept.append(f.name + ("/" if (sd / f.name).is_dir() else ""))
             shutil.rmtree(trash, ignore_errors=True)
+        keeps = (f"; kept, reused where their inputs match: {', '.join(kept)}" if kept else "")
         return (f"stage {stage} ({STAGES[stage]}) starts over: its inputs changed since it ran ("
-                + "; ".join(reasons) + ")" + kept)
+                + "; ".join(reasons) + ")" + keeps)
+    # progress.json goes too: a stage that then fails before it starts (bad params) is shown as not
+    # run, not as "done" without its stats
     rd.stats(stage).unlink(missing_ok=True)
+    (sd / PROGRESS_FILE).unlink(missing_ok=True)
     return f"stage {stage} ({STAGES[stage]}) re-opened: it re-checks its files and redoes what is broken or missing"
 
 
@@ -207,6 +231,8 @@ def run_pipeline(
 
     Raises:
         StaleStage: a complete stage with changed inputs, not covered by ``redo``.
+        PromptError: a local prompt file of a stage to run has no usable prompt, or a field mapping
+            that matches none of its records (:func:`check_prompt_files`; nothing written yet).
         ParamsError: invalid params or a run directory created with other params (but for
             ``evaluate.*`` with 5 in ``redo``: :func:`eagle3.rundir.prepare_run_dir`); a ``redo`` stage
             that is not selected.
@@ -224,6 +250,8 @@ def run_pipeline(
     if redo_set - set(selected):
         raise ParamsError(f"--redo {','.join(map(str, sorted(redo_set)))}: stage(s) {sorted(redo_set - set(selected))} "
                           f"not among the stages to run ({selected}); add them to --stages")
+    check_prompt_files(params, [s for s in selected if s in redo_set or force
+                                or not stage_complete(resolve_run_dir(params), s)])
     run_dir = prepare_run_dir(params, resolve_run_dir(params), redo=redo_set, params_file=params_file)
     for trash in run_dir.glob(".redo-*"):  # a stage folder a killed --redo was removing
         shutil.rmtree(trash, ignore_errors=True)

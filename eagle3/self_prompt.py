@@ -42,6 +42,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from eagle3.rundir import SELF_PROMPTS_DIR  # the folder of 01_synthesize/ the target's prompts go to
+
 __all__ = [
     "SelfPromptError",
     "SENTINEL",
@@ -881,7 +883,6 @@ class ServerDriver:
 
 # ----------------------------------------------------------------------------- stage 1: kind: self sources
 
-SELF_PROMPTS_DIR = "self_prompts"  # inside 01_synthesize/
 
 
 def settings_from_params(p) -> SelfPromptSettings:

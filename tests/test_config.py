@@ -191,7 +191,8 @@ def test_params_show_each_source_with_the_fields_of_its_kind(tmp_path, capsys):
 def test_evaluate_section_is_read_by_stage_5_only():
     """STAGE_OWN_SECTIONS' claim: no module outside eagle3/evaluate/ reads params.evaluate (stage.py's
     consumed_files only for stage 5's record; rundir.py's evaluated_drafter, which only stage 5 and that
-    record call), and no notebook of stages 1-4 mentions it."""
+    record call; runner.py's check_prompt_files, which reads stage 5's prompt files before stage 5 runs),
+    and no notebook of stages 1-4 mentions it."""
     import ast
 
     from eagle3.config import STAGE_OWN_SECTIONS
@@ -206,7 +207,8 @@ def test_evaluate_section_is_read_by_stage_5_only():
         allowed: set[int] = set()
         for fn in ast.walk(tree):
             if isinstance(fn, ast.FunctionDef) and (rel, fn.name) in {("eagle3/stage.py", "consumed_files"),
-                                                                       ("eagle3/rundir.py", "evaluated_drafter")}:
+                                                                       ("eagle3/rundir.py", "evaluated_drafter"),
+                                                                       ("eagle3/runner.py", "check_prompt_files")}:
                 allowed |= {n.lineno for n in ast.walk(fn) if hasattr(n, "lineno")}
         for n in ast.walk(tree):
             reads = (isinstance(n, ast.Attribute) and n.attr == "evaluate"

@@ -18,7 +18,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from eagle3.cli import main
-from eagle3.errors import ParamsError, StaleStage
+from eagle3.errors import ParamsError, PromptsError, StaleStage
 from eagle3.io import file_sha256, read_json
 from eagle3.rundir import NOTEBOOKS, STAGES
 from eagle3.runner import run_pipeline
@@ -66,7 +66,7 @@ def flow(tmp_path, tmp_params):
                     f"      path: {tmp_path / 'outputs' / 'src.jsonl'}\n")
     run_dir = Path(pf).parent / "outputs" / "t"
     (run_dir.parent / "src.jsonl").parent.mkdir(parents=True, exist_ok=True)
-    (run_dir.parent / "src.jsonl").write_text('{"id": "a"}\n{"id": "b"}\n{"id": "c"}\n')
+    (run_dir.parent / "src.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n')
     return pf, nbs, run_dir
 
 
@@ -86,7 +86,7 @@ def test_stale_stage_is_refused_then_redone_with_redo(flow, capsys):
 
     # issue 15: a sample removed, stage 2 re-run -> stage 3 must not be "already complete, skipped"
     samples = rd / STAGES[1] / "samples.jsonl"
-    samples.write_bytes(samples.read_bytes().replace(b'{"id": "b"}\n', b""))
+    samples.write_bytes(samples.read_bytes().replace(b'{"prompt": "b"}\n', b""))
     (rd / STAGES[2] / "stats.json").unlink()
     capsys.readouterr()
     with pytest.raises(StaleStage) as ei:
@@ -105,7 +105,7 @@ def test_stale_stage_is_refused_then_redone_with_redo(flow, capsys):
     assert "stage 4 (04_train) starts over" in out
     assert not (rd / STAGES[3] / "keep.txt").exists()  # the old folder is gone
     assert _runs(rd) == {1: 1, 2: 2, 3: 1, 4: 1}  # fresh folders, one execution each
-    assert (rd / FLOW[4][1]).read_bytes() == b'{"id": "a"}\n{"id": "c"}\n|1|2|3|4'
+    assert (rd / FLOW[4][1]).read_bytes() == b'{"prompt": "a"}\n{"prompt": "c"}\n|1|2|3|4'
     run_pipeline(pf, [1, 2, 3, 4], notebooks=nbs)
     assert _runs(rd) == {1: 1, 2: 2, 3: 1, 4: 1}
     assert main(["verify", str(rd)]) == 0
@@ -136,11 +136,11 @@ def test_a_changed_local_prompt_file_makes_stage_1_and_later_stages_stale(flow, 
     run_pipeline(pf, [1, 2, 3, 4], notebooks=nbs, redo=[1])
     out = capsys.readouterr().out
     assert "stage 1 (01_synthesize) starts over: its inputs changed since it ran" in out
-    assert "its self-written prompts (self_prompts/) are kept" in out
+    assert "; kept, reused where their inputs match: self_prompts/" in out
     assert (rd / STAGES[1] / "self_prompts" / "batch.jsonl").read_text() == "kept"
     for s in (2, 3, 4):
         assert f"stage {s} ({STAGES[s]}) starts over" in out
-    assert (rd / FLOW[4][1]).read_bytes() == b'{"id": "a"}\n{"id": "B"}\n{"id": "c"}\n|1|2|3|4'
+    assert (rd / FLOW[4][1]).read_bytes() == b'{"prompt": "a"}\n{"prompt": "B"}\n{"prompt": "c"}\n|1|2|3|4'
     assert main(["verify", str(rd)]) == 0
 
 
@@ -175,6 +175,58 @@ def test_redo_of_an_unchanged_stage_keeps_its_files(flow, capsys):
     capsys.readouterr()
     assert main(["run", str(pf), "--redo", "x"]) == 2
     assert "--redo 'x': 'x' is not a stage number" in capsys.readouterr().err
+
+
+def test_a_redo_on_an_unusable_prompt_file_stops_before_it_touches_the_run(flow, capsys):
+    """A new user's --redo with a broken prompt source removed the stage's results and recorded the
+    broken params before the stage found the problem. The stages' local prompt files are now read
+    first: the run stops with the loader's message and not one byte of the run changes."""
+    pf, nbs, rd = flow
+    run_pipeline(pf, [1, 2, 3, 4], notebooks=nbs)
+    before = {p: p.read_bytes() for p in rd.rglob("*") if p.is_file()}
+    (rd.parent / "src.jsonl").write_text('{"id": "a"}\n{"id": "b"}\n')  # no prompt in any record
+    with pytest.raises(PromptsError, match=r"synthesize.sources\[src\]: no usable prompt in 2 records .*src.jsonl:1: cannot detect"):
+        run_pipeline(pf, [1, 2, 3, 4], notebooks=nbs, redo=[1])
+    assert {p: p.read_bytes() for p in rd.rglob("*") if p.is_file()} == before
+    assert main(["run", str(pf), "--stages", "1-4", "--redo", "1"]) == 2  # the CLI: one paragraph, exit 2
+    assert "no usable prompt in 2 records" in capsys.readouterr().err
+
+
+def test_stage_5_starting_over_keeps_its_keyed_measurements(tmp_path):
+    """Stage 5 on changed inputs starts over, but keeps the offline records and the vLLM measurements:
+    each is reused only where its resume key (drafter weights, prompts, settings) matches, so an
+    interrupted start-over re-run on the earlier params measures nothing again (a new user's finding:
+    746 s of vLLM measurements redone on identical jobs). A re-opened stage loses its progress.json
+    with its stats.json, so one that then fails before it starts is not shown as 'done'."""
+    from eagle3.config import Params
+    from eagle3.io import atomic_write_json
+    from eagle3.runner import reopen_stage
+
+    rd = tmp_path / "run"
+    drafter = rd / "04_train" / "drafter" / "config.json"
+    drafter.parent.mkdir(parents=True)
+    drafter.write_text("{}")
+    sd = rd / STAGES[5]
+    (sd / "logs").mkdir(parents=True)
+    names = ["stats.json", "results.json", "progress.json", "by_set.png", "logs/vllm_eagle3.log",
+             "offline_records.jsonl", "vllm_eagle3.json", "vllm_eagle3.job.json", "vllm_none.json"]
+    for n in names:
+        (sd / n).write_text(n)
+    atomic_write_json(sd / "inputs.json", {"stage": 5, "complete": True,
+                                           "files": {"04_train/drafter/config.json": {"sha256": "0" * 64, "bytes": 2}}})
+    msg = reopen_stage(rd, 5, Params.model_validate({}))
+    assert msg.startswith("stage 5 (05_evaluate) starts over: its inputs changed since it ran (04_train/drafter/config.json")
+    assert msg.endswith("; kept, reused where their inputs match: offline_records.jsonl, vllm_eagle3.job.json, "
+                        "vllm_eagle3.json, vllm_none.json")
+    assert sorted(p.name for p in sd.iterdir()) == ["offline_records.jsonl", "vllm_eagle3.job.json", "vllm_eagle3.json",
+                                                    "vllm_none.json"]
+    assert (sd / "vllm_eagle3.json").read_text() == "vllm_eagle3.json" and not list(rd.glob(".redo-*"))
+    for n in ("stats.json", "progress.json"):
+        (sd / n).write_text(n)
+    assert not (sd / "inputs.json").exists()  # no record of inputs: nothing stale, so re-opened
+    assert "re-opened" in reopen_stage(rd, 5, Params.model_validate({}))
+    assert not (sd / "stats.json").exists() and not (sd / "progress.json").exists()
+    assert (sd / "vllm_none.json").exists()
 
 
 def test_verify_names_a_stale_stage(flow, capsys):

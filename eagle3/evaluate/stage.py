@@ -228,17 +228,17 @@ def _finished(params, inp: _Inputs, rd: RunDir) -> EvaluateStats | None:
     Then nothing needs to run and nothing is rewritten: opening a finished run's notebook leaves its
     ``stats.json`` and ``progress.json`` as they were (issue 16).
     """
-    ev, sd = params.evaluate, rd.stage(EVALUATE)
+    ev = params.evaluate
     st = read_json(rd.stats(EVALUATE), None)
     if not st or not st.get("complete") or not rd.evaluate_results.exists():
         return None
     if "offline" in ev.backends:
         key = _offline_key(params, inp)
-        recs = read_jsonl(sd / "offline_records.jsonl", error=EvaluateError, missing_ok=True)
+        recs = read_jsonl(rd.offline_records, error=EvaluateError, missing_ok=True)
         if {r.get("id") for r in recs if r.get("key") == key} != {p["id"] for p in inp.offline_prompts}:
             return None
     for method in ev.vllm_methods if "vllm" in ev.backends else ():
-        res = read_json(sd / f"vllm_{method}.json", None)
+        res = read_json(rd.vllm_result(method), None)
         if not res or res.get("job_key") != _job(params, inp, method)[1]:
             return None
     try:
@@ -247,7 +247,7 @@ def _finished(params, inp: _Inputs, rd: RunDir) -> EvaluateStats | None:
         return None
 
 
-def _offline(params, inp: _Inputs, sd: Path, prog: Progress):
+def _offline(params, inp: _Inputs, rd: RunDir, prog: Progress):
     """``(drafter model, records)`` of the offline EAGLE-3 measurement (resumed per prompt); each
     record gains its prompt's ``set`` and ``category``."""
     ev = params.evaluate
@@ -258,7 +258,7 @@ def _offline(params, inp: _Inputs, sd: Path, prog: Progress):
                            kwargs=template_kwargs(params))
     recs = evaluate_offline(model, inp.tok, dm, inp.offline_prompts, k, ev.max_new_tokens, inp.ref.aux_layer_ids,
                             temperature=temp, seed=params.run.seed,
-                            out_file=sd / "offline_records.jsonl", key=key, progress=prog, stop_ids=stops)
+                            out_file=rd.offline_records, key=key, progress=prog, stop_ids=stops)
     meta = {p["id"]: p for p in inp.offline_prompts}
     return dm, [r | {"set": meta[r["id"]]["set"], "category": meta[r["id"]]["category"]} for r in recs]
 
@@ -269,16 +269,16 @@ def _offline_summary(inp: _Inputs, recs: list[dict], k: int, temp: float) -> dic
         "settings_source": inp.ref.source}
 
 
-def _vllm(params, inp: _Inputs, sd: Path, prog: Progress) -> dict[str, dict]:
+def _vllm(params, inp: _Inputs, rd: RunDir, prog: Progress) -> dict[str, dict]:
     """``{method: raw result}``; a kept result with the same key is reused. Engine logs go to
     ``logs/vllm_<method>.log`` in the stage folder (never to the notebook)."""
     ev = params.evaluate
-    logs = sd / "logs"
+    logs = rd.stage(EVALUATE) / "logs"
     logs.mkdir(exist_ok=True)
     results = {}
     for method in ev.vllm_methods:
         job, jkey = _job(params, inp, method)
-        out = sd / f"vllm_{method}.json"
+        out = rd.vllm_result(method)
         res = read_json(out, None)
         count = prog.resumed  # a kept result: measured by an earlier execution, not in the rate
         if not res or res.get("job_key") != jkey:
@@ -464,12 +464,12 @@ def run(params, run_dir: str | Path) -> EvaluateStats:
     total, unit = phases[0] if phases else (0, "jobs")
     with StageRun(params, rd.root, EVALUATE, total=total, unit=unit) as st:
         if "offline" in ev.backends:
-            dm, offline_recs = _offline(params, inp, sd, st.progress)
+            dm, offline_recs = _offline(params, inp, rd, st.progress)
             backends["offline/eagle3"] = _offline_summary(inp, offline_recs, k, temp)
         if "vllm" in ev.backends:
             if "offline" in ev.backends:
                 st.progress.next_phase(*phases[1], desc=f"{sd.name} vLLM")
-            vllm_results = _vllm(params, inp, sd, st.progress)
+            vllm_results = _vllm(params, inp, rd, st.progress)
             for m, res in vllm_results.items():
                 backends[f"vllm/{m}"] = vllm_summary(res, inp.prompts, k)
         sets = _per_set(inp, offline_recs, vllm_results, k)
