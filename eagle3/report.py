@@ -99,6 +99,23 @@ def _method_rows(st: dict) -> list[tuple[str, object, object, object, object]]:
     return rows
 
 
+_FEWER = (("excluded_training", "training prompts"), ("duplicates", "in an earlier set"),
+          ("skipped_too_long", "too long"), ("capped", "over evaluate.num_prompts / prompts_per_category"))
+
+
+def _fewer(e: dict) -> str:
+    """Why a set has fewer prompts than its source's records, e.g. `` of 12 (4 over evaluate.num_prompts
+    / prompts_per_category); 1 bad record skipped``; empty when nothing was left out (or not recorded)."""
+    out = ""
+    cands, prompts = e.get("candidates"), e.get("prompts")
+    if isinstance(cands, int) and isinstance(prompts, int) and cands > prompts:
+        why = ", ".join(f"{e[k]} {what}" for k, what in _FEWER if e.get(k))
+        out = f" of {cands}" + (f" ({why})" if why else "")
+    if e.get("bad_records"):
+        out += f"; {e['bad_records']} bad record{'s' * (e['bad_records'] != 1)} skipped"
+    return out
+
+
 def _warnings_html(warnings: list[dict]) -> tuple[str, str]:
     """(banner at the very top, the full list) of stage 5's mismatch warnings; empty strings when none."""
     if not warnings:
@@ -138,7 +155,7 @@ def summary_html(run_dir: str | Path) -> str:
     def label(n, e):  # the speed columns rest on far fewer prompts than the acceptance ones: say how many
         speed = f"; tokens/s on {_fmt(e['speed_prompts'])} of them" if e.get("speed_prompts") else ""
         return (f"{html.escape(n)}<br><small>{html.escape(str(e.get('domain', '')))}, {_fmt(e.get('prompts'))} "
-                f"prompts{speed}</small>")
+                f"prompts{html.escape(_fewer(e))}{speed}</small>")
 
     ordered = sorted(sets.items(), key=lambda kv: out_of_domain_first(kv[1].get("domain")))
     groups = [(label(n, e), e) for n, e in ordered]

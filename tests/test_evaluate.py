@@ -461,7 +461,7 @@ def test_a_trained_on_general_set_is_in_distribution_and_user_sets_load(tmp_para
     own.write_text("".join(json.dumps(r) + "\n" for r in [
         {"prompt": "Name three rivers in Europe.", "category": "geo"},
         {"prompt": gc[2].turns[0][0]["content"], "category": "copy"},  # also in general-chat (selected there)
-        {"prompt": "What is 7 times 8?", "category": "arith"}]))
+        {"prompt": "What is 7 times 8?", "category": "arith"}]) + '{"prompt": "cut off mid-rec\n')
     params, run_dir = _write_run(
         tmp_params, [EVAL_QUESTIONS[0]], TRAIN_QUESTIONS[:2],
         f"evaluate:\n  prompts_per_category: 2\n  sources:\n    - kind: file\n      path: {own}\n")
@@ -482,6 +482,9 @@ def test_a_trained_on_general_set_is_in_distribution_and_user_sets_load(tmp_para
     m = by["user_set"]
     assert m.domain == "out-of-domain" and m.info["by_category"] == {"arith": 1, "geo": 1}
     assert m.info["duplicates"] == 1 and m.info["count"] == 2
+    # the malformed last line: skipped as stage 1 skips it, counted, its place kept for the report
+    assert m.info["candidates"] == 3 and m.info["bad_records"] == 1 and g.info["bad_records"] == 0
+    assert m.info["bad_first"].startswith(f"{own}:4:") and "malformed JSON" in m.info["bad_first"]
     assert training["categories"] == {"human-eval": 1, "mine": 1, "writing": 2}
     assert training["completion_tokens"] == 2 + 10
 

@@ -148,6 +148,24 @@ def test_a_data_size_warning_alone_does_not_say_the_drafter_may_not_help(tmp_pat
     assert "1 mismatch warning: the training data is small or narrow" in page and "may not help" not in page
 
 
+def test_a_set_label_says_why_it_has_fewer_prompts_than_its_source(tmp_path):
+    """A new user's 12-prompt file showed as '8 prompts' with no reason (the cap was evaluate.num_prompts,
+    in results.json only); a malformed line of it was skipped without a word."""
+    one = {"tokens_per_forward_vllm": 1.1, "tau_vllm": 1.1, "tokens_per_forward_ngram": 1.2, "tau_ngram": 2.0}
+    sets = {"selfinstruct-seed": {"domain": "out-of-domain", "prompts": 8, "candidates": 12, "capped": 4,
+                                  "excluded_training": 0, "duplicates": 0, "skipped_too_long": 0, "bad_records": 1,
+                                  "speed_prompts": 2} | one,
+            "heldout": {"domain": "in-distribution", "prompts": 6, "candidates": 9, "excluded_training": 2,
+                        "duplicates": 0, "skipped_too_long": 1, "capped": 0, "bad_records": 0} | one,
+            "general-chat": {"domain": "out-of-domain", "prompts": 8, "candidates": 8, "bad_records": 0} | one}
+    write_stats(stage_dir(tmp_path, 5), {"num_prompts": 22, "k": 3, "temperature": 0.0, "sets": sets})
+    page = index_html(tmp_path, [], {})
+    assert ("selfinstruct-seed<br><small>out-of-domain, 8 prompts of 12 (4 over evaluate.num_prompts / "
+            "prompts_per_category); 1 bad record skipped; tokens/s on 2 of them</small>") in page
+    assert "heldout<br><small>in-distribution, 6 prompts of 9 (2 training prompts, 1 too long)</small>" in page
+    assert "general-chat<br><small>out-of-domain, 8 prompts</small>" in page
+
+
 def test_the_speed_line_says_when_no_speculation_beat_the_drafter(tmp_path):
     stats = {"num_prompts": 4, "k": 3, "temperature": 0.0, "tokens_per_forward_vllm": 1.55, "tokens_per_forward_ngram": 1.3,
              "tokens_per_s_vllm_eagle3": 30.7, "tokens_per_s_vllm_ngram": 32.5, "tokens_per_s_vllm_none": 33.0}

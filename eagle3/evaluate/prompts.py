@@ -48,6 +48,7 @@ class EvalSet:
         prompts: ``{"id", "set", "source", "category", "prompt_hash", "messages", "prompt_ids"}``.
         info: ``candidates``, ``excluded_training``, ``duplicates`` (already in an earlier set),
             ``skipped_too_long``, ``capped`` (over ``prompts_per_category`` / ``num_prompts``),
+            ``bad_records`` (records of the source its loader skipped; ``bad_first``: the first's place),
             ``count``, ``by_category`` {category: prompts}.
     """
 
@@ -80,15 +81,24 @@ def _train_ids(run_dir: Path) -> set[str]:
     return set(tokenized.read_ids(run_dir, "train"))
 
 
-def _source_candidates(source) -> tuple[str, list[dict]]:
-    """``(label, records)`` of one prompt source through Stage 1's loader; records
-    ``{"id", "source", "category", "messages", "prompt_hash"}`` (the first system/user turn group)."""
-    from eagle3.prompts import load_source
+def _source_candidates(source) -> tuple[str, list[dict], dict]:
+    """``(label, records, bad)`` of one prompt source through Stage 1's loader; records
+    ``{"id", "source", "category", "messages", "prompt_hash"}`` (the first system/user turn group);
+    ``bad``: ``{"bad_records": n, "bad_first": "file:line message"}`` of the records the loader skipped
+    (printed here, as stage 1 prints its own, and kept in the set's info for the report)."""
+    from eagle3.prompts import LoadReport, load_source
 
-    prompts = load_source(source, dedup=True, field="evaluate.sources")
+    report = LoadReport()
+    prompts = load_source(source, report, dedup=True, field="evaluate.sources")
     label = prompts[0].source if prompts else (source.label or source.name)
+    n_bad = sum(report.bad.values())
+    bad = {"bad_records": n_bad}
+    if n_bad:
+        first = report.examples[0]
+        bad["bad_first"] = f"{first['where']} {first['message']}"
+        print(f"eagle3 evaluate: evaluate.sources[{label}]: {report.summary()}", flush=True)
     return label, [{"id": p.id, "source": p.source, "category": p.category or p.source, "messages": p.first_messages(),
-                    "prompt_hash": p.prompt_hash} for p in prompts]
+                    "prompt_hash": p.prompt_hash} for p in prompts], bad
 
 
 def training_data(samples: list[dict]) -> dict:
@@ -207,7 +217,7 @@ def evaluation_sets(params, run_dir: str | Path, tokenizer) -> tuple[list[EvalSe
             raise EvaluateError(f"evaluate.heldout: no samples in {run_dir} (run stage 1 first, or set "
                                 f"evaluate.heldout: false and name evaluation sets in evaluate.sources)")
         held = [s | {"category": s.get("category") or s.get("source")} for s in samples if s.get("split") == "heldout"]
-        wanted.append((HELDOUT, (IN_DOMAIN, "stage 1's held-out split of the training sources"), held))
+        wanted.append((HELDOUT, (IN_DOMAIN, "stage 1's held-out split of the training sources"), held, {"bad_records": 0}))
     srcs = []
     if ev.general_chat:
         from eagle3.config import PromptSource
@@ -215,16 +225,19 @@ def evaluation_sets(params, run_dir: str | Path, tokenizer) -> tuple[list[EvalSe
         srcs.append(PromptSource(kind="embedded", name=GENERAL_CHAT))
     srcs += list(ev.sources)
     for src in srcs:
-        label, cands = _source_candidates(src)
+        label, cands, bad = _source_candidates(src)
         if label in train["sources"]:
             dom = (IN_DOMAIN, f"its source {label!r} is also a training source ({train['sources'][label]} conversations)")
         else:
             dom = (OUT_OF_DOMAIN, "no training sample comes from this source")
         if any(w[0] == label for w in wanted):
             raise EvaluateError(f"evaluate.sources: two evaluation sets are named {label!r}; give one a label")
-        wanted.append((label, dom, cands))
+        wanted.append((label, dom, cands, bad))
     seen: set[str] = set()
-    sets = [_select(n, d, c, train, train_ids, seen, renderer, limit, ev) for n, d, c in wanted]
+    sets = []
+    for n, d, c, bad in wanted:
+        sets.append(_select(n, d, c, train, train_ids, seen, renderer, limit, ev))
+        sets[-1].info |= bad
     if not any(s.prompts for s in sets):
         counts = "; ".join(f"{s.name}: {s.info}" for s in sets) or "no set enabled"
         raise EvaluateError(f"no evaluation prompt left in {run_dir} ({counts}); raise synthesize.heldout_fraction, "

@@ -332,6 +332,8 @@ def _set_stats(sets: dict) -> dict:
         none = tps["none"]
         out[name] = {
             "domain": e["domain"], "prompts": e["info"]["count"], "excluded_training": e["info"]["excluded_training"],
+            # why fewer prompts than the source had (the report's label says it)
+            **{k: e["info"].get(k, 0) for k in ("candidates", "duplicates", "skipped_too_long", "capped", "bad_records")},
             "categories": len(e["info"]["by_category"]),
             "tau_vllm": g(e, "vllm/eagle3", "tau"), "tokens_per_forward_vllm": g(e, "vllm/eagle3", "tokens_per_forward"),
             "tau_ngram": g(e, "vllm/ngram", "tau"), "tokens_per_forward_ngram": g(e, "vllm/ngram", "tokens_per_forward"),
