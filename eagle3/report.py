@@ -99,6 +99,11 @@ def _method_rows(st: dict) -> list[tuple[str, object, object, object, object]]:
     return rows
 
 
+# how far a speed-up may exceed the tokens per target forward before the report calls the timing
+# disturbed (a method's tokens/s over no speculation's is at most its tokens per forward, less its
+# drafting cost; 1.25 leaves room for the noise of a few prompts timed one at a time)
+_SPEEDUP_SLACK = 1.25
+
 _FEWER = (("excluded_training", "training prompts"), ("duplicates", "in an earlier set"),
           ("skipped_too_long", "too long"), ("capped", "over evaluate.num_prompts / prompts_per_category"))
 
@@ -161,18 +166,30 @@ def summary_html(run_dir: str | Path) -> str:
     groups = [(label(n, e), e) for n, e in ordered]
     if not groups:  # a stats.json without per-set numbers: the pooled ones
         groups = [(f"all<br><small>{_fmt(st.get('num_prompts'))} prompts</small>", st)]
-    body = ""
+    body, disturbed = "", []
     for label, e in groups:
         rows = _method_rows(e)
         for i, (name, tpf, tau, tps, up) in enumerate(rows):
             cell = f"<th rowspan='{len(rows)}'>{label}</th>" if i == 0 else ""
+            # a method cannot run faster than its tokens per target forward allow (its drafts cost
+            # time too): a speed-up well above that is a disturbed timing, not a result
+            mark = ""
+            if isinstance(up, float) and isinstance(tpf, (int, float)) and up > _SPEEDUP_SLACK * tpf:
+                mark = " &#9888;"
+                disturbed.append(f"{name} {_fixed(up, 2, 'x')} with {_fixed(tpf, 3)} tokens per target forward")
             body += (f"<tr>{cell}<th>{name}</th><td>{_fixed(tpf, 3)}</td><td>{_fixed(tau, 3)}</td>"
-                     f"<td>{_fixed(tps, 1)}</td><td>{_fixed(up, 2, 'x')}</td></tr>")
+                     f"<td>{_fixed(tps, 1)}</td><td>{_fixed(up, 2, 'x')}{mark}</td></tr>")
     parts = ["<div id='headline'>", banner, "<h2>Result</h2>", f"<table>{head}{body}</table>",
              "<p><small>Tokens per target forward compare the methods: every verification round counts, "
              "a round without drafts as one token. τ counts only rounds that had drafts, so n-gram lookup, "
              "which often has nothing to propose, can show a higher τ than the drafter and still give fewer "
              "tokens per forward.</small></p>"]
+    if disturbed:
+        parts.append(f"<p class='warn' id='disturbed-speed'>&#9888; A speed-up above what the tokens per target forward "
+                     f"allow ({html.escape('; '.join(disturbed))}) means the speed measurement was disturbed (other "
+                     f"load on the machine, one request at a time on few prompts): do not read it as a result; "
+                     f"measure again on a quiet machine (delete 05_evaluate/vllm_&lt;method&gt;.json, then "
+                     f"<code>eagle3 run PARAMS --stages 5 --redo 5</code>).</p>")
     verdicts, ratios = [], []
     for n, e in (ordered if sets else [("all prompts", st)]):
         r = _ratio(e.get("tokens_per_forward_vllm"), e.get("tokens_per_forward_ngram"))

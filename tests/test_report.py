@@ -166,6 +166,23 @@ def test_a_set_label_says_why_it_has_fewer_prompts_than_its_source(tmp_path):
     assert "general-chat<br><small>out-of-domain, 8 prompts</small>" in page
 
 
+def test_a_speed_up_above_the_tokens_per_forward_is_flagged_as_a_disturbed_timing(tmp_path):
+    """A new user's run beside a CI job: no speculation timed at 1.2 tokens/s, so n-gram showed a 23x
+    speed-up with 1.198 tokens per target forward, unflagged. Above 1.25x the tokens per forward the
+    report now marks the cell and says the timing was disturbed."""
+    stats = {"num_prompts": 8, "k": 3, "temperature": 0.0, "tokens_per_forward_vllm": 1.042,
+             "tokens_per_forward_ngram": 1.198, "tokens_per_s_vllm_eagle3": 1.3, "tokens_per_s_vllm_ngram": 27.6,
+             "tokens_per_s_vllm_none": 1.2}
+    write_stats(stage_dir(tmp_path, 5), stats)
+    page = index_html(tmp_path, [], {})
+    assert "<th>n-gram lookup</th><td>1.198</td><td>-</td><td>27.6</td><td>23.00x &#9888;</td></tr>" in page
+    assert "<th>EAGLE-3 drafter</th><td>1.042</td><td>-</td><td>1.3</td><td>1.08x</td></tr>" in page  # within 1.25x
+    assert ("A speed-up above what the tokens per target forward allow (n-gram lookup 23.00x with 1.198 tokens per "
+            "target forward) means the speed measurement was disturbed") in page
+    write_stats(stage_dir(tmp_path, 5), stats | {"tokens_per_s_vllm_none": 25.0})
+    assert "disturbed-speed" not in index_html(tmp_path, [], {})
+
+
 def test_the_speed_line_says_when_no_speculation_beat_the_drafter(tmp_path):
     stats = {"num_prompts": 4, "k": 3, "temperature": 0.0, "tokens_per_forward_vllm": 1.55, "tokens_per_forward_ngram": 1.3,
              "tokens_per_s_vllm_eagle3": 30.7, "tokens_per_s_vllm_ngram": 32.5, "tokens_per_s_vllm_none": 33.0}
