@@ -671,7 +671,9 @@ def params_fingerprint(params: Params) -> str:
 
 
 def _differences(a: Params, b: Params) -> list[tuple[str, Any, Any]]:
-    """``(dotted key, value in a, value in b)`` of every semantic key that differs (lists compared whole)."""
+    """``(dotted key, value in a, value in b)`` of every semantic key that differs. Lists of equal
+    length are compared item by item (``evaluate.sources.0.fields.instruction``: the one changed
+    field, not both whole lists of sources); lists of other lengths whole."""
     da, db = _semantic(a.model_dump(mode="json")), _semantic(b.model_dump(mode="json"))
     out: list[tuple[str, Any, Any]] = []
 
@@ -679,6 +681,9 @@ def _differences(a: Params, b: Params) -> list[tuple[str, Any, Any]]:
         if isinstance(x, dict) and isinstance(y, dict):
             for k in sorted(set(x) | set(y)):
                 walk(x.get(k), y.get(k), f"{prefix}.{k}" if prefix else k)
+        elif isinstance(x, list) and isinstance(y, list) and len(x) == len(y) and x != y:
+            for i, (xi, yi) in enumerate(zip(x, y)):
+                walk(xi, yi, f"{prefix}.{i}")
         elif x != y:
             out.append((prefix, x, y))
 

@@ -323,3 +323,16 @@ def test_run_dir_params_yaml_names_its_own_folder(tmp_params):
     assert again.run.name == "newuser16" and params_fingerprint(again) == params_fingerprint(p)
     odd = prepare_run_dir(p, Path(p.run.output_dir) / "a folder")  # no run name: the params' name stays
     assert load_params(odd / "params.yaml").run.name == p.run.name
+
+
+def test_a_changed_source_field_is_named_by_its_own_key_not_by_both_lists():
+    """A new user's --redo 5 printed both whole lists of sources (twice each) for one changed field."""
+    from eagle3.config import changed_stage, diff_params
+
+    src = {"kind": "file", "path": "seed.jsonl", "format": "alpaca", "fields": {"instruction": "instruction"}}
+    a = Params.model_validate({"evaluate": {"sources": [src]}})
+    b = Params.model_validate({"evaluate": {"sources": [src | {"fields": {"instruction": "instructions"}}]}})
+    assert diff_params(a, b) == ["evaluate.sources.0.fields.instruction: 'instruction' -> 'instructions'"]
+    assert changed_stage(a, b) == 5
+    c = Params.model_validate({"evaluate": {"sources": [src, src | {"path": "other.jsonl"}]}})
+    assert [d.split(":")[0] for d in diff_params(a, c)] == ["evaluate.sources"]  # another length: whole
