@@ -172,6 +172,16 @@ class _InterruptForwarder:
                 super().__init__(*args, **kwargs)
                 managers.append(self)
 
+            async def _async_interrupt_kernel(self) -> None:
+                # jupyter_client's shutdown_kernel sends SIGINT before its shutdown request; papermill
+                # shuts the kernel down once the notebook has run, so the kernel is idle and the SIGINT
+                # only made ipykernel print "ERROR | KeyboardInterrupt caught in kernel" after a stage
+                # that had finished normally (seen by two new users). A user's Ctrl-C does not come
+                # through here: _on_sigint signals the kernel's process group itself.
+                if self.shutting_down:
+                    return
+                await super()._async_interrupt_kernel()
+
         return _RecordedKernelManager
 
     def _kernel_pgid(self) -> int | None:

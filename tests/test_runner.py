@@ -416,3 +416,28 @@ def test_the_terminal_shows_a_running_stage_s_progress(tmp_path):
     echo.poll()
     echo._bar.close()
     assert echo._key == ("answers", None) and "stage 3 (extract): 7 answers, " in tty.getvalue()
+
+
+def test_the_kernel_is_not_sent_sigint_when_papermill_shuts_it_down(monkeypatch):
+    """jupyter_client's shutdown_kernel interrupts the kernel before asking it to shut down; after a
+    stage that finished normally ipykernel then printed 'ERROR | KeyboardInterrupt caught in kernel'
+    (two new users saw it). The runner's kernel manager skips that SIGINT; other interrupts pass."""
+    import asyncio
+
+    from jupyter_client.manager import AsyncKernelManager
+
+    from eagle3.runner import _InterruptForwarder
+
+    calls = []
+
+    async def interrupt(self):
+        calls.append(self.shutting_down)
+
+    monkeypatch.setattr(AsyncKernelManager, "_async_interrupt_kernel", interrupt)
+    km = _InterruptForwarder().manager_class()()
+    km.shutting_down = True
+    asyncio.run(km._async_interrupt_kernel())
+    assert calls == []
+    km.shutting_down = False
+    asyncio.run(km._async_interrupt_kernel())
+    assert calls == [False]
