@@ -9,7 +9,7 @@ from pathlib import Path
 
 from eagle3.evaluate.prompts import out_of_domain_first
 from eagle3.io import read_json
-from eagle3.rundir import STAGES
+from eagle3.rundir import STAGES, VLLM_RESULT_FILE
 from eagle3.stage import Stats
 
 __all__ = ["MISSING", "headline_keys", "stats_classes", "summary_html", "index_html", "key_numbers"]
@@ -98,6 +98,8 @@ def _method_rows(st: dict) -> list[tuple[str, object, object, object, object]]:
         rows.append((name, t, st.get(tau) if tau else None, v, _ratio(v, none_tps)))
     return rows
 
+
+_VLLM_RESULT = f"{STAGES[5]}/{VLLM_RESULT_FILE.format(method='<method>')}"  # a measurement to delete
 
 # how far a speed-up may exceed the tokens per target forward before the report calls the timing
 # disturbed (a method's tokens/s over no speculation's is at most its tokens per forward, less its
@@ -188,7 +190,7 @@ def summary_html(run_dir: str | Path) -> str:
         parts.append(f"<p class='warn' id='disturbed-speed'>&#9888; A speed-up above what the tokens per target forward "
                      f"allow ({html.escape('; '.join(disturbed))}) means the speed measurement was disturbed (other "
                      f"load on the machine, one request at a time on few prompts): do not read it as a result; "
-                     f"measure again on a quiet machine (delete 05_evaluate/vllm_&lt;method&gt;.json, then "
+                     f"measure again on a quiet machine (delete {html.escape(_VLLM_RESULT)}, then "
                      f"<code>eagle3 run PARAMS --stages 5 --redo 5</code>).</p>")
     verdicts, ratios = [], []
     for n, e in (ordered if sets else [("all prompts", st)]):
