@@ -447,7 +447,7 @@ def test_evaluation_sets_exclude_training_prompts_by_hash(tmp_params, target_mod
     assert len(flat) == 98 and info["excluded_training"] == 1 and list(info["sets"]) == ["heldout", "general-chat"]
 
 
-def test_a_trained_on_general_set_is_in_distribution_and_user_sets_load(tmp_params, target_model, tmp_path):
+def test_a_trained_on_general_set_is_in_distribution_and_user_sets_load(tmp_params, target_model, tmp_path, capsys):
     """Two general-chat prompts in training: excluded from the general set by prompt hash (stage 1's
     hash of the turns), which then counts as in-distribution; a user file is one more named set, with
     its categories, and a prompt already in an earlier set is dropped from it."""
@@ -462,9 +462,12 @@ def test_a_trained_on_general_set_is_in_distribution_and_user_sets_load(tmp_para
         {"prompt": "Name three rivers in Europe.", "category": "geo"},
         {"prompt": gc[2].turns[0][0]["content"], "category": "copy"},  # also in general-chat (selected there)
         {"prompt": "What is 7 times 8?", "category": "arith"}]) + '{"prompt": "cut off mid-rec\n')
+    copies = tmp_path / "copies.jsonl"  # every prompt already in an earlier set: left empty
+    copies.write_text(json.dumps({"prompt": gc[2].turns[0][0]["content"]}) + "\n")
     params, run_dir = _write_run(
         tmp_params, [EVAL_QUESTIONS[0]], TRAIN_QUESTIONS[:2],
-        f"evaluate:\n  prompts_per_category: 2\n  sources:\n    - kind: file\n      path: {own}\n")
+        f"evaluate:\n  prompts_per_category: 2\n  sources:\n    - kind: file\n      path: {own}\n"
+        f"    - kind: file\n      path: {copies}\n")
     samples = read_samples(run_dir)
     for p in gc[:2]:  # stage 1 trained on the first two writing prompts
         samples.append({"id": p.id, "source": "general-chat", "category": p.category, "split": "train",
@@ -485,6 +488,10 @@ def test_a_trained_on_general_set_is_in_distribution_and_user_sets_load(tmp_para
     # the malformed last line: skipped as stage 1 skips it, counted, its place kept for the report
     assert m.info["candidates"] == 3 and m.info["bad_records"] == 1 and g.info["bad_records"] == 0
     assert m.info["bad_first"].startswith(f"{own}:4:") and "malformed JSON" in m.info["bad_first"]
+    out = capsys.readouterr().out
+    assert f"eagle3 evaluate: evaluate.sources[user_set]: skipped 1 bad record (malformed_json 1; first {own}:4:" in out
+    assert ("eagle3 evaluate: evaluation set 'copies' has no prompt left of its 1 (duplicates 1; duplicates: prompts "
+            "already in an earlier set); it is not measured") in out and "copies" not in by
     assert training["categories"] == {"human-eval": 1, "mine": 1, "writing": 2}
     assert training["completion_tokens"] == 2 + 10
 

@@ -96,7 +96,9 @@ def _source_candidates(source) -> tuple[str, list[dict], dict]:
     if n_bad:
         first = report.examples[0]
         bad["bad_first"] = f"{first['where']} {first['message']}"
-        print(f"eagle3 evaluate: evaluate.sources[{label}]: {report.summary()}", flush=True)
+        kinds = ", ".join(f"{k} {v}" for k, v in sorted(report.bad.items()))
+        print(f"eagle3 evaluate: evaluate.sources[{label}]: skipped {n_bad} bad record{'s' * (n_bad != 1)} "
+              f"({kinds}; first {bad['bad_first']})", flush=True)
     return label, [{"id": p.id, "source": p.source, "category": p.category or p.source, "messages": p.first_messages(),
                     "prompt_hash": p.prompt_hash} for p in prompts], bad
 
@@ -242,6 +244,13 @@ def evaluation_sets(params, run_dir: str | Path, tokenizer) -> tuple[list[EvalSe
         counts = "; ".join(f"{s.name}: {s.info}" for s in sets) or "no set enabled"
         raise EvaluateError(f"no evaluation prompt left in {run_dir} ({counts}); raise synthesize.heldout_fraction, "
                             f"or name evaluation sets in evaluate.sources")
+    for s in sets:  # a set left empty is not measured: say so, with why, instead of dropping it unseen
+        if not s.prompts:
+            why = ", ".join(f"{k} {v}" for k, v in s.info.items()
+                            if k in ("excluded_training", "duplicates", "skipped_too_long", "capped") and v)
+            print(f"eagle3 evaluate: evaluation set {s.name!r} has no prompt left of its {s.info['candidates']} "
+                  f"({why or 'none usable'}; duplicates: prompts already in an earlier set); it is not measured",
+                  flush=True)
     return [s for s in sets if s.prompts], {k: v for k, v in train.items() if k != "hashes"}
 
 
