@@ -99,6 +99,7 @@ DRAFTER_DIR = "drafter"
 # Stage 5
 RESULTS_FILE = "results.json"
 OFFLINE_RECORDS_FILE = "offline_records.jsonl"
+ENGINE_LOGS_DIR = "logs"  # vllm_<method>.log of each measurement
 VLLM_RESULT_FILE = "vllm_{method}.json"  # method: eagle3 | ngram | none; the job beside it as .job.json
 
 # What a stage starting over on changed inputs keeps (eagle3.runner.reopen_stage; globs in the stage
@@ -107,7 +108,9 @@ VLLM_RESULT_FILE = "vllm_{method}.json"  # method: eagle3 | ngram | none; the jo
 # self-written prompts (they depend on the target and the self-prompting settings, never on the prompt
 # files); stage 5: the offline records and each vLLM measurement, reused only where their resume key
 # (drafter weights, prompts, settings) matches.
-START_OVER_KEEPS = {1: (SELF_PROMPTS_DIR,), 5: (OFFLINE_RECORDS_FILE, VLLM_RESULT_FILE.format(method="*"))}  # + .job.json
+START_OVER_KEEPS = {1: (SELF_PROMPTS_DIR,),
+                    # + .job.json; the engine logs of the measurements kept (the report links them)
+                    5: (OFFLINE_RECORDS_FILE, VLLM_RESULT_FILE.format(method="*"), ENGINE_LOGS_DIR)}
 
 
 def project_root() -> Path:

@@ -217,9 +217,10 @@ def test_stage_5_starting_over_keeps_its_keyed_measurements(tmp_path):
     msg = reopen_stage(rd, 5, Params.model_validate({}))
     assert msg.startswith("stage 5 (05_evaluate) starts over: its inputs changed since it ran (04_train/drafter/config.json")
     assert msg.endswith("; kept, reused where their inputs match: offline_records.jsonl, vllm_eagle3.job.json, "
-                        "vllm_eagle3.json, vllm_none.json")
-    assert sorted(p.name for p in sd.iterdir()) == ["offline_records.jsonl", "vllm_eagle3.job.json", "vllm_eagle3.json",
-                                                    "vllm_none.json"]
+                        "vllm_eagle3.json, vllm_none.json, logs/")
+    assert sorted(p.name for p in sd.iterdir()) == ["logs", "offline_records.jsonl", "vllm_eagle3.job.json",
+                                                    "vllm_eagle3.json", "vllm_none.json"]
+    assert (sd / "logs" / "vllm_eagle3.log").read_text() == "logs/vllm_eagle3.log"  # the kept measurement's log
     assert (sd / "vllm_eagle3.json").read_text() == "vllm_eagle3.json" and not list(rd.glob(".redo-*"))
     for n in ("stats.json", "progress.json"):
         (sd / n).write_text(n)

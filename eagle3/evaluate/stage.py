@@ -42,7 +42,7 @@ from eagle3.evaluate.vllm_jobs import (
     vllm_summary,
 )
 from eagle3.io import Progress, atomic_write_json, file_sha256, read_json, read_jsonl
-from eagle3.rundir import EVALUATE, EXTRACT, TRAIN, RunDir
+from eagle3.rundir import ENGINE_LOGS_DIR, EVALUATE, EXTRACT, TRAIN, RunDir
 from eagle3.stage import StageRun, Stats
 
 __all__ = ["EvaluateStats", "find_drafter", "training_reference", "run"]
@@ -273,7 +273,7 @@ def _vllm(params, inp: _Inputs, rd: RunDir, prog: Progress) -> dict[str, dict]:
     """``{method: raw result}``; a kept result with the same key is reused. Engine logs go to
     ``logs/vllm_<method>.log`` in the stage folder (never to the notebook)."""
     ev = params.evaluate
-    logs = rd.stage(EVALUATE) / "logs"
+    logs = rd.stage(EVALUATE) / ENGINE_LOGS_DIR
     logs.mkdir(exist_ok=True)
     results = {}
     for method in ev.vllm_methods:
@@ -428,7 +428,7 @@ def _results(params, inp: _Inputs, backends: dict, sets: dict, parity: dict, dia
         "warnings": warnings,
         "vllm_serve_command": cmd[0],
         "vllm_serve_where": cmd[1],
-        "logs": {m: f"logs/vllm_{m}.log" for m in (ev.vllm_methods if "vllm" in ev.backends else ())},
+        "logs": {m: f"{ENGINE_LOGS_DIR}/vllm_{m}.log" for m in (ev.vllm_methods if "vllm" in ev.backends else ())},
     }
 
 
