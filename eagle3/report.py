@@ -7,7 +7,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from eagle3.evaluate.prompts import out_of_domain_first
+from eagle3.evaluate.prompts import left_out_reasons, out_of_domain_first
 from eagle3.io import read_json
 from eagle3.rundir import STAGES, VLLM_RESULT_FILE
 from eagle3.stage import Stats
@@ -106,17 +106,13 @@ _VLLM_RESULT = f"{STAGES[5]}/{VLLM_RESULT_FILE.format(method='<method>')}"  # a 
 # drafting cost; 1.25 leaves room for the noise of a few prompts timed one at a time)
 _SPEEDUP_SLACK = 1.25
 
-_FEWER = (("excluded_training", "training prompts"), ("duplicates", "in an earlier set"),
-          ("skipped_too_long", "too long"), ("capped", "over evaluate.num_prompts / prompts_per_category"))
-
-
 def _fewer(e: dict) -> str:
     """Why a set has fewer prompts than its source's records, e.g. `` of 12 (4 over evaluate.num_prompts
     / prompts_per_category); 1 bad record skipped``; empty when nothing was left out (or not recorded)."""
     out = ""
     cands, prompts = e.get("candidates"), e.get("prompts")
     if isinstance(cands, int) and isinstance(prompts, int) and cands > prompts:
-        why = ", ".join(f"{e[k]} {what}" for k, what in _FEWER if e.get(k))
+        why = left_out_reasons(e)
         out = f" of {cands}" + (f" ({why})" if why else "")
     if e.get("bad_records"):
         out += f"; {e['bad_records']} bad record{'s' * (e['bad_records'] != 1)} skipped"

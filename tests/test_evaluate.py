@@ -453,6 +453,7 @@ def test_a_trained_on_general_set_is_in_distribution_and_user_sets_load(tmp_para
     its categories, and a prompt already in an earlier set is dropped from it."""
     from eagle3.config import PromptSource
     from eagle3.contracts.samples import read_samples, write_samples
+    from eagle3.evaluate.prompts import left_out_reasons
     from eagle3.prompts import load_source
 
     model, tok = target_model
@@ -481,6 +482,7 @@ def test_a_trained_on_general_set_is_in_distribution_and_user_sets_load(tmp_para
     assert g.domain == "in-distribution" and "also a training source" in g.domain_reason
     assert g.info["excluded_training"] == 2 and g.info["count"] == 16 and set(g.info["by_category"].values()) == {2}
     assert g.info["capped"] == 96 - 2 - 16
+    assert left_out_reasons(g.info) == "2 training prompts, 78 over evaluate.num_prompts / prompts_per_category"
     assert gc[0].turns[0][0]["content"] not in [p["messages"][0]["content"] for p in g.prompts]
     m = by["user_set"]
     assert m.domain == "out-of-domain" and m.info["by_category"] == {"arith": 1, "geo": 1}
@@ -490,8 +492,8 @@ def test_a_trained_on_general_set_is_in_distribution_and_user_sets_load(tmp_para
     assert m.info["bad_first"].startswith(f"{own}:4:") and "malformed JSON" in m.info["bad_first"]
     out = capsys.readouterr().out
     assert f"eagle3 evaluate: evaluate.sources[user_set]: skipped 1 bad record (malformed_json 1; first {own}:4:" in out
-    assert ("eagle3 evaluate: evaluation set 'copies' has no prompt left of its 1 (duplicates 1; duplicates: prompts "
-            "already in an earlier set); it is not measured") in out and "copies" not in by
+    assert ("eagle3 evaluate: evaluation set 'copies' has no prompt left of its 1 (1 in an earlier set); "
+            "it is not measured") in out and "copies" not in by
     assert training["categories"] == {"human-eval": 1, "mine": 1, "writing": 2}
     assert training["completion_tokens"] == 2 + 10
 

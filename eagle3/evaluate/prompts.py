@@ -146,6 +146,18 @@ def spread(prompts: list[dict], n: int | None) -> list[dict]:
     return [p for p in prompts if id(p) in picked]
 
 
+# Why a set holds fewer prompts than its source has records: the set-info key and what it means, in the
+# words the terminal (an empty set's line below) and the report's set labels (eagle3.report) both print.
+LEFT_OUT_REASONS = (("excluded_training", "training prompts"), ("duplicates", "in an earlier set"),
+                    ("skipped_too_long", "too long"), ("capped", "over evaluate.num_prompts / prompts_per_category"))
+
+
+def left_out_reasons(info: dict) -> str:
+    """The prompts a set left out and why, from its ``info`` (:func:`evaluation_sets`), e.g.
+    ``"4 training prompts, 1 in an earlier set"``; empty when nothing was left out (or not recorded)."""
+    return ", ".join(f"{info[key]} {words}" for key, words in LEFT_OUT_REASONS if info.get(key))
+
+
 def _select(name: str, domain: tuple[str, str], cands: list[dict], train: dict, train_ids: set[str],
             seen: set[str], renderer: ChatRenderer, limit: int, ev) -> EvalSet:
     """One set from its candidates: training prompts excluded by hash, earlier sets' prompts dropped,
@@ -246,11 +258,8 @@ def evaluation_sets(params, run_dir: str | Path, tokenizer) -> tuple[list[EvalSe
                             f"or name evaluation sets in evaluate.sources")
     for s in sets:  # a set left empty is not measured: say so, with why, instead of dropping it unseen
         if not s.prompts:
-            why = ", ".join(f"{k} {v}" for k, v in s.info.items()
-                            if k in ("excluded_training", "duplicates", "skipped_too_long", "capped") and v)
             print(f"eagle3 evaluate: evaluation set {s.name!r} has no prompt left of its {s.info['candidates']} "
-                  f"({why or 'none usable'}; duplicates: prompts already in an earlier set); it is not measured",
-                  flush=True)
+                  f"({left_out_reasons(s.info) or 'none usable'}); it is not measured", flush=True)
     return [s for s in sets if s.prompts], {k: v for k, v in train.items() if k != "hashes"}
 
 
