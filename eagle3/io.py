@@ -133,6 +133,12 @@ def read_jsonl(
     return out
 
 
+def json_digest(obj) -> str:
+    """A 16-hex-digit sha256 digest of ``obj`` as JSON (sorted keys, ``str`` for what JSON cannot hold):
+    the resume key of a measurement's inputs."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def file_sha256(path: str | Path) -> str:
     """Hex sha256 (64 characters) of a file's bytes (``hashlib.file_digest``, streamed)."""
     with open(path, "rb") as f:

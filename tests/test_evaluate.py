@@ -331,6 +331,30 @@ def test_offline_records_resume_after_a_torn_line(random_drafter, target_model, 
     assert other[0]["key"] == "k2" and len(out.read_text().splitlines()) == 1  # other settings: redone
 
 
+def test_offline_records_are_reused_per_prompt_when_the_prompt_list_changes(random_drafter, target_model, tmp_path):
+    """A new user's interrupted start-over (an evaluation source added) measured every offline prompt
+    again (570 s): the records' key held the whole prompt list. Now each record carries its own
+    prompt's key: a prompt kept, even at another place in the list, is reused at T = 0; a prompt whose
+    tokens changed is measured again; when it samples (T > 0) its place is its seed, so it counts."""
+    model, tok = target_model
+    dm = load_drafter(random_drafter, model)
+    e0, e1, e2 = _eval_prompts(tok, 3)
+    out = tmp_path / "records.jsonl"
+    first = {r["id"]: r for r in evaluate_offline(model, tok, dm, [e0, e1], 3, 4, AUX_IDS, out_file=out, key="k")}
+    later = evaluate_offline(model, tok, dm, [e2, e1], 3, 4, AUX_IDS, out_file=out, key="k")
+    assert later[1] == first["e1"] and later[0]["id"] == "e2"  # e1 reused at its new place, e2 measured
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["e0", "e1", "e2"]  # e0 kept for later
+    assert evaluate_offline(model, tok, dm, [e0], 3, 4, AUX_IDS, out_file=out, key="k") == [first["e0"]]
+    edited = e0 | {"prompt_ids": e0["prompt_ids"][:-1]}
+    redone = evaluate_offline(model, tok, dm, [edited], 3, 4, AUX_IDS, out_file=out, key="k")
+    assert redone[0]["prompt_key"] != first["e0"]["prompt_key"] and redone[0]["prompt_len"] == first["e0"]["prompt_len"] - 1
+    lines = [json.loads(x) for x in out.read_text().splitlines()]  # appended; the stale e0 goes at the next resume
+    assert [r["id"] for r in lines] == ["e0", "e1", "e2", "e0"] and lines[-1] == redone[0]
+    sampled = evaluate_offline(model, tok, dm, [e1, e2], 3, 4, AUX_IDS, temperature=0.8, out_file=out, key="t")
+    swapped = evaluate_offline(model, tok, dm, [e2, e1], 3, 4, AUX_IDS, temperature=0.8, out_file=out, key="t")
+    assert {r["prompt_key"] for r in sampled}.isdisjoint(r["prompt_key"] for r in swapped)  # other seeds: redone
+
+
 # ------------------------------------------------------------------------------------- diagnosis
 
 

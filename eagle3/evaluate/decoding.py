@@ -25,7 +25,7 @@ from eagle3.errors import EvaluateError
 from eagle3.evaluate.drafter import Eagle3Drafter, crop_cache
 from eagle3.evaluate.metrics import summarize_rounds
 from eagle3.hooks import CachedCapture
-from eagle3.io import Progress, read_jsonl
+from eagle3.io import Progress, json_digest, read_jsonl
 
 __all__ = [
     "speculative_accept",
@@ -195,18 +195,26 @@ def speculative_generate(target, drafter_model, prompt_ids: Sequence[int], k: in
         runner.close()
 
 
-def _resume_records(out_file: Path, key: str) -> dict[str, dict]:
-    """Records already in ``out_file`` with this ``key``, by prompt id.
+def offline_prompt_key(prompt: dict, index: int, seed: int, temperature: float) -> str:
+    """The resume key of one prompt's offline record: its token ids and, when it samples
+    (``temperature`` > 0), the seed it samples with (``seed + index``: :func:`evaluate_offline`); at
+    T = 0 its place in the prompt list does not change its record."""
+    return json_digest([prompt["prompt_ids"], seed + index if temperature > 0 else None])
 
-    A torn last line (an interrupted append) is cut off the file; a record with another key (other
-    settings, drafter or prompts) invalidates the whole file, which is emptied.
+
+def _resume_records(out_file: Path, key: str) -> dict[str, dict]:
+    """Records already in ``out_file`` with this (settings) ``key``, by prompt id (the last per id).
+
+    A torn last line (an interrupted append) is cut off the file, and so are records with another key
+    (other settings or drafter) and older records of a prompt measured again; records of prompts the
+    current list does not hold are kept (an evaluation source removed and added back is not redone).
     """
     recs = read_jsonl(out_file, error=EvaluateError, missing_ok=True)
-    good = recs if all(r.get("key") == key for r in recs) else []
-    text = "".join(json.dumps(r) + "\n" for r in good)
+    good = {r["id"]: r for r in recs if r.get("key") == key}
+    text = "".join(json.dumps(r) + "\n" for r in good.values())
     if out_file.exists() and out_file.read_text(encoding="utf-8") != text:
         out_file.write_text(text, encoding="utf-8")
-    return {r["id"]: r for r in good}
+    return good
 
 
 def evaluate_offline(target, tokenizer, drafter_model, prompts: list[dict], k: int, max_new_tokens: int,
@@ -216,12 +224,13 @@ def evaluate_offline(target, tokenizer, drafter_model, prompts: list[dict], k: i
     """Run :func:`speculative_generate` over prompts; one record per prompt.
 
     With ``out_file`` (JSONL) the records are appended as they finish and prompts already there
-    (same ``key``) are skipped on a re-run; a torn last line is dropped. Prompt ``i`` samples with
+    (same settings ``key`` and :func:`offline_prompt_key`) are skipped on a re-run; a torn last line
+    is dropped. Prompt ``i`` samples with
     ``torch.Generator().manual_seed(seed + i)``. ``stop_ids`` default: :func:`eagle3.chat.stop_token_ids`
     of the tokenizer and the target's generation/model configs.
 
     Returns:
-        list[dict]: ``{"key", "id", "source", "prompt_len", "tokens", "rounds", "verification_steps",
+        list[dict]: ``{"key", "id", "prompt_key", "source", "prompt_len", "tokens", "rounds", "verification_steps",
         "target_forwards", "finish_reason", "time_s"}`` in prompt order.
     """
     import torch
@@ -232,7 +241,8 @@ def evaluate_offline(target, tokenizer, drafter_model, prompts: list[dict], k: i
         tokenizer, None, getattr(target, "generation_config", None), target.config)
     records = []
     for i, p in enumerate(prompts):
-        if p["id"] in done:
+        prompt_key = offline_prompt_key(p, i, seed, temperature)
+        if done.get(p["id"], {}).get("prompt_key") == prompt_key:
             records.append(done[p["id"]])
             if progress is not None:  # done by an earlier execution: counted, not in the rate
                 progress.resumed(1, tokens=len(done[p["id"]]["tokens"]))
@@ -241,7 +251,8 @@ def evaluate_offline(target, tokenizer, drafter_model, prompts: list[dict], k: i
         t0 = time.time()
         r = speculative_generate(target, drafter_model, p["prompt_ids"], k, max_new_tokens, aux_layer_ids,
                                  temperature=temperature, stop_ids=stops, generator=gen)
-        rec = {"key": key, "id": p["id"], "source": p["source"], "prompt_len": len(p["prompt_ids"]),
+        rec = {"key": key, "id": p["id"], "prompt_key": prompt_key, "source": p["source"],
+               "prompt_len": len(p["prompt_ids"]),
                **r, "time_s": round(time.time() - t0, 3)}
         if out_file is not None:
             with open(out_file, "a", encoding="utf-8") as f:

@@ -15,8 +15,6 @@ whose stage 5 is complete with the same inputs is returned as it is, without rew
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -24,7 +22,7 @@ from typing import Any, ClassVar
 from eagle3.chat import stop_token_ids, template_kwargs
 from eagle3.contracts.drafter import DrafterSettings, check_drafter, read_config, settings_from_config
 from eagle3.errors import EvaluateError, ParityError
-from eagle3.evaluate.decoding import backend_summary, evaluate_offline
+from eagle3.evaluate.decoding import backend_summary, evaluate_offline, offline_prompt_key
 from eagle3.evaluate.diagnosis import diagnose
 from eagle3.evaluate.drafter import load_drafter
 from eagle3.evaluate.layer_ids import aux_layer_id_warnings
@@ -41,7 +39,7 @@ from eagle3.evaluate.vllm_jobs import (
     vllm_serve_command,
     vllm_summary,
 )
-from eagle3.io import Progress, atomic_write_json, file_sha256, read_json, read_jsonl
+from eagle3.io import Progress, atomic_write_json, file_sha256, json_digest, read_json, read_jsonl
 from eagle3.rundir import ENGINE_LOGS_DIR, EVALUATE, EXTRACT, TRAIN, RunDir
 from eagle3.stage import StageRun, Stats
 
@@ -100,11 +98,6 @@ class EvaluateStats(Stats):
     HEADLINE: ClassVar[tuple[str, ...]] = (
         "num_prompts", "excluded_training", "k", "tau_offline", "tau_vllm", "tokens_per_forward_vllm", "tau_ngram",
         "tokens_per_forward_ngram", "speedup_vllm_eagle3", "parity_ok", "parity_gap", "vllm_serve_command")
-
-
-def _key(obj: Any) -> str:
-    """A 16-hex-digit digest of ``obj`` (JSON, sorted keys): the resume key of a measurement's inputs."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def find_drafter(params, run_dir: str | Path) -> Path:
@@ -194,13 +187,16 @@ def _load_inputs(params, run_dir: Path) -> _Inputs:
         speed_ids=[p["id"] for s in sets for p in spread(s.prompts, ev.speed_prompts)],
         ref=training_reference(params, run_dir, drafter_dir),
         served=settings_from_config(drafter_dir, vllm_view=True, error=EvaluateError),
-        drafter_key=_key([file_sha256(drafter_dir / "model.safetensors")[:16], read_config(drafter_dir, EvaluateError)]),
+        drafter_key=json_digest([file_sha256(drafter_dir / "model.safetensors")[:16],
+                                 read_config(drafter_dir, EvaluateError)]),
         t_dtype=str(t_dtype).replace("torch.", ""))
 
 
 def _offline_key(params, inp: _Inputs) -> str:
-    """The resume key of the offline records: drafter, offline prompts, trained settings, decoding
-    settings, dtype (prompt ``i`` samples with seed + i, so the prompt list is part of it).
+    """The resume key the offline records share: drafter, trained settings, decoding settings, dtype.
+    The prompts are not in it: each record carries its own prompt's key
+    (:func:`eagle3.evaluate.decoding.offline_prompt_key`), so a changed prompt list (an evaluation
+    source added or removed) measures only the prompts it did not measure before.
 
     The draft vocab mapping enters by content, not by path: a run opened as ``outputs/<run>`` by
     ``eagle3 run`` and as ``/abs/.../outputs/<run>`` (or ``../outputs/<run>``) by a notebook is the
@@ -208,8 +204,8 @@ def _offline_key(params, inp: _Inputs) -> str:
     ev = params.evaluate
     vm = inp.ref.vocab_mapping
     ref = asdict(inp.ref) | {"vocab_mapping": file_sha256(vm)[:16] if vm else None}
-    return _key([inp.drafter_key, [[p["id"], p["prompt_ids"]] for p in inp.offline_prompts], ref,
-                 ev.num_speculative_tokens, ev.temperature, ev.max_new_tokens, params.run.seed, inp.t_dtype])
+    return json_digest([inp.drafter_key, ref, ev.num_speculative_tokens, ev.temperature, ev.max_new_tokens,
+                        params.run.seed, inp.t_dtype])
 
 
 def _job(params, inp: _Inputs, method: str) -> tuple[dict, str]:
@@ -219,7 +215,7 @@ def _job(params, inp: _Inputs, method: str) -> tuple[dict, str]:
     moved, or opened by another path, holds the same measurement and must not be measured again."""
     job = build_job(params, method, inp.resolved.path, inp.drafter_dir, inp.prompts,
                     template_kwargs(params) or None, speed_ids=inp.speed_ids)  # None: the template's defaults
-    return job, _key([job | {"drafter": None}, inp.drafter_key if method == "eagle3" else None])
+    return job, json_digest([job | {"drafter": None}, inp.drafter_key if method == "eagle3" else None])
 
 
 def _finished(params, inp: _Inputs, rd: RunDir) -> EvaluateStats | None:
@@ -234,8 +230,10 @@ def _finished(params, inp: _Inputs, rd: RunDir) -> EvaluateStats | None:
         return None
     if "offline" in ev.backends:
         key = _offline_key(params, inp)
-        recs = read_jsonl(rd.offline_records, error=EvaluateError, missing_ok=True)
-        if {r.get("id") for r in recs if r.get("key") == key} != {p["id"] for p in inp.offline_prompts}:
+        recs = {r.get("id"): r for r in read_jsonl(rd.offline_records, error=EvaluateError, missing_ok=True)
+                if r.get("key") == key}
+        if any(recs.get(p["id"], {}).get("prompt_key") != offline_prompt_key(p, i, params.run.seed, ev.temperature)
+               for i, p in enumerate(inp.offline_prompts)):
             return None
     for method in ev.vllm_methods if "vllm" in ev.backends else ():
         res = read_json(rd.vllm_result(method), None)
