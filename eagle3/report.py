@@ -241,7 +241,8 @@ def summary_html(run_dir: str | Path) -> str:
 
 def index_html(run_dir: str | Path, pages: list[str], figures: dict[str, list[str]]) -> str:
     """HTML text of the index page: the result (:func:`summary_html`), then per stage a table of its
-    headline numbers, its figures (full width, linked to the file) and its executed notebook."""
+    headline numbers (stage 1 also what it left out and why: bad prompt records, cut answers), its
+    figures (full width, linked to the file) and its executed notebook."""
     run_dir = Path(run_dir)
     nums = key_numbers(run_dir)
     parts = [
@@ -269,6 +270,10 @@ def index_html(run_dir: str | Path, pages: list[str], figures: dict[str, list[st
                              "tau_vllm over all: not a parity pair; the parity line above compares the same "
                              "prompts); per set: Result, at the top.</em></p>")
             parts.append(f"<table>{rows}</table>")
+            if s == 1:  # what the training data lost on its way in (bad records, cut answers), as the terminal said it
+                from eagle3.synthesize.summary import skip_summary
+
+                parts.append(f"<p>Stage 1: {html.escape(skip_summary(read_json(run_dir / name / 'stats.json', {})))}.</p>")
         else:
             parts.append(f"<p><em>{html.escape(_unfinished(run_dir, s))}</em></p>")
         for fig in figures.get(name, []):

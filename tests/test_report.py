@@ -48,6 +48,18 @@ def test_index_shows_every_headline_number(tmp_path):
     assert "not_a_headline" not in page and MISSING in page
 
 
+def test_the_index_says_what_stage_1_left_out(tmp_path):
+    """A new user's training file had a malformed line: the terminal said so, the report did not."""
+    write_stats(stage_dir(tmp_path, 1), {"samples": 5, "turns": 5, "finish_reasons": {"length": 2},
+                                         "prompts": {"records": 7, "kept": 5, "bad_input": {"malformed_json": 1},
+                                                     "bad_input_examples": [{"where": "mine.jsonl:4:1",
+                                                                             "message": "malformed JSON: x"}]}})
+    page = index_html(tmp_path, [], {})
+    assert ("<p>Stage 1: 5 samples from 5 prompts selected of 7 records; 1 bad prompt record(s) (malformed_json 1; "
+            "first mine.jsonl:4:1 malformed JSON: x); 2 of 5 answer(s) cut at max_new_tokens (finish_reason length).</p>"
+            ) in page
+
+
 def test_a_half_done_stage_says_how_far_it_got(tmp_path):
     from eagle3.io import Progress
 
