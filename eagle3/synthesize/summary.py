@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 
 from eagle3.io import window_rates
+from eagle3.prompts import bad_input_detail
 
 THROUGHPUT_FILE = "throughput.jsonl"
 ERRORS_FILE = "errors.json"
@@ -84,13 +85,11 @@ def skip_summary(stats: dict) -> str:
     dropped when the context filled, answers cut at ``max_new_tokens`` (finish reason ``length``),
     failed samples. ``stats.json`` and the notebook hold the full lists."""
     prompts = stats.get("prompts", {})
-    bad = {k: v for k, v in prompts.get("bad_input", {}).items() if v}
+    bad = prompts.get("bad_input", {})
     parts = []
-    if bad:
-        ex = (prompts.get("bad_input_examples") or [{}])[0]
-        first = f"; first {ex['where']} {ex['message']}" if ex else ""
-        kinds = ", ".join(f"{k} {v}" for k, v in bad.items())
-        parts.append(f"{sum(bad.values())} bad prompt record(s) ({kinds}{first})")
+    if sum(bad.values()):
+        detail = bad_input_detail(bad, prompts.get("bad_input_examples") or [])
+        parts.append(f"{sum(bad.values())} bad prompt record(s) ({detail})")
     if prompts.get("duplicates_removed"):
         parts.append(f"{prompts['duplicates_removed']} duplicate prompt(s)")
     too_long = stats.get("bad_input", {}).get("prompt_too_long", 0)
