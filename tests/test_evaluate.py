@@ -589,6 +589,32 @@ def test_mismatch_warnings_rules_on_synthetic_stats():
     assert [x["rule"] for x in mismatch_warnings({}, cats, ev)] == ["narrow_training_data"]
 
 
+def test_vllm_job_timeout_kills_the_worker_and_names_the_setting(tmp_path):
+    """A vLLM measurement past its limit (a new user's shared 2-core machine: 1,800 s were not enough)
+    kills the worker's whole process group and says which setting to raise."""
+    import time
+
+    from eagle3.errors import EvaluateError
+    from eagle3.evaluate.vllm_jobs import run_vllm_job
+
+    out = tmp_path / "vllm_eagle3.json"
+    job = {"method": "eagle3", "prompts": []}  # the worker is still importing when the limit strikes
+    t = time.monotonic()
+    with pytest.raises(EvaluateError, match=r"vLLM job eagle3 timed out after 0 s \(evaluate\.vllm_timeout_s: raise it"):
+        run_vllm_job(job, out, timeout_s=0.2)
+    assert time.monotonic() - t < 30
+    assert not out.exists()
+    job_path = str(out.with_suffix(".job.json"))
+
+    def cmdline(path):
+        try:
+            return path.read_bytes().decode(errors="replace")
+        except OSError:  # the process ended between the listing and the read
+            return ""
+
+    assert [c for c in Path("/proc").glob("[0-9]*/cmdline") if job_path in cmdline(c)] == []
+
+
 def test_vllm_records_count_steps_without_drafts():
     """n-gram: vLLM lists only the steps that drafted; the others are recovered from the output length."""
     from eagle3.evaluate.vllm_jobs import speed_by_set, vllm_records, vllm_summary

@@ -64,7 +64,8 @@ def run_vllm_job(job: dict, out_path: str | Path, log_path: str | Path | None = 
     the re-run measures again (the result file is only kept with its job key).
 
     Raises:
-        EvaluateError: the child failed or timed out (the message holds the log tail).
+        EvaluateError: the child failed or timed out (the message holds the log tail; a timeout names
+            ``evaluate.vllm_timeout_s``, the stage's value of ``timeout_s``).
     """
     from eagle3.vllm_utils import cpu_env
 
@@ -86,7 +87,10 @@ def run_vllm_job(job: dict, out_path: str | Path, log_path: str | Path | None = 
             rc = None
     if rc != 0 or not out_path.exists():
         tail = "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-30:])
-        why = f"timed out after {timeout_s:.0f} s" if rc is None else f"exited with code {rc}"
+        # a timeout is most often a slower machine than the limit assumed (a shared CPU, many prompts):
+        # name the setting, so that the re-run can raise it
+        why = (f"timed out after {timeout_s:.0f} s (evaluate.vllm_timeout_s: raise it for a slower or shared "
+               f"machine, or measure fewer prompts)" if rc is None else f"exited with code {rc}")
         raise EvaluateError(f"vLLM job {job['method']} {why} (log: {log_path}):\n{tail}")
     return json.loads(out_path.read_text())
 
