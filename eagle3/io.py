@@ -36,15 +36,24 @@ __all__ = [
 ]
 
 
+# the process's umask, read once (os.umask can only be read by setting it; at import no thread writes files)
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success it is renamed over ``path``.
+    """Yield a temporary path beside ``path``; on success it is renamed over ``path``, with the mode a
+    plain ``open()`` gives (``0o666`` less the umask).
 
     On an exception the temporary file is removed and ``path`` is left untouched.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # mkstemp makes the file 0600: give it the mode a plain open() would (stats.json, params.yaml and
+    # the figures are read by whoever shares the run, as its report's pages are)
+    os.fchmod(fd, 0o666 & ~_UMASK)
     os.close(fd)
     tmp_p = Path(tmp)
     try:

@@ -29,6 +29,24 @@ def test_atomic_write_keeps_old_file_on_failure(tmp_path):
     assert [f.name for f in tmp_path.iterdir()] == ["a.json"]  # no temp file left
 
 
+def test_atomic_write_gives_the_mode_of_a_plain_open(tmp_path, monkeypatch):
+    """A new user's finding: stats.json, params.yaml and the figures were 0600 (mkstemp's mode) beside a
+    0644 report page; an atomically written file now gets what open() gives under the umask."""
+    import os
+
+    import eagle3.io as eio
+
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    p = tmp_path / "a.json"
+    atomic_write_json(p, {"x": 1})
+    assert os.stat(p).st_mode & 0o777 == os.stat(plain).st_mode & 0o777
+    for umask, mode in ((0o022, 0o644), (0o077, 0o600), (0o002, 0o664)):
+        monkeypatch.setattr(eio, "_UMASK", umask)
+        atomic_write_json(p, {"x": umask})
+        assert os.stat(p).st_mode & 0o777 == mode and read_json(p) == {"x": umask}
+
+
 def test_progress_file_and_status(tmp_path):
     run = tmp_path / "run"
     d = run / "03_extract"
