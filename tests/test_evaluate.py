@@ -568,6 +568,13 @@ def test_mismatch_warnings_rules_on_synthetic_stats():
                                       "narrow_training_data"]
     assert w[0]["numbers"] == {"set": "general-chat", "tokens_per_forward_drafter": 1.08, "source": "vLLM",
                                "tokens_per_forward_ngram": 1.19}
+    assert w[0]["message"].startswith("on general-chat (out-of-domain) the drafter gives 1.080")  # no count recorded
+    # the count of prompts behind it (a new user's 2-prompt set warned like the 96-prompt one)
+    counted = {"mine": {**sets["general-chat"], "domain": "user", "prompts": 2, "offline_prompts": 2},
+               "general-chat": {**sets["general-chat"], "prompts": 96}}
+    msgs = [x["message"] for x in mismatch_warnings(counted, {"known": False}, ev)]
+    assert msgs[0].startswith("on mine (user, 2 prompts: few, a noisy measurement) the drafter gives 1.080")
+    assert msgs[1].startswith("on general-chat (out-of-domain, 96 prompts) the drafter gives 1.080")
     assert w[1]["numbers"]["tau_ood"] == 1.08 and w[1]["numbers"]["tau_id"] == 1.7
     assert w[2]["numbers"]["conversations"] == 146 and "kind: self" in w[2]["fix"]
     assert "one source (human-eval)" in w[3]["message"] and all(x["fix"] for x in w)

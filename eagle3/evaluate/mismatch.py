@@ -27,6 +27,15 @@ _MORE_DATA = ("add prompts like your traffic to synthesize.sources (your own log
               "let the target write its own with a {kind: self} source (self-prompting), then re-run stages 1-5")
 
 
+def _prompts(s: dict, where: str) -> str:
+    """``", 96 prompts"`` (``", 2 prompts: few, a noisy measurement"`` under 8) of a set's stats entry
+    for the measurement ``where`` (offline: ``offline_prompts``); empty when not recorded."""
+    n = s.get("offline_prompts") if where == "offline" else s.get("prompts")
+    if n is None:
+        return ""
+    return f", {n} prompt{'s' if n != 1 else ''}" + (": few, a noisy measurement" if n < 8 else "")
+
+
 def set_tau(s: dict) -> tuple[float | None, str]:
     """The drafter's τ of one set's stats entry and where it comes from: vLLM, else offline."""
     if s.get("tau_vllm") is not None:
@@ -65,8 +74,10 @@ def mismatch_warnings(sets: dict[str, dict], training: dict, ev) -> list[dict]:
         ng = s.get("tokens_per_forward_ngram")
         if d is not None and ng is not None and d < ng:
             out.append({"rule": "drafter_below_ngram",
-                        "message": f"on {name} ({s.get('domain')}) the drafter gives {d:.3f} tokens per target forward "
-                                   f"({where}), n-gram prompt lookup {ng:.3f}: serving n-gram would be as fast, for free",
+                        # the prompt count says how much to trust it (a user's 2-prompt set warned like a 96-prompt one)
+                        "message": f"on {name} ({s.get('domain')}{_prompts(s, where)}) the drafter gives {d:.3f} tokens "
+                                   f"per target forward ({where}), n-gram prompt lookup {ng:.3f}: serving n-gram would be "
+                                   f"as fast, for free",
                         "numbers": {"set": name, "tokens_per_forward_drafter": _r(d), "source": where,
                                     "tokens_per_forward_ngram": _r(ng)},
                         "fix": f"train on more and more varied data ({_MORE_DATA}); until then serve with "
