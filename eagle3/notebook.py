@@ -10,8 +10,14 @@ from eagle3.rundir import prepare_run_dir, project_root, resolve_run_dir
 __all__ = ["setup", "show_table", "run_dir_note"]
 
 
-def setup(params_file: str | None, run_dir: str | None = None, overrides: list[str] | None = None) -> tuple[Params, Path]:
+def setup(params_file: str | None, run_dir: str | None = None, overrides: list[str] | None = None,
+          stage: int | None = None) -> tuple[Params, Path]:
     """Load params (papermill passes the run's resolved ``params.yaml``) and open the run directory.
+
+    ``stage``: the notebook's stage (1..5). Params that only another stage reads may differ from the
+    run's (a stage-1 notebook opened with the default params on a run whose stage 5 measured other
+    sets): :func:`eagle3.rundir.prepare_run_dir` then keeps the run's ``params.yaml``. None: every
+    difference is refused.
 
     A relative ``params_file`` is looked up from the current directory first, then from the
     project root (so the defaults work both in JupyterLab, whose cwd is ``notebooks/``, and headless).
@@ -34,7 +40,7 @@ def setup(params_file: str | None, run_dir: str | None = None, overrides: list[s
     pd.set_option("display.max_colwidth", None)
     params = load_params(pf, overrides or None)
     rd = Path(run_dir) if run_dir else resolve_run_dir(params)
-    rd = prepare_run_dir(params, rd)
+    rd = prepare_run_dir(params, rd, stages=None if stage is None else [stage])
     _say_which_run(rd, chosen=bool(run_dir))
     return params, rd
 

@@ -153,7 +153,8 @@ def stage_complete(run_dir: str | Path, stage: int) -> bool:
     return bool(json.loads(f.read_text(encoding="utf-8")).get("complete"))
 
 
-def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_file: str | Path | None = None) -> Path:
+def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_file: str | Path | None = None,
+                    stages=None) -> Path:
     """Create (or re-open) the run directory and write the resolved ``params.yaml`` into it.
 
     A run directory belongs to one set of params: re-opening it with params whose results would
@@ -161,15 +162,21 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
     outputs of two configurations. Tracking settings and names may change between calls. One
     exception: params that only one stage reads (:data:`eagle3.config.STAGE_OWN_SECTIONS`:
     ``evaluate.*``, stage 5) may change when that stage is in ``redo`` (it is measured again on the
-    new params; the earlier stages' outputs, e.g. the training prompts stage 5 excludes, stay).
-    The written ``params.yaml`` names the folder it lies in (``run.name`` = the folder's name, where
-    that is a valid run name), so that it resolves to this run whoever opened it.
+    new params; the earlier stages' outputs, e.g. the training prompts stage 5 excludes, stay), and
+    are ignored when that stage is not among ``stages``: a notebook of stage 1, or ``eagle3 run
+    --stages 1-4``, opened with the default params on a run whose stage 5 measured the user's own
+    sets, runs its stages (which never read ``evaluate.*``) and leaves the run's ``params.yaml``, the
+    record of what stage 5 measured, as it is. The written ``params.yaml`` names the folder it lies
+    in (``run.name`` = the folder's name, where that is a valid run name), so that it resolves to this
+    run whoever opened it.
 
     Args:
         params: the resolved :class:`eagle3.config.Params`.
         run_dir: the folder; default ``resolve_run_dir(params)``.
         redo: the stages this call redoes (``eagle3 run --redo``).
         params_file: the params file the user gave, named in the command of the refusal.
+        stages: the stages this call runs or shows (``eagle3 run --stages``, a notebook's own stage);
+            None = every stage.
 
     Returns:
         Path: the run directory.
@@ -197,6 +204,14 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
         old = load_params(pfile)
         if params_fingerprint(old) != params_fingerprint(params):
             s, diffs = changed_stage(old, params), diff_params(old, params)
+            if s is not None and stages is not None and s not in set(stages):
+                # only params of a stage this call does not run differ: the stages run here do not read
+                # them, and the run's params.yaml stays the record that stage's outputs were made with
+                section = next(k for k, v in STAGE_OWN_SECTIONS.items() if v == s)
+                print(f"eagle3: these params differ from the run's only in {section}.* (read by stage {s} alone, "
+                      f"which this call does not run); the run's {PARAMS_FILE} is kept: " + "; ".join(diffs),
+                      flush=True)
+                return rd
             if s is None or s not in set(redo or ()):
                 raise ParamsError(_params_refusal(rd, diffs, s, STAGE_OWN_SECTIONS, params_file))
             # accepted: one stage's own params, that stage redone; say what changed
@@ -219,14 +234,18 @@ def _params_refusal(rd: Path, diffs: list[str], stage: int | None, own: dict[str
     pf = str(params_file) if params_file else "PARAMS"
     msg = (f"Run directory {rd} was created with different params ({rd / PARAMS_FILE}); refusing to mix "
            f"outputs of two configurations. Differences:\n  " + "\n  ".join(diffs) + "\n")
+    # the way back to the run as it was made (a user who redid stage 5 on their own sets, then ran the
+    # default params again, found only ways that drop those sets)
+    reopen = (f" To re-open this run as it was made, use its own params: `eagle3 run {rd / PARAMS_FILE}` "
+              f"(in a notebook's parameters cell: params_file = \"{rd / PARAMS_FILE}\", run_dir = \"{rd}\").")
     if stage is not None:
         section = next(k for k, v in own.items() if v == stage)
         return msg + (f"They are {section}.* only, which stage {stage} ({STAGES[stage]}) alone reads: redo that "
                       f"stage on this run with `eagle3 run {pf} --stages {stage} --redo {stage}` (the earlier "
-                      f"stages' outputs are kept), or start a new run with --run-name NEW_NAME.")
+                      f"stages' outputs are kept), or start a new run with --run-name NEW_NAME." + reopen)
     allowed = ", ".join(f"{k}.* (with --redo {v})" for k, v in own.items())
     return msg + (f"Only {allowed} may change on an existing run. Start a new run with --run-name NEW_NAME "
-                  f"(or run.name=...), or delete {rd}.")
+                  f"(or run.name=...), or delete {rd}." + reopen)
 
 
 class RunDir:

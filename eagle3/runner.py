@@ -16,6 +16,7 @@ from eagle3.errors import ParamsError, RunInterrupted, RunnerError, StageFailed,
 from eagle3.io import format_bytes, read_json
 from eagle3.rundir import (
     NOTEBOOKS,
+    PARAMS_FILE,
     PROGRESS_FILE,
     STAGES,
     START_OVER_KEEPS,
@@ -28,8 +29,8 @@ from eagle3.rundir import (
 )
 from eagle3.stage import stale_inputs, stale_message
 
-__all__ = ["parse_stages", "format_stages", "resume_stages", "run_pipeline", "reopen_stage", "verify_run", "StageFailed", "ProgressEcho",
-           "StaleStage", "status_rows", "format_status", "render_report", "static_widgets"]
+__all__ = ["parse_stages", "format_stages", "resume_stages", "run_pipeline", "run_dir_for", "reopen_stage", "verify_run",
+           "StageFailed", "ProgressEcho", "StaleStage", "status_rows", "format_status", "render_report", "static_widgets"]
 
 KERNEL = "eagle3"
 
@@ -211,6 +212,27 @@ class _InterruptForwarder:
             signal.signal(signal.SIGINT, self._old)
 
 
+def run_dir_for(params, params_file: str | Path | None, overrides: list[str] | None = None) -> Path:
+    """The run directory ``eagle3 run`` opens: the folder of ``params_file`` when that file is a run
+    directory's own ``params.yaml`` (the folder holds a stage folder) and no ``run.*`` override names
+    another run, else ``<run.output_dir>/<run.name>`` (:func:`eagle3.rundir.resolve_run_dir`).
+
+    ``eagle3 run outputs/<run>/params.yaml`` re-opens that run as it was made (what a refusal of other
+    params suggests), also when the folder was copied or moved and its ``params.yaml`` still names the
+    old folder (a copied run's params once resolved to a fresh run and started stage 1 there).
+    """
+    default = resolve_run_dir(params)
+    if params_file is None or any(o.split("=", 1)[0].strip().startswith("run.") for o in overrides or []):
+        return default
+    pf = Path(params_file).expanduser().resolve()
+    if pf.name != PARAMS_FILE or not any((pf.parent / name).is_dir() for name in STAGES.values()):
+        return default
+    if pf.parent != default:
+        print(f"eagle3: {params_file} is the params.yaml of the run directory {pf.parent}: opening that run "
+              f"(its params name {default})", flush=True)
+    return pf.parent
+
+
 def _kernel_available(name: str) -> bool:
     from jupyter_client.kernelspec import KernelSpecManager
 
@@ -260,9 +282,10 @@ def run_pipeline(
     if redo_set - set(selected):
         raise ParamsError(f"--redo {','.join(map(str, sorted(redo_set)))}: stage(s) {sorted(redo_set - set(selected))} "
                           f"not among the stages to run ({selected}); add them to --stages")
+    target_dir = run_dir_for(params, params_file, ov)
     check_prompt_files(params, [s for s in selected if s in redo_set or force
-                                or not stage_complete(resolve_run_dir(params), s)])
-    run_dir = prepare_run_dir(params, resolve_run_dir(params), redo=redo_set, params_file=params_file)
+                                or not stage_complete(target_dir, s)])
+    run_dir = prepare_run_dir(params, target_dir, redo=redo_set, params_file=params_file, stages=selected)
     for trash in run_dir.glob(".redo-*"):  # a stage folder a killed --redo was removing
         shutil.rmtree(trash, ignore_errors=True)
     if not _kernel_available(kernel):

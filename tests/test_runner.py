@@ -87,6 +87,41 @@ def test_evaluate_only_params_on_an_existing_run_redo_stage_5_only(tmp_params, n
     assert "num_prompts: 5" in (rd / "params.yaml").read_text()
 
 
+def test_a_run_with_its_own_evaluate_params_opens_for_stages_1_4_and_by_its_own_params_yaml(tmp_params, nbdir, capsys,
+                                                                                            tmp_path):
+    """A new user's finding: after `--stages 5 --redo 5` with their own evaluation params, `make run` and
+    every notebook refused the run on the default params. Stages 1-4 now open it (they do not read
+    evaluate.*) and keep its params.yaml; all five are refused with the way back, the run's own
+    params.yaml, which opens that run, also when the folder was copied (its params name the old one)."""
+    import shutil
+
+    _nb(nbdir / NOTEBOOKS[5], WRITE_STAGE.replace('"lr": params.train.lr', '"num_prompts": params.evaluate.num_prompts')
+        .format(s=5))
+    pf = tmp_params()
+    rd = run_pipeline(pf, [1, 2, 5], overrides=["evaluate.num_prompts=5"], notebooks=nbdir)
+    record = (rd / "params.yaml").read_text()
+    assert "num_prompts: 5" in record
+    assert run_pipeline(pf, [1, 2], notebooks=nbdir) == rd  # the default params: evaluate.num_prompts None
+    out = capsys.readouterr().out
+    assert "differ from the run's only in evaluate.* (read by stage 5 alone, which this call does not run)" in out
+    assert "stage 1 (01_synthesize) already complete, skipped" in out
+    assert (rd / "params.yaml").read_text() == record and (rd / "01_synthesize" / "runs.txt").read_text() == "x"
+    with pytest.raises(ParamsError) as e:
+        run_pipeline(pf, [1, 2, 5], notebooks=nbdir)
+    assert f"use its own params: `eagle3 run {rd / 'params.yaml'}`" in str(e.value)
+    assert run_pipeline(rd / "params.yaml", [1, 2, 5], notebooks=nbdir) == rd
+    copy = tmp_path / "elsewhere" / "copied"
+    shutil.copytree(rd, copy)
+    capsys.readouterr()
+    assert run_pipeline(copy / "params.yaml", [1, 2, 5], notebooks=nbdir) == copy
+    out = capsys.readouterr().out
+    assert f"is the params.yaml of the run directory {copy}: opening that run" in out
+    assert out.count("already complete, skipped") == 3 and not (rd.parent / "copied").exists()
+    # a run.* override names another run: the params file's own folder is not taken
+    other = run_pipeline(copy / "params.yaml", [1], run_name="fresh", notebooks=nbdir)
+    assert other.name == "fresh" and other != copy
+
+
 SLOW_STAGE = """
 import time
 from pathlib import Path
