@@ -87,8 +87,13 @@ def test_prepare_self_sources_writes_reuses_and_refuses_other_settings(tmp_path,
 
     # a second call reuses the finished files (nothing sampled: the candidates file is untouched)
     before = (d / "source_1.candidates.jsonl").stat().st_mtime_ns
-    again, stats2 = prepare_self_sources(params, run_dir)
+    prog = Progress(run_dir / "01_synthesize", total=2, unit="self prompts")
+    again, stats2 = prepare_self_sources(params, run_dir, progress=prog)
+    prog.close("running")
     assert again == sources and stats2 == stats
+    # counted as resumed: in done and tokens, not in the rates (restored prompts once read 280M tokens/s)
+    pj = json.loads((run_dir / "01_synthesize" / "progress.json").read_text())
+    assert pj["done"] == 2 and pj["tokens"] == stats[0]["generated_tokens"] and pj["tokens_per_s"] == 0
     assert (d / "source_1.candidates.jsonl").stat().st_mtime_ns == before
 
     # other settings in the same run dir are refused, never silently reused
