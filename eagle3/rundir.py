@@ -207,8 +207,7 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
             if s is not None and stages is not None and s not in set(stages):
                 # only params of a stage this call does not run differ: the stages run here do not read
                 # them, and the run's params.yaml stays the record that stage's outputs were made with
-                section = next(k for k, v in STAGE_OWN_SECTIONS.items() if v == s)
-                print(f"eagle3: these params differ from the run's only in {section}.* (read by stage {s} alone, "
+                print(f"eagle3: these params differ from the run's only in {_own_section(s)}.* (read by stage {s} alone, "
                       f"which this call does not run); the run's {PARAMS_FILE} is kept: " + "; ".join(diffs),
                       flush=True)
                 return rd
@@ -230,6 +229,13 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
     return rd
 
 
+def _own_section(stage: int) -> str:
+    """The params section that ``stage`` alone reads (:data:`eagle3.config.STAGE_OWN_SECTIONS`)."""
+    from eagle3.config import STAGE_OWN_SECTIONS
+
+    return next(k for k, v in STAGE_OWN_SECTIONS.items() if v == stage)
+
+
 def _params_refusal(rd: Path, diffs: list[str], stage: int | None, own: dict[str, int], params_file) -> str:
     pf = str(params_file) if params_file else "PARAMS"
     msg = (f"Run directory {rd} was created with different params ({rd / PARAMS_FILE}); refusing to mix "
@@ -239,8 +245,7 @@ def _params_refusal(rd: Path, diffs: list[str], stage: int | None, own: dict[str
     reopen = (f" To re-open this run as it was made, use its own params: `eagle3 run {rd / PARAMS_FILE}` "
               f"(in a notebook's parameters cell: params_file = \"{rd / PARAMS_FILE}\", run_dir = \"{rd}\").")
     if stage is not None:
-        section = next(k for k, v in own.items() if v == stage)
-        return msg + (f"They are {section}.* only, which stage {stage} ({STAGES[stage]}) alone reads: redo that "
+        return msg + (f"They are {_own_section(stage)}.* only, which stage {stage} ({STAGES[stage]}) alone reads: redo that "
                       f"stage on this run with `eagle3 run {pf} --stages {stage} --redo {stage}` (the earlier "
                       f"stages' outputs are kept), or start a new run with --run-name NEW_NAME." + reopen)
     allowed = ", ".join(f"{k}.* (with --redo {v})" for k, v in own.items())
