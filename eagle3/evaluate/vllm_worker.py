@@ -31,7 +31,9 @@ its own rendering. One engine, without prefix caching (every prompt is prefilled
   ``vllm:generation_tokens``. Per request, vLLM's per-step accepted/drafted lists
   (``per_request_spec_decode_metrics="detailed"``) are returned too: the per-set numbers.
 * **speed**: the ``speed_ids`` prompts one ``LLM.chat`` call each, so one request is in the engine
-  at a time (the single-stream setting where speculation pays); output tokens and seconds per prompt.
+  at a time (the single-stream setting where speculation pays); output tokens and seconds per prompt,
+  and the timed answer's ids and per-step lists as in the acceptance pass (a request alone in the
+  engine computes other batch shapes, so its T=0 answer can differ from the acceptance pass's).
 
 The worker runs in its own session (so that a timeout kills its engine's processes with it), which
 also puts it out of reach of a signal sent to the stage's process group: when ``EAGLE3_PARENT_PID``
@@ -181,7 +183,11 @@ def run_job(job: dict) -> dict:
         t1 = time.time()
         out = llm.chat(convs[i:i + 1], [params(i, int(job["max_new_tokens"]))], use_tqdm=False,
                        chat_template_kwargs=ctk)[0]
-        speed.append({"id": pid, "output_tokens": len(out.outputs[0].token_ids), "time_s": time.time() - t1})
+        dt = time.time() - t1
+        # the timed answer itself (ids, per-step lists): at T=0 it can differ from the acceptance pass's
+        # (another batch, other arithmetic), so its own tokens per forward bound its speed-up
+        row = _per_prompt(prompts[i:i + 1], [out])[0]
+        speed.append(row | {"output_tokens": len(row["tokens"]), "time_s": dt})
     n_speed = sum(r["output_tokens"] for r in speed)
     t_speed = sum(r["time_s"] for r in speed)
     return {
