@@ -87,6 +87,12 @@ BAD_INPUT_KINDS = (
 )
 
 
+def _json_msg(exc: json.JSONDecodeError) -> str:
+    """``exc.msg`` without the dangling "at" some of them end with ("Invalid control character at"):
+    the json module appends the position there in ``str(exc)``; our messages give it as file:line:column."""
+    return exc.msg.removesuffix(" at")
+
+
 def bad_input_detail(bad: dict[str, int], examples: list[dict]) -> str:
     """The bad records' kinds (in :data:`BAD_INPUT_KINDS` order, zeros left out) and the first one's
     place and message, e.g. ``"malformed_json 2, unknown_format 1; first p.jsonl:5:3 malformed JSON: ..."``:
@@ -341,9 +347,11 @@ def _iter_file(source: PromptSource, report: LoadReport, on_bad_line: str, field
                 if not text.strip():
                     continue
                 try:
-                    rec = json.loads(text)
+                    # without the line's end: an error there (a record cut short) is placed at the end of
+                    # this line, not at column 1 of the next
+                    rec = json.loads(text.rstrip("\r\n"))
                 except json.JSONDecodeError as exc:
-                    _bad(report, on_bad_line, "malformed_json", f"{where}:{exc.colno}", f"malformed JSON: {exc.msg}")
+                    _bad(report, on_bad_line, "malformed_json", f"{where}:{exc.colno}", f"malformed JSON: {_json_msg(exc)}")
                     continue
                 if not isinstance(rec, dict):
                     _bad(report, on_bad_line, "not_an_object", where, f"expected a JSON object, got {type(rec).__name__}")
@@ -364,7 +372,7 @@ def _iter_file(source: PromptSource, report: LoadReport, on_bad_line: str, field
             doc = json.loads(text)
         except json.JSONDecodeError as exc:
             raise PromptError(
-                f"{path}:{exc.lineno}:{exc.colno}: malformed JSON: {exc.msg} (a JSON document cannot be "
+                f"{path}:{exc.lineno}:{exc.colno}: malformed JSON: {_json_msg(exc)} (a JSON document cannot be "
                 f"read around it; use JSONL to skip bad lines)"
             ) from None
         key = source.fields.get("records")

@@ -154,7 +154,7 @@ def stage_complete(run_dir: str | Path, stage: int) -> bool:
 
 
 def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_file: str | Path | None = None,
-                    stages=None) -> Path:
+                    stages=None, options=()) -> Path:
     """Create (or re-open) the run directory and write the resolved ``params.yaml`` into it.
 
     A run directory belongs to one set of params: re-opening it with params whose results would
@@ -177,6 +177,9 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
         params_file: the params file the user gave, named in the command of the refusal.
         stages: the stages this call runs or shows (``eagle3 run --stages``, a notebook's own stage);
             None = every stage.
+        options: the command-line options the refusal's suggested command repeats (``--set``,
+            ``--run-name``; ``eagle3 run`` passes its own), so that the command it names runs the
+            params that were refused, not the file's.
 
     Returns:
         Path: the run directory.
@@ -212,7 +215,7 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
                       flush=True)
                 return rd
             if s is None or s not in set(redo or ()):
-                raise ParamsError(_params_refusal(rd, diffs, s, STAGE_OWN_SECTIONS, params_file))
+                raise ParamsError(_params_refusal(rd, diffs, s, STAGE_OWN_SECTIONS, params_file, options))
             # accepted: one stage's own params, that stage redone; say what changed
             print("eagle3: params changed since this run was made (the stage that reads them is redone): "
                   + "; ".join(diffs), flush=True)
@@ -236,8 +239,13 @@ def _own_section(stage: int) -> str:
     return next(k for k, v in STAGE_OWN_SECTIONS.items() if v == stage)
 
 
-def _params_refusal(rd: Path, diffs: list[str], stage: int | None, own: dict[str, int], params_file) -> str:
+def _params_refusal(rd: Path, diffs: list[str], stage: int | None, own: dict[str, int], params_file,
+                    options=()) -> str:
+    import shlex
+
     pf = str(params_file) if params_file else "PARAMS"
+    # the user's --set/--run-name: without them the suggested command would redo the stage on the file's params
+    again = (" " + shlex.join(options)) if options else ""
     msg = (f"Run directory {rd} was created with different params ({rd / PARAMS_FILE}); refusing to mix "
            f"outputs of two configurations. Differences:\n  " + "\n  ".join(diffs) + "\n")
     # the way back to the run as it was made (a user who redid stage 5 on their own sets, then ran the
@@ -246,7 +254,7 @@ def _params_refusal(rd: Path, diffs: list[str], stage: int | None, own: dict[str
               f"(in a notebook's parameters cell: params_file = \"{rd / PARAMS_FILE}\", run_dir = \"{rd}\").")
     if stage is not None:
         return msg + (f"They are {_own_section(stage)}.* only, which stage {stage} ({STAGES[stage]}) alone reads: redo that "
-                      f"stage on this run with `eagle3 run {pf} --stages {stage} --redo {stage}` (the earlier "
+                      f"stage on this run with `eagle3 run {pf}{again} --stages {stage} --redo {stage}` (the earlier "
                       f"stages' outputs are kept), or start a new run with --run-name NEW_NAME." + reopen)
     allowed = ", ".join(f"{k}.* (with --redo {v})" for k, v in own.items())
     return msg + (f"Only {allowed} may change on an existing run. Start a new run with --run-name NEW_NAME "

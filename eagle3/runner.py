@@ -285,7 +285,8 @@ def run_pipeline(
     target_dir = run_dir_for(params, params_file, ov)
     check_prompt_files(params, [s for s in selected if s in redo_set or force
                                 or not stage_complete(target_dir, s)])
-    run_dir = prepare_run_dir(params, target_dir, redo=redo_set, params_file=params_file, stages=selected)
+    options = [*(["--run-name", run_name] if run_name else []), *(x for o in overrides or [] for x in ("--set", o))]
+    run_dir = prepare_run_dir(params, target_dir, redo=redo_set, params_file=params_file, stages=selected, options=options)
     for trash in run_dir.glob(".redo-*"):  # a stage folder a killed --redo was removing
         shutil.rmtree(trash, ignore_errors=True)
     if not _kernel_available(kernel):
@@ -430,7 +431,8 @@ class ProgressEcho:
 
     A thread reads the file every ``interval_s``. On a terminal it drives a tqdm bar on ``file``
     (done/total, the stage's own tokens/s and ETA, bytes on disk); elsewhere (a log file, CI) it writes
-    one line per ``log_every_s`` when something changed. A file left by an earlier execution (older
+    one line per ``log_every_s`` when something changed, and at once when a phase ends (the last
+    state seen of the phase that ended, then the next phase's first). A file left by an earlier execution (older
     than this echo) is not shown until the stage rewrites it. The numbers are the ones ``eagle3
     status`` shows (:class:`eagle3.io.Progress` writes them); a new unit or total (a stage's next
     phase) starts a new bar.
@@ -461,6 +463,7 @@ class ProgressEcho:
         self._bar = None
         self._key = None
         self._last_line = (0.0, None)
+        self._phase = self._seen = None  # log mode: the (unit, total) and the line of the last poll
 
     def __enter__(self) -> ProgressEcho:
         self._thread.start()
@@ -494,8 +497,15 @@ class ProgressEcho:
             self._show_bar(int(prog.get("done") or 0), prog.get("total"), str(prog.get("unit") or ""), ", ".join(extras))
             return
         line = f"eagle3: {self.desc}: {_done_text(prog)}, {', '.join(extras)}"
+        # a new unit or total is the stage's next phase: the last state seen of the one that ended and
+        # the new one's first are written at once (at one line a minute a log skipped whole phases)
+        phase = (prog.get("unit"), prog.get("total"))
+        new_phase = self._phase is not None and phase != self._phase
+        if new_phase and self._seen not in (None, self._last_line[1]):
+            print(self._seen, file=self.file, flush=True)
+        self._phase, self._seen = phase, line
         due = time.time() - self._last_line[0] >= self.log_every_s
-        if line != self._last_line[1] and (due or final):
+        if line != self._last_line[1] and (due or final or new_phase):
             print(line, file=self.file, flush=True)
             self._last_line = (time.time(), line)
 

@@ -182,6 +182,18 @@ def test_mixed_parquet_columns_null_means_absent(tmp_path):
     assert rep.sources[0]["formats"] == {"openai": 1, "prompt": 1}
 
 
+def test_a_malformed_line_is_placed_at_its_own_column_with_a_whole_message(tmp_path):
+    """New-user check: a record cut short at the end of line 3 was reported at column 1 (of the next line,
+    the newline parsed with it), and a raw tab in a string gave "Invalid control character at)"."""
+    f = tmp_path / "mine.jsonl"
+    f.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c",\n{"prompt": "x\ty"}\n{"prompt": "d"}\n')
+    rep = LoadReport()
+    assert [p.turns[0][-1]["content"] for p in load_source(PromptSource(kind="file", path=str(f)), rep)] == ["a", "b", "d"]
+    assert [(e["where"], e["message"]) for e in rep.examples] == [
+        (f"{f}:3:16", "malformed JSON: Expecting property name enclosed in double quotes"),
+        (f"{f}:4:14", "malformed JSON: Invalid control character")]
+
+
 def test_load_report_summary_is_one_line_with_reasons(tmp_path):
     path = _jsonl(tmp_path / "s.jsonl", [{"prompt": "a"}, {"prompt": "a"}, "{oops", {"prompt": ""},
                                          {"prompt": "b"}, {"prompt": "c"}])

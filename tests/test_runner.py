@@ -75,8 +75,10 @@ def test_evaluate_only_params_on_an_existing_run_redo_stage_5_only(tmp_params, n
     rd = run_pipeline(pf, [1, 2, 5], notebooks=nbdir)
     assert read_json(rd / "05_evaluate" / "stats.json")["num_prompts"] is None
     s1 = (rd / "01_synthesize" / "stats.json").read_bytes()
-    with pytest.raises(ParamsError, match=r"evaluate\.num_prompts: None -> 5\n.*--stages 5 --redo 5"):
+    with pytest.raises(ParamsError, match=r"evaluate\.num_prompts: None -> 5\n.*--stages 5 --redo 5") as refused:
         run_pipeline(pf, [5], overrides=["evaluate.num_prompts=5"], notebooks=nbdir)
+    # the command it names keeps the override (a new user's copy-paste redid stage 5 on the file's params)
+    assert f"`eagle3 run {pf} --set evaluate.num_prompts=5 --stages 5 --redo 5`" in str(refused.value)
     run_pipeline(pf, [1, 2, 5], overrides=["evaluate.num_prompts=5"], notebooks=nbdir, redo=[5])
     out = capsys.readouterr().out
     assert "params changed since this run was made (the stage that reads them is redone): evaluate.num_prompts: None -> 5" in out
@@ -451,6 +453,29 @@ def test_the_terminal_shows_a_running_stage_s_progress(tmp_path):
     echo.poll()
     echo._bar.close()
     assert echo._key == ("answers", None) and "stage 3 (extract): 7 answers, " in tty.getvalue()
+
+
+def test_a_log_shows_each_phase_s_end_and_start_at_once(tmp_path):
+    """New-user check: at one line a minute the log went from "673/960 self prompts" straight to
+    answering, and from "0/20 offline prompts" to the vLLM phase: a phase's end was never shown."""
+    from eagle3.io import Progress
+    from eagle3.runner import ProgressEcho
+
+    sd = tmp_path / "05_evaluate"
+    log = io.StringIO()
+    echo = ProgressEcho(sd / "progress.json", "stage 5 (evaluate)", file=log, log_every_s=3600.0, tty=False)
+    echo.t0 = 0.0
+    prog = Progress(sd, total=20, unit="offline prompts", interval_s=0.0)
+    prog.update(3, tokens=30)
+    echo.poll()  # the first line is due at once
+    for _ in range(17):
+        prog.update(1, tokens=10)
+        echo.poll()  # not due for an hour: nothing written
+    Progress(sd, total=3, unit="vLLM measurements", interval_s=0.0).update(0)
+    echo.poll()
+    lines = [x.split(", ")[0] for x in log.getvalue().splitlines()]
+    assert lines == ["eagle3: stage 5 (evaluate): 3/20 offline prompts", "eagle3: stage 5 (evaluate): 20/20 offline prompts",
+                     "eagle3: stage 5 (evaluate): 0/3 vLLM measurements"]
 
 
 def test_the_kernel_is_not_sent_sigint_when_papermill_shuts_it_down(monkeypatch):
