@@ -70,13 +70,16 @@ $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # Notebooks are committed without outputs (tests/test_hygiene.py). In a git checkout, git reads them
 # through nbstripout (.gitattributes names the filter; without this config git ignores it), so a
 # notebook run in JupyterLab does not show as modified and its outputs cannot be committed.
-# --keep-id: the committed cell ids stay (nbstripout renumbers them by default). Not `required`: a
-# removed venv makes git warn, not refuse.
+# --keep-id: the committed cell ids stay (nbstripout renumbers them by default). --extra-keys: what a
+# kernel adds to language_info (its version, lexer, ...; the committed notebooks keep only its name),
+# so that `git add` of a notebook run in JupyterLab adds nothing. Not `required`: a removed venv makes
+# git warn, not refuse.
 if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   py="$(cd "$VENV" && pwd)/bin/python"
-  git config filter.nbstripout.clean "'$py' -m nbstripout --keep-id"
+  strip_keys="metadata.language_info.codemirror_mode metadata.language_info.file_extension metadata.language_info.mimetype metadata.language_info.nbconvert_exporter metadata.language_info.pygments_lexer metadata.language_info.version"
+  git config filter.nbstripout.clean "'$py' -m nbstripout --keep-id --extra-keys '$strip_keys'"
   git config filter.nbstripout.smudge cat
-  git config diff.ipynb.textconv "'$py' -m nbstripout --keep-id -t"
+  git config diff.ipynb.textconv "'$py' -m nbstripout --keep-id --extra-keys '$strip_keys' -t"
 fi
 "$VENV/bin/python" -c "import torch, transformers, vllm, speculators, papermill; print('eagle3: torch', torch.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)"
 rm -f "$VENV"/.eagle3-setup-*
