@@ -90,15 +90,14 @@ _ROWS = (("EAGLE-3 drafter", "tokens_per_forward_vllm", "tau_vllm", "tokens_per_
 
 def _method_rows(st: dict) -> list[tuple[str, object, object, object, object, object]]:
     """(method, tokens per forward, τ, tokens/s, speed-up, tokens per forward of the timed answers)
-    rows of one set's (or the pooled) stats; the last is the acceptance pass's where the stats do not
-    hold the timed answers' own (older runs), None for no speculation."""
+    rows of one set's (or the pooled) stats; the last is None where the stats do not hold it (older
+    runs, no speculation)."""
     none_tps = st.get("tokens_per_s_vllm_none")
     rows = []
     for name, tpf, tau, tps, speed_tpf in _ROWS:
         v = st.get(tps)
         t = st.get(tpf) if tpf else (1.0 if none_tps or st.get("tokens_per_forward_vllm") is not None else None)
-        timed = (st.get(speed_tpf) if speed_tpf else None) or (t if tpf else None)
-        rows.append((name, t, st.get(tau) if tau else None, v, _ratio(v, none_tps), timed))
+        rows.append((name, t, st.get(tau) if tau else None, v, _ratio(v, none_tps), st.get(speed_tpf) if speed_tpf else None))
     return rows
 
 
@@ -176,10 +175,13 @@ def summary_html(run_dir: str | Path) -> str:
             cell = f"<th rowspan='{len(rows)}'>{label}</th>" if i == 0 else ""
             # a method cannot run faster than the tokens per target forward of the answers it was timed
             # on allow (its drafts cost time too): a speed-up well above that is a disturbed timing
-            mark = ""
-            if isinstance(up, float) and isinstance(timed_tpf, (int, float)) and up > _SPEEDUP_SLACK * timed_tpf:
+            mark, bound = "", timed_tpf if isinstance(timed_tpf, (int, float)) else tpf
+            if isinstance(up, float) and isinstance(bound, (int, float)) and up > _SPEEDUP_SLACK * bound:
                 mark = " &#9888;"
-                disturbed.append(f"{name} {_fixed(up, 2, 'x')} with {_fixed(timed_tpf, 3)} tokens per target forward")
+                disturbed.append(f"{name} {_fixed(up, 2, 'x')} with {_fixed(bound, 3)} tokens per target forward")
+            if isinstance(timed_tpf, (int, float)) and isinstance(up, float):
+                # the timed answers are a few prompts' (and may be other texts): their own rate beside the speed-up
+                mark += f"<br><small>timed answers: {_fixed(timed_tpf, 3)} tokens per forward</small>"
             body += (f"<tr>{cell}<th>{name}</th><td>{_fixed(tpf, 3)}</td><td>{_fixed(tau, 3)}</td>"
                      f"<td>{_fixed(tps, 1)}</td><td>{_fixed(up, 2, 'x')}{mark}</td></tr>")
     parts = ["<div id='headline'>", banner, "<h2>Result</h2>", f"<table>{head}{body}</table>",

@@ -253,9 +253,14 @@ def _params_refusal(rd: Path, diffs: list[str], stage: int | None, own: dict[str
     reopen = (f" To re-open this run as it was made, use its own params: `eagle3 run {rd / PARAMS_FILE}` "
               f"(in a notebook's parameters cell: params_file = \"{rd / PARAMS_FILE}\", run_dir = \"{rd}\").")
     if stage is not None:
+        # the file's other settings of that section replace the run's (a user's own evaluation sets went
+        # missing that way): the run's own params with the same options change only what they name
+        keep = (f" To change only what your options name and keep the run's other {_own_section(stage)}.* settings, "
+                f"start from its own params: `eagle3 run {rd / PARAMS_FILE}{again} --stages {stage} --redo {stage}`."
+                if again else "")
         return msg + (f"They are {_own_section(stage)}.* only, which stage {stage} ({STAGES[stage]}) alone reads: redo that "
                       f"stage on this run with `eagle3 run {pf}{again} --stages {stage} --redo {stage}` (the earlier "
-                      f"stages' outputs are kept), or start a new run with --run-name NEW_NAME." + reopen)
+                      f"stages' outputs are kept), or start a new run with --run-name NEW_NAME." + keep + reopen)
     allowed = ", ".join(f"{k}.* (with --redo {v})" for k, v in own.items())
     return msg + (f"Only {allowed} may change on an existing run. Start a new run with --run-name NEW_NAME "
                   f"(or run.name=...), or delete {rd}." + reopen)

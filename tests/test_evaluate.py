@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shlex
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -711,8 +713,8 @@ def test_serve_command_names_the_server_module_where_the_vllm_command_fails(tmp_
     monkeypatch.setattr(vj, "serve_cli_works", lambda: False)
     cmd, where = vj.vllm_serve_command("/models/t", run / "04_train" / "drafter", 3, run_dir=run)
     assert cmd == f'vllm serve "$TARGET" --speculative-config {spec}'
-    assert where.endswith(f'the same server: python -m vllm.entrypoints.openai.api_server --model "$TARGET" '
-                          f"--speculative-config {spec}")
+    assert where.endswith(f'the same server: {shlex.quote(sys.executable)} -m vllm.entrypoints.openai.api_server '
+                          f'--model "$TARGET" --speculative-config {spec}')  # the venv's python: a bare one has no vLLM
     monkeypatch.setattr(vj, "serve_cli_works", lambda: True)
     assert "api_server" not in vj.vllm_serve_command("/models/t", run / "04_train" / "drafter", 3, run_dir=run)[1]
 

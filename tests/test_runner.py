@@ -79,6 +79,9 @@ def test_evaluate_only_params_on_an_existing_run_redo_stage_5_only(tmp_params, n
         run_pipeline(pf, [5], overrides=["evaluate.num_prompts=5"], notebooks=nbdir)
     # the command it names keeps the override (a new user's copy-paste redid stage 5 on the file's params)
     assert f"`eagle3 run {pf} --set evaluate.num_prompts=5 --stages 5 --redo 5`" in str(refused.value)
+    # and the way that keeps the run's other evaluate.* settings (a user's own evaluation sets)
+    assert (f"keep the run's other evaluate.* settings, start from its own params: `eagle3 run {rd / 'params.yaml'} "
+            f"--set evaluate.num_prompts=5 --stages 5 --redo 5`") in str(refused.value)
     run_pipeline(pf, [1, 2, 5], overrides=["evaluate.num_prompts=5"], notebooks=nbdir, redo=[5])
     out = capsys.readouterr().out
     assert "params changed since this run was made (the stage that reads them is redone): evaluate.num_prompts: None -> 5" in out

