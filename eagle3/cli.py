@@ -129,7 +129,7 @@ def _interrupted_message(args: argparse.Namespace, exc) -> str:  # exc: a RunInt
     command that resumes (the same options, the stages from the interrupted one on)."""
     import shlex
 
-    from eagle3.runner import format_stages, parse_stages, resume_stages
+    from eagle3.runner import format_stages, params_options, parse_stages, resume_stages
 
     prog = invocation()
     cmd = [*prog, "run", args.params]
@@ -139,7 +139,7 @@ def _interrupted_message(args: argparse.Namespace, exc) -> str:  # exc: a RunInt
         cmd += ["--stages", format_stages(stages)] + (["--redo", format_stages(redo)] if redo else [])
     else:
         cmd += ["--stages", args.stages] + (["--redo", args.redo] if args.redo else [])
-    cmd += (["--run-name", args.run_name] if args.run_name else []) + [x for o in args.overrides for x in ("--set", o)]
+    cmd += params_options(args.run_name, args.overrides)
     cmd += (["--kernel", args.kernel] if args.kernel != "eagle3" else []) + (["--no-report"] if args.no_report else [])
     what = str(exc) if exc is not None else "interrupted (Ctrl-C)"
     where = f" (`{shlex.join([*prog, 'status', str(exc.run_dir)])}` shows it)" if exc is not None and exc.run_dir else ""

@@ -163,16 +163,16 @@ def summary_html(run_dir: str | Path) -> str:
                 f"prompts{html.escape(_fewer(e))}{speed}</small>")
 
     ordered = sorted(sets.items(), key=lambda kv: out_of_domain_first(kv[1].get("domain")))
-    groups = [(label(n, e), e) for n, e in ordered]
+    groups = [(n, label(n, e), e) for n, e in ordered]
     if not groups:  # a stats.json without per-set numbers: the pooled ones
-        groups = [(f"all<br><small>{_fmt(st.get('num_prompts'))} prompts</small>", st)]
+        groups = [("all prompts", f"all<br><small>{_fmt(st.get('num_prompts'))} prompts</small>", st)]
     body, disturbed, differ = "", [], []
-    for (label, e), (n, _) in zip(groups, ordered or [("all prompts", st)]):
+    for n, set_label, e in groups:
         rows = _method_rows(e)
         if e.get("speed_lengths_differ"):
             differ.append(f"{_fmt(e['speed_lengths_differ'])} of {_fmt(e.get('speed_prompts'))} on {n}")
         for i, (name, tpf, tau, tps, up, timed_tpf) in enumerate(rows):
-            cell = f"<th rowspan='{len(rows)}'>{label}</th>" if i == 0 else ""
+            cell = f"<th rowspan='{len(rows)}'>{set_label}</th>" if i == 0 else ""
             # a method cannot run faster than the tokens per target forward of the answers it was timed
             # on allow (its drafts cost time too): a speed-up well above that is a disturbed timing
             mark, bound = "", timed_tpf if isinstance(timed_tpf, (int, float)) else tpf

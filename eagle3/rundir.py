@@ -26,6 +26,7 @@ already holds a stage folder. See docs/DESIGN.md "Stage contracts" for what each
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from eagle3.errors import ParamsError
@@ -241,8 +242,6 @@ def _own_section(stage: int) -> str:
 
 def _params_refusal(rd: Path, diffs: list[str], stage: int | None, own: dict[str, int], params_file,
                     options=()) -> str:
-    import shlex
-
     pf = str(params_file) if params_file else "PARAMS"
     # the user's --set/--run-name: without them the suggested command would redo the stage on the file's params
     again = (" " + shlex.join(options)) if options else ""

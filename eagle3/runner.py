@@ -29,7 +29,7 @@ from eagle3.rundir import (
 )
 from eagle3.stage import stale_inputs, stale_message
 
-__all__ = ["parse_stages", "format_stages", "resume_stages", "run_pipeline", "run_dir_for", "reopen_stage", "verify_run",
+__all__ = ["parse_stages", "format_stages", "resume_stages", "run_pipeline", "run_dir_for", "params_options", "reopen_stage", "verify_run",
            "StageFailed", "ProgressEcho", "StaleStage", "status_rows", "format_status", "render_report", "static_widgets"]
 
 KERNEL = "eagle3"
@@ -212,6 +212,12 @@ class _InterruptForwarder:
             signal.signal(signal.SIGINT, self._old)
 
 
+def params_options(run_name: str | None, overrides: list[str] | None) -> list[str]:
+    """``eagle3 run``'s options that change the params (``--run-name``, each ``--set``), as a command
+    that repeats them writes them: the resume command after Ctrl-C, a refusal's suggested command."""
+    return [*(["--run-name", run_name] if run_name else []), *(x for o in overrides or [] for x in ("--set", o))]
+
+
 def run_dir_for(params, params_file: str | Path | None, overrides: list[str] | None = None) -> Path:
     """The run directory ``eagle3 run`` opens: the folder of ``params_file`` when that file is a run
     directory's own ``params.yaml`` (the folder holds a stage folder) and no ``run.*`` override names
@@ -285,8 +291,8 @@ def run_pipeline(
     target_dir = run_dir_for(params, params_file, ov)
     check_prompt_files(params, [s for s in selected if s in redo_set or force
                                 or not stage_complete(target_dir, s)])
-    options = [*(["--run-name", run_name] if run_name else []), *(x for o in overrides or [] for x in ("--set", o))]
-    run_dir = prepare_run_dir(params, target_dir, redo=redo_set, params_file=params_file, stages=selected, options=options)
+    run_dir = prepare_run_dir(params, target_dir, redo=redo_set, params_file=params_file, stages=selected,
+                              options=params_options(run_name, overrides))
     for trash in run_dir.glob(".redo-*"):  # a stage folder a killed --redo was removing
         shutil.rmtree(trash, ignore_errors=True)
     if not _kernel_available(kernel):

