@@ -7,6 +7,7 @@ keeps ``progress.json`` fresh (at least every few seconds while it works) and en
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -185,6 +186,13 @@ class Progress:
     once ``done``), ``elapsed_s``, ``bytes_on_disk``, ``projected_bytes``, ``updated`` (unix seconds),
     ``extra``. The file is rewritten at most every ``interval_s`` seconds (default 2 s) and on ``close``.
 
+    ``eta_s`` divides the units left by the rate of the last :attr:`ETA_WINDOW_S` seconds of this phase
+    once the phase is that old and the window holds at least :attr:`ETA_MIN_UNITS` units, else by the
+    phase's average rate: a training run's first step compiles (51 s on an H200) and its first epoch
+    reads the hidden states from disk where later ones find them in the page cache, so the average put
+    an ETA of 1,175 s on a run with ~560 s to go (benchmarks/RESULTS.md, session 22); the window also
+    follows a machine whose load changes. ``tokens_per_s`` stays the phase's average.
+
     ``elapsed_s`` is the stage's time, not this object's: when the folder's ``progress.json`` is of an
     execution that did not end ``done`` (an interrupted, failed or killed run being resumed, or stage
     1's self-prompting phase, closed ``running``, before its answering phase), its ``elapsed_s`` is
@@ -241,7 +249,8 @@ class Progress:
             "status") != "done" else 0.0
         self._last = 0.0
         self.extra: dict = {}
-        self.history: list[tuple[float, int, int]] = []
+        # (elapsed_s of this phase, own units done, tokens) at each write: the ETA's window
+        self.history: collections.deque[tuple[float, int, int]] = collections.deque()
         self.bar = tqdm(total=total, initial=done, unit=f" {unit}", desc=desc or self.dir.name, dynamic_ncols=True)
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -288,6 +297,7 @@ class Progress:
             self.total, self.unit = total, unit
             self.done = self._start_done = 0
             self._start_tokens = self.tokens
+            self.history.clear()
             self.bar.close()
             self.bar = tqdm(total=total, unit=f" {unit}", desc=desc or self.dir.name, dynamic_ncols=True)
         self._write("running", force=True)
@@ -306,10 +316,30 @@ class Progress:
     def tokens_per_s(self) -> float:
         return (self.tokens - self._start_tokens) / self.elapsed_s
 
+    ETA_WINDOW_S = 120.0
+    ETA_MIN_UNITS = 8
+
+    def eta_rate(self) -> float:
+        """Units per second that ``eta_s`` divides by (see the class docstring): the rate over the last
+        :attr:`ETA_WINDOW_S` seconds of this phase's own work, or the phase's average while the phase is
+        younger than that or the window holds fewer than :attr:`ETA_MIN_UNITS` units (a stage 5
+        measurement takes minutes: one unit more or less in a window would swing its ETA twofold)."""
+        now = self.elapsed_s
+        own = self.done - self._start_done
+        then = None
+        for point in self.history:  # oldest first: the newest point at least a window old
+            if point[0] > now - self.ETA_WINDOW_S:
+                break
+            then = point
+        if then is None or own - then[1] < self.ETA_MIN_UNITS:
+            return own / now
+        return (own - then[1]) / max(now - then[0], 1e-9)
+
     def snapshot(self, status: str) -> dict:
         rate = (self.done - self._start_done) / self.elapsed_s
         remaining = (self.total - self.done) if self.total is not None else None
-        eta = remaining / rate if (remaining is not None and rate > 0) else None
+        eta_rate = self.eta_rate()
+        eta = remaining / eta_rate if (remaining is not None and eta_rate > 0) else None
         return {
             "stage": self.dir.name,
             "status": status,
@@ -336,7 +366,11 @@ class Progress:
             if self._closed.is_set() and status == "running":
                 return
             self._last = now
-            self.history.append((now - self.t0, self.done, self.tokens))
+            elapsed = now - self.t0
+            self.history.append((elapsed, self.done - self._start_done, self.tokens))
+            # keep one point older than the window (the ETA's start), none before it
+            while len(self.history) > 1 and self.history[1][0] <= elapsed - self.ETA_WINDOW_S:
+                self.history.popleft()
             atomic_write_json(self.path, self.snapshot(status))
 
     def close(self, status: str = "done") -> None:

@@ -595,8 +595,9 @@ def format_status(run_dir: str | Path) -> str:
     out = [f"run: {Path(run_dir).resolve()}", line, "  ".join("-" * widths[c] for c in cols)]
     out += ["  ".join(str(r[c]).ljust(widths[c]) for c in cols) for r in rows]
     # The two clocks differ on a resumed stage: say which one each column reads.
-    out.append("tokens/s, ETA: this execution over its wall time (the report's tokens_per_s, where a stage has one, "
-               "is its stats.json figure); elapsed: the stage's time over every execution")
+    out.append("tokens/s: this execution over its wall time (the report's tokens_per_s, where a stage has one, "
+               "is its stats.json figure); ETA: at the phase's last 2 minutes' rate; elapsed: the stage's time over "
+               "every execution")
     return "\n".join(out)
 
 

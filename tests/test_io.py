@@ -64,7 +64,7 @@ def test_progress_file_and_status(tmp_path):
     assert rows["1 synthesize"]["state"] == "not started"
     text = format_status(run)
     assert "4/10 samples" in text and "9.8 KiB" in text
-    assert text.splitlines()[-1].startswith("tokens/s, ETA: this execution")  # which clock the column reads
+    assert text.splitlines()[-1].startswith("tokens/s: this execution")  # which clock the column reads
     prog.close()
     assert read_json(d / "progress.json")["status"] == "done"
     assert not stage_complete(run, 3)
@@ -208,3 +208,32 @@ def test_file_sha256_and_format_bytes(tmp_path):
     f.write_bytes(b"abc")
     assert file_sha256(f) == "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"  # FIPS 180-2 "abc"
     assert [format_bytes(n) for n in (None, 0, 1023, 1536, 5 * 2**30)] == ["-", "0 B", "1023 B", "1.5 KiB", "5.0 GiB"]
+
+
+def test_the_eta_follows_the_recent_rate_not_a_slow_start(tmp_path):
+    """Session 22's training on the H200: the first step compiled for 51 s and the first epoch read from
+    disk, so the phase's average rate put the ETA at twice the time left. Here: a 60 s first step, then
+    5 steps/s for 150 s; 1,249 steps left are 250 s at the recent rate (the average says ~349 s)."""
+    prog = Progress(tmp_path, total=2000, unit="steps", interval_s=0.0)
+    prog.t0 -= 60.0
+    prog.update(1)
+    assert 119_900 <= read_json(tmp_path / "progress.json")["eta_s"] <= 120_000  # younger than the window: 1/60 s
+    for _ in range(150):
+        prog.t0 -= 1.0
+        prog.update(5)
+    snap = read_json(tmp_path / "progress.json")
+    assert snap["done"] == 751 and 245.0 <= snap["eta_s"] <= 252.0
+    assert 3.5 < snap["rate_units_per_s"] < 3.6  # the phase's average is still reported as its rate
+    assert len(prog.history) <= Progress.ETA_WINDOW_S + 2  # one point a write, none older than needed
+    prog.close()
+
+
+def test_the_eta_of_few_long_units_keeps_the_average(tmp_path):
+    """Stage 5's vLLM measurements take minutes each: a window holding one or two of them would swing the
+    ETA; with fewer than ETA_MIN_UNITS units in the window the phase's average stays."""
+    prog = Progress(tmp_path, total=4, unit="vLLM measurements", interval_s=0.0)
+    for _ in range(3):
+        prog.t0 -= 100.0
+        prog.update(1)
+    assert 99.0 <= read_json(tmp_path / "progress.json")["eta_s"] <= 101.0
+    prog.close()
