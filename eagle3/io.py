@@ -249,7 +249,7 @@ class Progress:
             "status") != "done" else 0.0
         self._last = 0.0
         self.extra: dict = {}
-        # (elapsed_s of this phase, own units done, tokens) at each write: the ETA's window
+        # (elapsed_s of this phase, own units, own tokens) at each write: the ETA's window
         self.history: collections.deque[tuple[float, int, int]] = collections.deque()
         self.bar = tqdm(total=total, initial=done, unit=f" {unit}", desc=desc or self.dir.name, dynamic_ncols=True)
         self._lock = threading.Lock()
@@ -319,21 +319,23 @@ class Progress:
     ETA_WINDOW_S = 120.0
     ETA_MIN_UNITS = 8
 
-    def eta_rate(self) -> float:
-        """Units per second that ``eta_s`` divides by (see the class docstring): the rate over the last
-        :attr:`ETA_WINDOW_S` seconds of this phase's own work, or the phase's average while the phase is
-        younger than that or the window holds fewer than :attr:`ETA_MIN_UNITS` units (a stage 5
-        measurement takes minutes: one unit more or less in a window would swing its ETA twofold)."""
+    def eta_rate(self, of: str = "units") -> float:
+        """Units (``of="units"``) or tokens (``of="tokens"``: stage 3's token-based ETA) per second that
+        ``eta_s`` divides by (see the class docstring): the rate over the last :attr:`ETA_WINDOW_S`
+        seconds of this phase's own work, or the phase's average while the phase is younger than that or
+        the window holds fewer than :attr:`ETA_MIN_UNITS` units (a stage 5 measurement takes minutes:
+        one unit more or less in a window would swing its ETA twofold)."""
         now = self.elapsed_s
-        own = self.done - self._start_done
+        own = (self.done - self._start_done, self.tokens - self._start_tokens)
+        col = 1 if of == "units" else 2
         then = None
         for point in self.history:  # oldest first: the newest point at least a window old
             if point[0] > now - self.ETA_WINDOW_S:
                 break
             then = point
-        if then is None or own - then[1] < self.ETA_MIN_UNITS:
-            return own / now
-        return (own - then[1]) / max(now - then[0], 1e-9)
+        if then is None or own[0] - then[1] < self.ETA_MIN_UNITS:
+            return own[col - 1] / now
+        return (own[col - 1] - then[col]) / max(now - then[0], 1e-9)
 
     def snapshot(self, status: str) -> dict:
         rate = (self.done - self._start_done) / self.elapsed_s
@@ -367,7 +369,7 @@ class Progress:
                 return
             self._last = now
             elapsed = now - self.t0
-            self.history.append((elapsed, self.done - self._start_done, self.tokens))
+            self.history.append((elapsed, self.done - self._start_done, self.tokens - self._start_tokens))
             # keep one point older than the window (the ETA's start), none before it
             while len(self.history) > 1 and self.history[1][0] <= elapsed - self.ETA_WINDOW_S:
                 self.history.popleft()

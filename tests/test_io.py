@@ -237,3 +237,21 @@ def test_the_eta_of_few_long_units_keeps_the_average(tmp_path):
         prog.update(1)
     assert 99.0 <= read_json(tmp_path / "progress.json")["eta_s"] <= 101.0
     prog.close()
+
+
+def test_the_token_based_eta_of_extraction_follows_the_recent_rate(tmp_path):
+    """Stage 3's ETA counts tokens (rows differ in length): the same window, over tokens."""
+    from eagle3.extract.progress import ExtractProgress
+
+    prog = ExtractProgress(tmp_path, tmp_path, total=10_000, total_tokens=1_000_000, done=0, tokens=0,
+                           projected_bytes=1, done_bytes=0, writer_ref=lambda: 0, other_dirs=[], timeline=None)
+    prog.interval_s = 0.0
+    prog.t0 -= 30.0  # the model's warm-up: 30 s for 10 rows of 100 tokens
+    prog.update(10, tokens=1_000)
+    for _ in range(130):
+        prog.t0 -= 1.0
+        prog.update(20, tokens=2_000)  # then 2,000 tokens/s
+    snap = read_json(tmp_path / "progress.json")
+    assert snap["tokens"] == 261_000 and 365.0 <= snap["eta_s"] <= 372.0  # 739,000 tokens at 2,000/s
+    assert snap["tokens_per_s"] < 1_650  # the execution's average (261,000 over 160 s) stays the reported rate
+    prog.close()

@@ -42,15 +42,18 @@ class ExtractProgress(Progress):
         snap = super().snapshot(status)
         done, tokens, written = snap["done"], snap["tokens"], self.writer_ref()
         rate = snap["tokens_per_s"]
+        eta_rate = self.eta_rate("tokens")  # this rank's recent rate (Progress.eta_rate), the others' average
         for d in self.other_dirs:
             o = read_json(d / "progress.json", None) or {}
             done += o.get("done", 0) - o.get("extra", {}).get("start_done", 0)
             tokens += o.get("tokens", 0) - o.get("extra", {}).get("start_tokens", 0)
             written += o.get("extra", {}).get("bytes_written", 0)
             rate += o.get("tokens_per_s", 0.0) or 0.0
+            eta_rate += o.get("tokens_per_s", 0.0) or 0.0
         snap.update(done=done, tokens=tokens, tokens_per_s=round(rate, 2))
         remaining = max(self.total_tokens - tokens, 0)
-        snap["eta_s"] = 0.0 if remaining == 0 or status == "done" else (round(remaining / rate, 1) if rate > 0 else None)
+        snap["eta_s"] = 0.0 if remaining == 0 or status == "done" else (
+            round(remaining / eta_rate, 1) if eta_rate > 0 else None)
         snap["total_tokens"] = self.total_tokens
         snap["bytes_written"] = written
         snap["bytes_on_disk"] = self.done_bytes + written
