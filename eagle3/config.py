@@ -676,10 +676,22 @@ def params_fingerprint(params: Params) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+class _Absent:
+    """The side of a difference where a list has no such item (shown ``(absent)``)."""
+
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+ABSENT = _Absent()
+
+
 def _differences(a: Params, b: Params) -> list[tuple[str, Any, Any]]:
     """``(dotted key, value in a, value in b)`` of every semantic key that differs. Lists of equal
     length are compared item by item (``evaluate.sources.0.fields.instruction``: the one changed
-    field, not both whole lists of sources); lists of other lengths whole. Prompt sources are compared
+    field, not both whole lists of sources); where one list is the other plus items at its end, each
+    added or removed item is named by its index with :data:`ABSENT` on the other side
+    (``evaluate.sources.1: (absent) -> {...}``); other lists whole. Prompt sources are compared
     as shown (:meth:`PromptSource.shown`), so a difference names only the fields of the source's kind
     and those set (the fingerprint, :func:`params_fingerprint`, covers every field)."""
     da, db = _semantic(_shown_dump(a)), _semantic(_shown_dump(b))
@@ -692,6 +704,9 @@ def _differences(a: Params, b: Params) -> list[tuple[str, Any, Any]]:
         elif isinstance(x, list) and isinstance(y, list) and len(x) == len(y) and x != y:
             for i, (xi, yi) in enumerate(zip(x, y)):
                 walk(xi, yi, f"{prefix}.{i}")
+        elif isinstance(x, list) and isinstance(y, list) and x != y and x[:len(y)] == y[:len(x)]:
+            for i in range(min(len(x), len(y)), max(len(x), len(y))):  # items added (or removed) at the end
+                out.append((f"{prefix}.{i}", x[i] if i < len(x) else ABSENT, y[i] if i < len(y) else ABSENT))
         elif x != y:
             out.append((prefix, x, y))
 

@@ -143,7 +143,7 @@ def test_run_dir_takes_evaluate_only_params_when_stage_5_is_redone(tmp_params, t
     with pytest.raises(ParamsError) as e:
         prepare_run_dir(p2, rd, params_file="p2.yaml")
     msg = str(e.value)
-    assert "evaluate.num_prompts: None -> 7" in msg and "evaluate.sources: [] -> " in msg
+    assert "evaluate.num_prompts: None -> 7" in msg and "evaluate.sources.0: (absent) -> {" in msg
     assert "`eagle3 run p2.yaml --stages 5 --redo 5`" in msg
     with pytest.raises(ParamsError, match="--stages 5 --redo 5"):
         prepare_run_dir(p2, rd, redo=[4])  # redoing another stage does not cover stage 5's params
@@ -182,7 +182,7 @@ def test_run_dir_keeps_stage_5_params_for_calls_that_do_not_run_stage_5(tmp_para
     assert prepare_run_dir(default, rd, stages=[1, 2, 3, 4]) == rd  # eagle3 run --stages 1-4
     out = capsys.readouterr().out
     assert "differ from the run's only in evaluate.* (read by stage 5 alone, which this call does not run)" in out
-    assert "evaluate.sources: " in out
+    assert "evaluate.sources.0: " in out
     params, opened = setup(str(tmp_params("")), str(rd), stage=1)  # notebook 01 on the default params
     assert opened == rd and params.evaluate.sources == []
     assert (rd / "params.yaml").read_text() == before  # the record of what stage 5 measured stays
@@ -377,4 +377,9 @@ def test_a_changed_source_field_is_named_by_its_own_key_not_by_both_lists():
     assert diff_params(a, b) == ["evaluate.sources.0.fields.instruction: 'instruction' -> 'instructions'"]
     assert changed_stage(a, b) == 5
     c = Params.model_validate({"evaluate": {"sources": [src, src | {"path": "other.jsonl"}]}})
-    assert [d.split(":")[0] for d in diff_params(a, c)] == ["evaluate.sources"]  # another length: whole
+    added = diff_params(a, c)  # a source added at the end: that one item, not both lists
+    assert len(added) == 1 and added[0].startswith("evaluate.sources.1: (absent) -> {") and "other.jsonl" in added[0]
+    assert diff_params(c, a)[0].startswith("evaluate.sources.1: {") and diff_params(c, a)[0].endswith("-> (absent)")
+    assert changed_stage(a, c) == 5
+    d = Params.model_validate({"evaluate": {"sources": [src | {"path": "other.jsonl"}, src]}})
+    assert [x.split(":")[0] for x in diff_params(a, d)] == ["evaluate.sources"]  # not an append: both whole
