@@ -22,6 +22,7 @@ from pathlib import Path
 __all__ = [
     "on_cpu",
     "serve_cli_works",
+    "serve_settings",
     "cpu_env",
     "usable_cpus",
     "engine_kwargs",
@@ -115,6 +116,26 @@ def engine_kwargs(model_path: str | Path, *, dtype: str = "auto", max_model_len:
         kw["enforce_eager"] = CPU_ENFORCE_EAGER
     kw.update(extra)
     return kw
+
+
+def serve_settings(dtype: str, max_model_len: int) -> tuple[str, str]:
+    """The settings :func:`engine_kwargs` gives an engine, as a server's command line: ``(flags, env)``.
+
+    ``flags``: ``--dtype D --max-model-len N`` and, on a CPU, ``--gpu-memory-utilization`` and
+    ``--enforce-eager`` (:data:`CPU_MEMORY_UTILIZATION`, :data:`CPU_ENFORCE_EAGER`); ``env``: the
+    ``VLLM_CPU_*`` variables of :func:`cpu_env` as ``NAME=value`` words to put before the command
+    ('' off a CPU). A drafter served without them runs the target in another dtype or on other cores
+    than the measurement (``target.dtype: auto`` is float32 on a CPU without native bf16, where the
+    checkpoint says bfloat16).
+    """
+    import shlex
+
+    flags = f"--dtype {dtype} --max-model-len {int(max_model_len)}"
+    if not on_cpu():
+        return flags, ""
+    flags += f" --gpu-memory-utilization {CPU_MEMORY_UTILIZATION}" + (" --enforce-eager" if CPU_ENFORCE_EAGER else "")
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(cpu_env().items()) if k.startswith("VLLM_CPU"))
+    return flags, env
 
 
 def free_port() -> int:

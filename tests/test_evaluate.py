@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shlex
 import shutil
@@ -717,6 +718,31 @@ def test_serve_command_names_the_server_module_where_the_vllm_command_fails(tmp_
                           f'--model "$TARGET" --speculative-config {spec}')  # the venv's python: a bare one has no vLLM
     monkeypatch.setattr(vj, "serve_cli_works", lambda: True)
     assert "api_server" not in vj.vllm_serve_command("/models/t", run / "04_train" / "drafter", 3, run_dir=run)[1]
+
+
+def test_serve_command_carries_the_settings_the_measurement_ran_with(tmp_path, monkeypatch):
+    """A new user's check: the report's serve command left out the dtype, context length and CPU
+    settings of the measured engine, so the served target could run in bfloat16 where stage 5 measured
+    float32 (an AVX2 CPU) - another number than the report's."""
+    import eagle3.evaluate.vllm_jobs as vj
+    import eagle3.vllm_utils as vu
+
+    for name in [n for n in os.environ if n.startswith("VLLM_CPU")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(vu, "on_cpu", lambda: True)
+    monkeypatch.setattr(vu, "usable_cpus", lambda: [0, 1])
+    flags, env = vu.serve_settings("float32", 2048)
+    assert flags == "--dtype float32 --max-model-len 2048 --gpu-memory-utilization 0.3 --enforce-eager"
+    assert env == "VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_OMP_THREADS_BIND=0,1"
+    run = tmp_path / "ci"
+    (run / "04_train" / "drafter").mkdir(parents=True)
+    monkeypatch.setattr(vj, "serve_cli_works", lambda: False)
+    cmd, where = vj.vllm_serve_command("/models/t", run / "04_train" / "drafter", 3, flags, run_dir=run, env=env)
+    assert cmd.startswith(f'{env} vllm serve "$TARGET" --speculative-config ') and cmd.endswith(f"}}' {flags}")
+    assert f"the same server: {env} {shlex.quote(sys.executable)} -m vllm.entrypoints" in where and where.endswith(flags)
+    assert "CPU settings the measurement ran with" in where
+    monkeypatch.setattr(vu, "on_cpu", lambda: False)  # a GPU: vLLM's own settings, no CPU variables
+    assert vu.serve_settings("auto", 4096) == ("--dtype auto --max-model-len 4096", "")
 
 
 # ------------------------------------------------------------------------------------- stage + vLLM

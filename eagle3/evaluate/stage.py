@@ -493,8 +493,12 @@ def run(params, run_dir: str | Path) -> EvaluateStats:
                               "per_position_conditional": (vl or {}).get("per_position_conditional")}),
                              prompts=inp.prompts, offline_records=offline_recs, drafter_problems=drafter_check,
                              offline_dtype=inp.t_dtype)
-        cmd = vllm_serve_command(inp.resolved.name, inp.drafter_dir, k, run_dir=rd.root, target=inp.resolved,
-                                 target_spec=params.target.model)
+        from eagle3.target import target_dtype
+        from eagle3.vllm_utils import serve_settings
+
+        serve_flags, serve_env = serve_settings(target_dtype(params.target), params.target.max_model_len)
+        cmd = vllm_serve_command(inp.resolved.name, inp.drafter_dir, k, serve_flags, run_dir=rd.root, target=inp.resolved,
+                                 target_spec=params.target.model, env=serve_env)
         stats = _stats(params, inp, backends, sets, parity, diagnosis, [], cmd)
         stats.warnings = mismatch_warnings(stats.sets, inp.training, ev)
         stats.warnings += aux_layer_id_warnings(params, rd.root, inp.drafter_dir, inp.model, dm, inp.offline_prompts, offline_recs)

