@@ -39,7 +39,8 @@ def key_numbers(run_dir: str | Path) -> dict[str, dict]:
     """stage folder -> {headline key: value} of each stage that has a ``stats.json``.
 
     A headline key the file lacks is shown as ``MISSING`` rather than skipped, so that a stage whose
-    keys drifted is visible on the index page.
+    keys drifted is visible on the index page. A path into a stage folder is shown from that folder on
+    (:func:`_from_stage_folder`).
     """
     out = {}
     keys = headline_keys()
@@ -47,8 +48,21 @@ def key_numbers(run_dir: str | Path) -> dict[str, dict]:
         st = read_json(Path(run_dir) / name / "stats.json", None)
         if not st:
             continue
-        out[name] = {k: st.get(k, MISSING) for k in keys[s]}
+        out[name] = {k: _from_stage_folder(st.get(k, MISSING)) for k in keys[s]}
     return out
+
+
+def _from_stage_folder(value):
+    """``/abs/outputs/<run>/04_train/drafter`` -> ``04_train/drafter``: relative to the run directory,
+    which the index lives in. A stage records absolute paths (stage 4's ``drafter_dir``), and a copied
+    or moved run keeps those of the folder that wrote it: the index showed the old run's drafter."""
+    if not isinstance(value, str) or not value.startswith("/"):
+        return value
+    parts = Path(value).parts
+    for i, part in enumerate(parts):
+        if part in STAGES.values():
+            return Path(*parts[i:]).as_posix()
+    return value
 
 
 def _unfinished(run_dir: Path, stage: int) -> str:

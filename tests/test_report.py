@@ -48,6 +48,14 @@ def test_index_shows_every_headline_number(tmp_path):
     assert "not_a_headline" not in page and MISSING in page
 
 
+def test_a_copied_run_shows_its_own_drafter_not_the_one_of_the_run_it_was_copied_from(tmp_path):
+    """A new user copied a run to try other stage-5 settings: its index named the first run's drafter."""
+    write_stats(stage_dir(tmp_path, 4), {"drafter_dir": "/home/me/outputs/first/04_train/drafter", "best_step": 5})
+    nums = key_numbers(tmp_path)[STAGES[4]]
+    assert nums["drafter_dir"] == "04_train/drafter" and nums["best_step"] == 5
+    assert "<td>04_train/drafter</td>" in index_html(tmp_path, [], {}) and "/home/me" not in index_html(tmp_path, [], {})
+
+
 def test_the_index_says_what_stage_1_left_out(tmp_path):
     """A new user's training file had a malformed line: the terminal said so, the report did not."""
     write_stats(stage_dir(tmp_path, 1), {"samples": 5, "turns": 5, "finish_reasons": {"length": 2},
