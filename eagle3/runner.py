@@ -481,7 +481,8 @@ class ProgressEcho:
     A thread reads the file every ``interval_s``. On a terminal it drives a tqdm bar on ``file``
     (done/total, the stage's own tokens/s and ETA, bytes on disk); elsewhere (a log file, CI) it writes
     one line per ``log_every_s`` when something changed, and at once when a phase ends (the last
-    state seen of the phase that ended, then the next phase's first). A file left by an earlier execution (older
+    state seen of the phase that ended, then the next phase's first), each ending with the file's
+    time (``(HH:MM:SS UTC)``). A file left by an earlier execution (older
     than this echo) is not shown until the stage rewrites it. The numbers are the ones ``eagle3
     status`` shows (:class:`eagle3.io.Progress` writes them); a new unit or total (a stage's next
     phase) starts a new bar.
@@ -546,16 +547,19 @@ class ProgressEcho:
             self._show_bar(int(prog.get("done") or 0), prog.get("total"), str(prog.get("unit") or ""), ", ".join(extras))
             return
         line = f"eagle3: {self.desc}: {_done_text(prog)}, {', '.join(extras)}"
+        # the file's own time on each printed line (not in `line`, which says whether anything changed):
+        # a new user could not check the ETAs of a log afterwards
+        stamped = f"{line} ({time.strftime('%H:%M:%S', time.gmtime(float(prog['updated'])))} UTC)"
         # a new unit or total is the stage's next phase: the last state seen of the one that ended and
         # the new one's first are written at once (at one line a minute a log skipped whole phases)
         phase = (prog.get("unit"), prog.get("total"))
         new_phase = self._phase is not None and phase != self._phase
-        if new_phase and self._seen not in (None, self._last_line[1]):
-            print(self._seen, file=self.file, flush=True)
-        self._phase, self._seen = phase, line
+        if new_phase and self._seen is not None and self._seen[0] != self._last_line[1]:
+            print(self._seen[1], file=self.file, flush=True)
+        self._phase, self._seen = phase, (line, stamped)
         due = time.time() - self._last_line[0] >= self.log_every_s
         if line != self._last_line[1] and (due or final or new_phase):
-            print(line, file=self.file, flush=True)
+            print(stamped, file=self.file, flush=True)
             self._last_line = (time.time(), line)
 
     def _show_bar(self, done: int, total, unit: str, postfix: str) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -446,6 +447,9 @@ def test_the_terminal_shows_a_running_stage_s_progress(tmp_path):
     assert all(x.startswith("eagle3: stage 3 (extract): ") and "/9 " not in x for x in lines)
     assert lines[-1].startswith("eagle3: stage 3 (extract): 20/20 samples, ") and "ETA" not in lines[-1]
     assert len(lines) == len(set(lines))  # a line only when something changed
+    clock = time.strftime("%H:%M:%S", time.gmtime(read_json(sd / "progress.json")["updated"]))
+    assert lines[-1].endswith(f" ({clock} UTC)")  # the file's time: a log's ETAs can be checked afterwards
+    assert all(re.search(r" \(\d\d:\d\d:\d\d UTC\)$", x) for x in lines)
 
     tty = _Tty()
     assert not ProgressEcho(sd / "progress.json", "x", file=tty).tty  # a "terminal" that reports no width
