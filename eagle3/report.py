@@ -7,6 +7,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from eagle3.evaluate.mismatch import RULE_TEXT, RULES
 from eagle3.evaluate.prompts import left_out_reasons, out_of_domain_first
 from eagle3.io import read_json
 from eagle3.rundir import STAGES, VLLM_RESULT_FILE
@@ -136,9 +137,14 @@ def _fewer(e: dict) -> str:
 
 
 def _warnings_html(warnings: list[dict]) -> tuple[str, str]:
-    """(banner at the very top, the full list) of stage 5's mismatch warnings; empty strings when none."""
+    """(banner at the very top, the full list) of stage 5's mismatch warnings, the list ending with the
+    rules checked that did not fire (a new user could only infer from the ratios that the drafter did
+    not lose to n-gram); no banner when none fired."""
+    quiet = [r for r in RULES if r not in {w["rule"] for w in warnings}]
+    checked = ("<p id='warnings-not-fired'><small>Checked and not fired: "
+               + "; ".join(f"{r} ({html.escape(RULE_TEXT[r])})" for r in quiet) + ".</small></p>") if quiet else ""
     if not warnings:
-        return "", ""
+        return "", f"<h3 id='warnings'>Warnings</h3><p>No mismatch warning.</p>{checked}"
     # in the order of the list below, a rule that fired on several sets counted (5 warnings, 4 rules)
     counts = Counter(w["rule"] for w in warnings)
     rules = ", ".join(f"{rule} x{n}" if n > 1 else rule for rule, n in counts.items())
@@ -152,7 +158,7 @@ def _warnings_html(warnings: list[dict]) -> tuple[str, str]:
     items = "".join(
         f"<li><strong>{html.escape(w['rule'])}</strong>: {html.escape(w['message'])}.<br><em>Fix:</em> "
         f"{html.escape(w['fix'])}</li>" for w in warnings)
-    return banner, f"<h3 id='warnings'>Warnings</h3><ul class='warn'>{items}</ul>"
+    return banner, f"<h3 id='warnings'>Warnings</h3><ul class='warn'>{items}</ul>{checked}"
 
 
 def summary_html(run_dir: str | Path) -> str:

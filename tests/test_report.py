@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import html
 from pathlib import Path
 
 import pytest
@@ -99,7 +100,8 @@ def test_the_index_opens_with_the_vllm_comparison(tmp_path):
             "one request at a time, is indicative only.") in page
     assert "The drafter's tokens per target forward: 1.14x n-gram's on all prompts." in page  # 1.696 / 1.49
     assert "parity agrees (relative gap 0, tolerance 0.15)" in page and "<li>aux ids differ</li>" in page
-    assert "mismatch-warning" not in page
+    assert "mismatch-warning" not in page and "<p>No mismatch warning.</p>" in page
+    assert "Checked and not fired: drafter_below_ngram" in page and "narrow_training_data (one training source" in page
     assert "<a href='figures/05_evaluate__tau.png'><img src='figures/05_evaluate__tau.png'" in page
     assert "<h2>Result</h2>" not in index_html(tmp_path / "empty", [], {})
 
@@ -166,6 +168,9 @@ def test_a_data_size_warning_alone_does_not_say_the_drafter_may_not_help(tmp_pat
     write_stats(stage_dir(tmp_path, 5), {"num_prompts": 96, "k": 3, "temperature": 0.0, "sets": sets, "warnings": [warn]})
     page = index_html(tmp_path, [], {})
     assert "1 mismatch warning: the training data is small or narrow" in page and "may not help" not in page
+    # and the rules that did not fire are named (a new user could only infer them from the ratios)
+    assert ("Checked and not fired: drafter_below_ngram (the drafter's tokens per target forward below n-gram's "
+            "on a set); ood_far_below_id (out-of-domain τ far below in-distribution τ); narrow_training_data") in html.unescape(page)
 
 
 def test_a_set_label_says_why_it_has_fewer_prompts_than_its_source(tmp_path):

@@ -19,9 +19,16 @@ Each warning is a dict ``{"rule", "message", "numbers", "fix"}`` (stage 5's ``st
 
 from __future__ import annotations
 
-__all__ = ["RULES", "mismatch_warnings", "set_tau", "set_tokens_per_forward"]
+__all__ = ["RULES", "RULE_TEXT", "mismatch_warnings", "set_tau", "set_tokens_per_forward"]
 
 RULES = ("drafter_below_ngram", "ood_far_below_id", "small_training_data", "narrow_training_data")
+# what each rule checks, in words (the report says which were checked and did not fire)
+RULE_TEXT = {
+    "drafter_below_ngram": "the drafter's tokens per target forward below n-gram's on a set",
+    "ood_far_below_id": "out-of-domain τ far below in-distribution τ",
+    "small_training_data": "few training conversations or completion tokens",
+    "narrow_training_data": "one training source or one category",
+}
 
 _MORE_DATA = ("add prompts like your traffic to synthesize.sources (your own logs or a chat data set), and/or "
               "let the target write its own with a {kind: self} source (self-prompting), then re-run stages 1-5")
