@@ -27,10 +27,9 @@ from eagle3.rundir import (
     resolve_run_dir,
     stage_complete,
 )
-from eagle3.stage import consumed_files, stale_inputs, stale_message
+from eagle3.stage import stale_inputs, stale_message
 
-__all__ = ["check_earlier_stages",
-           "parse_stages", "format_stages", "resume_stages", "run_pipeline", "run_dir_for", "params_options", "reopen_stage", "verify_run",
+__all__ = ["parse_stages", "format_stages", "resume_stages", "run_pipeline", "run_dir_for", "params_options", "reopen_stage", "verify_run",
            "StageFailed", "ProgressEcho", "StaleStage", "status_rows", "format_status", "render_report", "static_widgets"]
 
 KERNEL = "eagle3"
@@ -106,47 +105,6 @@ def check_prompt_files(params, stages: list[int]) -> None:
         for src in sources:
             if src.kind == "file":
                 load_source(src, on_bad_line=on_bad_line, dedup=False, field=field)
-
-
-def check_earlier_stages(params, run_dir: str | Path, stages: list[int], params_file: str | Path | None = None,
-                         options: list[str] | None = None) -> None:
-    """Stop before the run directory is touched when a stage to run needs what an earlier stage writes,
-    that stage is not among ``stages`` and its file is not there (a new user's ``--stages 5`` on a new
-    run name created the folder and its ``params.yaml``, then failed inside notebook 05).
-
-    A file of a stage that finished is left to the stale-input check (:func:`eagle3.stage.stale_inputs`).
-    The files checked are the ones a later stage cannot do without (of :func:`eagle3.stage.consumed_files`):
-    ``samples.jsonl`` (stage 1), ``train.parquet`` (stage 2), the hidden states' ``manifest.jsonl``
-    (stage 3; not read with ``train.online``) and the measured drafter's ``config.json`` (stage 4, or
-    ``evaluate.drafter_dir`` when set, which no stage writes).
-
-    Raises:
-        RunnerError: names the stage, the missing file, the stage that writes it and the command
-            (with the user's ``--run-name``/``--set``: ``options``, :func:`params_options`).
-    """
-    import shlex
-
-    rd = RunDir(run_dir)
-    writers = {rd.samples: 1, rd.tokenized("train"): 2, rd.manifest: 3, rd.drafter_dir / "config.json": 4}
-    external = rd.evaluated_drafter(params) / "config.json"
-    for stage in sorted(stages):
-        for f in consumed_files(run_dir, stage, params):
-            writer = writers.get(f)
-            needed = writer is not None or (stage == 5 and f == external)
-            if not needed or f.exists() or (writer is not None and (writer in stages and writer < stage
-                                                                    or stage_complete(run_dir, writer))):
-                continue  # written first by this call; or a finished stage's file gone: the stale check's
-            pf = str(params_file) if params_file else "PARAMS"
-            again = (" " + shlex.join(options)) if options else ""
-            if writer is None:
-                raise RunnerError(f"stage 5 measures the drafter of evaluate.drafter_dir, but {f} does not exist: "
-                                  f"point evaluate.drafter_dir at an exported drafter (a run's 04_train/drafter). "
-                                  f"Nothing was written.")
-            raise RunnerError(
-                f"stage {stage} ({STAGES[stage]}) reads {f}, which stage {writer} ({STAGES[writer]}) writes, but this "
-                f"call does not run stage {writer} and the file is not there (run directory {rd.root}). Run "
-                f"`eagle3 run {pf}{again} --stages {writer}-{max(stages)}` (a stage finished earlier is skipped). "
-                f"Nothing was written.")
 
 
 def reopen_stage(run_dir: str | Path, stage: int, params=None) -> str:
@@ -333,7 +291,6 @@ def run_pipeline(
     target_dir = run_dir_for(params, params_file, ov)
     check_prompt_files(params, [s for s in selected if s in redo_set or force
                                 or not stage_complete(target_dir, s)])
-    check_earlier_stages(params, target_dir, selected, params_file, params_options(run_name, overrides))
     run_dir = prepare_run_dir(params, target_dir, redo=redo_set, params_file=params_file, stages=selected,
                               options=params_options(run_name, overrides))
     for trash in run_dir.glob(".redo-*"):  # a stage folder a killed --redo was removing
