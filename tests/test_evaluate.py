@@ -792,6 +792,7 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
     """Two sets (2 held-out prompts, 3 general-chat ones spread over categories), offline on 2 per set,
     vLLM on all 5 in one batched pass, tokens/s on 1 per set; the parity check on the same 4 prompts."""
     from eagle3.evaluate import run
+    from eagle3.target import target_dtype
 
     params, run_dir = _stage_run_dir(tmp_params, fitted_drafter)
     stats = run(params, run_dir)
@@ -820,7 +821,11 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
     assert held["tau_offline"] > 1.2 and held["tau_vllm"] > 1.2  # fitted on questions like the held-out ones
     assert set(res["sets"]["general-chat"]["by_category"]) == {"writing", "roleplay", "reasoning"}
     assert res["diagnosis"] == [] and stats.measured["vllm_tokens_per_s"].startswith("2 of 5 prompts")
-    assert stats.vllm_serve_command.startswith('vllm serve "$TARGET" ') and "04_train/drafter" in stats.vllm_serve_command
+    assert 'vllm serve "$TARGET" ' in stats.vllm_serve_command and "04_train/drafter" in stats.vllm_serve_command
+    # the measured engine's settings (this test's target: float32, max_model_len 1024; the CPU variables first)
+    assert stats.vllm_serve_command.startswith("VLLM_CPU_KVCACHE_SPACE=")
+    assert stats.vllm_serve_command.endswith(f"--dtype {target_dtype(params.target)} --max-model-len "
+                                             f"{params.target.max_model_len} --gpu-memory-utilization 0.3 --enforce-eager")
     assert str(run_dir) not in stats.vllm_serve_command and "$TARGET is the target model directory" in stats.vllm_serve_where
     assert (sd / "logs" / "vllm_eagle3.log").stat().st_size > 0
     on_disk = json.loads((sd / "stats.json").read_text())
