@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -688,31 +689,38 @@ def test_a_stale_train_split_is_refused_then_redone(ref, tmp_path, tok):
 
 @pytest.mark.slow
 def test_sigkill_during_a_file_write_then_resume_is_identical(ref, tmp_path, tok):
-    """Issue 15: the kill lands inside a sample write (the writer has a partial file and, like
-    safetensors' save_file, a `.tmpXXXXXX` of its own): everything it left is in the stage's temp
-    folder, the next run removes it and ends byte-identical to the uninterrupted run."""
+    """Issue 15: the kill lands inside sample writes on both writer threads (each has a partial
+    file; one also has, like safetensors' save_file, a `.tmpXXXXXX` of its own): everything they
+    left is in the stage's temp folder, the next run removes it and ends byte-identical to the
+    uninterrupted run. Both threads hang on purpose: CI once caught the second thread mid-write of a
+    real file while the test expected only the first's."""
     _, rd, _ = ref
-    p2, rd2 = new_run(tmp_path, "killed", tok)
+    p2, rd2 = new_run(tmp_path, "killed", tok, writer_threads=2)  # the two threads the test hangs
     sd = rd2 / EXTRACT_DIR
     marker = tmp_path / "in_write"
     script = f"""
-import sys, time
+import itertools, sys, threading, time
 from pathlib import Path
 from eagle3.config import load_params
 from eagle3.contracts.hidden_states import save_sample
 from eagle3.extract import run
-n = [0]
-def hang_in_third_write(tmp, tensors, metadata):
-    n[0] += 1
-    if n[0] == 3:
+calls = itertools.count(1)  # next() is atomic: the two writer threads share it
+hung = threading.Semaphore(0)
+def hang_in_third_and_fourth_write(tmp, tensors, metadata):
+    n = next(calls)
+    if n in (3, 4):
         from safetensors.torch import save
         data = save(tensors, metadata=metadata)
         Path(tmp).write_bytes(data[: len(data) // 2])
-        (Path(tmp).parent / ".tmpAA8GWp").write_bytes(data[: len(data) // 3])  # what save_file leaves mid-write
-        Path({str(marker)!r}).touch()
+        if n == 3:
+            (Path(tmp).parent / ".tmpAA8GWp").write_bytes(data[: len(data) // 3])  # what save_file leaves mid-write
+        hung.release()
+        if n == 4:
+            hung.acquire(); hung.acquire()  # both partial files are on disk
+            Path({str(marker)!r}).touch()
         time.sleep(600)
     save_sample(tmp, tensors, metadata)
-run(load_params({str(rd2 / "params.yaml")!r}), Path({str(rd2)!r}), write_fn=hang_in_third_write)
+run(load_params({str(rd2 / "params.yaml")!r}), Path({str(rd2)!r}), write_fn=hang_in_third_and_fourth_write)
 """
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -720,14 +728,15 @@ run(load_params({str(rd2 / "params.yaml")!r}), Path({str(rd2)!r}), write_fn=hang
         deadline = time.time() + 300
         while time.time() < deadline and proc.poll() is None and not marker.exists():
             time.sleep(0.05)
-        assert marker.exists(), "the run never reached its third write"
+        assert marker.exists(), "the run never reached its fourth write"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
     left = sorted(p.name for p in (sd / ".writing").iterdir())
-    assert len(left) == 2 and ".tmpAA8GWp" in left, left  # our partial file and the library's
+    ours = [n for n in left if re.fullmatch(r"\.\d{6}\.safetensors\.\w+\.tmp", n)]
+    assert len(ours) == 2 and ".tmpAA8GWp" in left and len(left) == 3, left  # two partial files, the library's
     assert not [p for p in sd.glob("rows_*/.*")], "no temp file in a rows_* folder"
     stats = run(p2, rd2)
     assert stats.samples_skipped >= 1
