@@ -98,9 +98,25 @@ def cpu_env(env: dict | None = None) -> dict:
     return out
 
 
+def _engine_settings(dtype: str, max_model_len: int) -> dict:
+    """The engine settings this project measures with (one owner for the engine and the serve command)."""
+    settings = dict(dtype=dtype, max_model_len=int(max_model_len))
+    if on_cpu():
+        settings.update(gpu_memory_utilization=CPU_MEMORY_UTILIZATION, enforce_eager=CPU_ENFORCE_EAGER)
+    return settings
+
+
+def _vllm_cpu_env() -> dict[str, str]:
+    """The ``VLLM_CPU_*`` variables of :func:`cpu_env` (empty off a CPU)."""
+    return {k: v for k, v in cpu_env().items() if k.startswith("VLLM_CPU")} if on_cpu() else {}
+
+
 def engine_kwargs(model_path: str | Path, *, dtype: str = "auto", max_model_len: int = 2048,
                   seed: int = 0, tensor_parallel_size: int = 1, **extra) -> dict:
     """Keyword arguments for ``vllm.LLM(...)`` with this project's CPU defaults.
+
+    Sets the ``VLLM_CPU_*`` variables of :func:`cpu_env` in ``os.environ`` (those not already set:
+    the engine's worker processes read them).
 
     Args:
         model_path: the target model directory.
@@ -108,12 +124,9 @@ def engine_kwargs(model_path: str | Path, *, dtype: str = "auto", max_model_len:
         max_model_len: context length in tokens.
         extra: passed through (e.g. ``speculative_config``).
     """
-    os.environ.update({k: v for k, v in cpu_env().items() if k.startswith("VLLM_CPU") and k not in os.environ})
-    kw = dict(model=str(model_path), dtype=dtype, max_model_len=max_model_len, seed=seed,
-              tensor_parallel_size=tensor_parallel_size)
-    if on_cpu():
-        kw["gpu_memory_utilization"] = CPU_MEMORY_UTILIZATION
-        kw["enforce_eager"] = CPU_ENFORCE_EAGER
+    os.environ.update({k: v for k, v in _vllm_cpu_env().items() if k not in os.environ})
+    kw = dict(model=str(model_path), seed=seed, tensor_parallel_size=tensor_parallel_size,
+              **_engine_settings(dtype, max_model_len))
     kw.update(extra)
     return kw
 
@@ -122,20 +135,24 @@ def serve_settings(dtype: str, max_model_len: int) -> tuple[str, str]:
     """The settings :func:`engine_kwargs` gives an engine, as a server's command line: ``(flags, env)``.
 
     ``flags``: ``--dtype D --max-model-len N`` and, on a CPU, ``--gpu-memory-utilization`` and
-    ``--enforce-eager`` (:data:`CPU_MEMORY_UTILIZATION`, :data:`CPU_ENFORCE_EAGER`); ``env``: the
-    ``VLLM_CPU_*`` variables of :func:`cpu_env` as ``NAME=value`` words to put before the command
+    ``--enforce-eager`` (:data:`CPU_MEMORY_UTILIZATION`, :data:`CPU_ENFORCE_EAGER`): each engine
+    keyword as its ``vllm serve`` flag (a true boolean as a bare flag, a false one left out); ``env``:
+    the ``VLLM_CPU_*`` variables of :func:`cpu_env` as ``NAME=value`` words to put before the command
     ('' off a CPU). A drafter served without them runs the target in another dtype or on other cores
     than the measurement (``target.dtype: auto`` is float32 on a CPU without native bf16, where the
     checkpoint says bfloat16).
     """
     import shlex
 
-    flags = f"--dtype {dtype} --max-model-len {int(max_model_len)}"
-    if not on_cpu():
-        return flags, ""
-    flags += f" --gpu-memory-utilization {CPU_MEMORY_UTILIZATION}" + (" --enforce-eager" if CPU_ENFORCE_EAGER else "")
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(cpu_env().items()) if k.startswith("VLLM_CPU"))
-    return flags, env
+    words = []
+    for key, value in _engine_settings(dtype, max_model_len).items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            words += [flag] if value else []
+        else:
+            words += [flag, shlex.quote(str(value))]
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(_vllm_cpu_env().items()))
+    return " ".join(words), env
 
 
 def free_port() -> int:

@@ -738,6 +738,12 @@ def test_serve_command_carries_the_settings_the_measurement_ran_with(tmp_path, m
     flags, env = vu.serve_settings("float32", 2048)
     assert flags == "--dtype float32 --max-model-len 2048 --gpu-memory-utilization 0.3 --enforce-eager"
     assert env == "VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_OMP_THREADS_BIND=0,1"
+    # the measuring engine gets the same settings: its keywords and the variables it sets
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()})  # engine_kwargs writes here
+    kw = vu.engine_kwargs("/models/t", dtype="float32", max_model_len=2048)
+    assert {k: kw[k] for k in ("dtype", "max_model_len", "gpu_memory_utilization", "enforce_eager")} == \
+        {"dtype": "float32", "max_model_len": 2048, "gpu_memory_utilization": 0.3, "enforce_eager": True}
+    assert " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("VLLM_CPU")) == env
     run = tmp_path / "ci"
     (run / "04_train" / "drafter").mkdir(parents=True)
     monkeypatch.setattr(vj, "serve_cli_works", lambda: False)
