@@ -271,7 +271,8 @@ def run_pipeline(
         StaleStage: a complete stage with changed inputs, not covered by ``redo``.
         PromptError: a local prompt file of a stage to run has no usable prompt, or a field mapping
             that matches none of its records (:func:`check_prompt_files`; nothing written yet).
-        ParamsError: invalid params or a run directory created with other params (but for
+        ParamsError: stages after 1 only on a run folder that has no ``params.yaml`` yet (nothing
+            is created); invalid params or a run directory created with other params (but for
             ``evaluate.*`` with 5 in ``redo``: :func:`eagle3.rundir.prepare_run_dir`); a ``redo`` stage
             that is not selected.
         StageFailed: a notebook cell raised (message: stage, cell index, exception).
@@ -289,6 +290,17 @@ def run_pipeline(
         raise ParamsError(f"--redo {','.join(map(str, sorted(redo_set)))}: stage(s) {sorted(redo_set - set(selected))} "
                           f"not among the stages to run ({selected}); add them to --stages")
     target_dir = run_dir_for(params, params_file, ov)
+    if min(selected) > 1 and not (target_dir / PARAMS_FILE).exists():
+        # checked before anything is written: a stage-5-only call on a mistyped run name once
+        # created the folder, then failed inside notebook 05 on the missing samples
+        import shlex
+
+        options = shlex.join([str(params_file), *params_options(run_name, overrides)])
+        raise ParamsError(
+            f"{target_dir} is not a run yet (no {PARAMS_FILE}): stage {min(selected)} reads what stages "
+            f"1-{min(selected) - 1} write there. Run them too: `eagle3 run {options} --stages "
+            f"{format_stages(range(1, max(selected) + 1))}`, or name the run that has them (--run-name, or "
+            f"its own params: `eagle3 run <run dir>/{PARAMS_FILE}`). Nothing was written.")
     check_prompt_files(params, [s for s in selected if s in redo_set or force
                                 or not stage_complete(target_dir, s)])
     run_dir = prepare_run_dir(params, target_dir, redo=redo_set, params_file=params_file, stages=selected,

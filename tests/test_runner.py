@@ -14,6 +14,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from eagle3.cli import main
+from eagle3.config import load_params
 from eagle3.errors import ParamsError
 from eagle3.io import read_json
 from eagle3.rundir import NOTEBOOKS
@@ -65,6 +66,24 @@ def test_run_resume_and_status(tmp_params, nbdir, capsys):
     assert main(["status", str(rd)]) == 0
     out = capsys.readouterr().out
     assert "complete" in out and "3/3 items" in out
+
+
+def test_later_stages_on_a_new_run_name_stop_before_the_folder_exists(tmp_params, nbdir, capsys):
+    """A new user's finding: `eagle3 run P --stages 5 --run-name <typo>` created the run folder, then
+    failed inside notebook 05 on the missing samples. It now stops first, names the command that runs
+    the earlier stages too, and writes nothing; the same call on the real run goes on."""
+    pf = tmp_params()
+    new = Path(load_params(pf).run.output_dir) / "typo"
+    with pytest.raises(ParamsError) as e:
+        run_pipeline(pf, [5], run_name="typo", notebooks=nbdir)
+    assert f"{new} is not a run yet (no params.yaml): stage 5 reads what stages 1-4 write there" in str(e.value)
+    assert f"`eagle3 run {pf} --run-name typo --stages 1-5`" in str(e.value)
+    assert not new.exists()
+    assert main(["run", str(pf), "--run-name", "typo", "--stages", "3-4"]) == 2  # the CLI: a clean line, exit 2
+    assert "stage 3 reads what stages 1-2 write there" in capsys.readouterr().err and not new.exists()
+    rd = run_pipeline(pf, [1], run_name="typo", notebooks=nbdir)  # the run exists now: stage 2 alone goes on
+    assert run_pipeline(pf, [2], run_name="typo", notebooks=nbdir) == rd == new
+    assert read_json(rd / "02_vocab" / "progress.json")["done"] == 3
 
 
 def test_evaluate_only_params_on_an_existing_run_redo_stage_5_only(tmp_params, nbdir, capsys):
@@ -147,6 +166,7 @@ from pathlib import Path
 import eagle3.runner
 eagle3.runner.notebooks_dir = lambda: Path(sys.argv[1])  # the test's notebooks instead of notebooks/
 from eagle3.cli import main
+from eagle3.config import load_params
 sys.exit(main(sys.argv[2:]))
 """
 
