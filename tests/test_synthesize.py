@@ -326,6 +326,12 @@ def test_skip_summary_names_every_kind_of_loss():
         "1 sample(s) failed")
     assert skip_summary({"samples": 1, "prompts": {"records": 1, "kept": 1}}) == (
         "1 samples from 1 prompts selected of 1 records; nothing skipped or truncated")
+    # the default's sources (a new user asked what "1008 prompts selected of 1124 records" left out)
+    sources = [{"label": "self", "records": 960, "usable": 960, "selected": 960},
+               {"label": "human-eval", "records": 164, "usable": 164, "selected": 48}]
+    assert skip_summary({"samples": 1008, "prompts": {"records": 1124, "kept": 1008, "sources": sources}}) == (
+        "1008 samples from 1008 prompts selected of 1124 records; 116 prompt(s) over the sources' limit "
+        "(human-eval 116)")
 
 
 def test_torn_last_line_dropped_and_regenerated(tmp_path):
