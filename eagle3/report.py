@@ -253,7 +253,7 @@ def summary_html(run_dir: str | Path) -> str:
     tau_off = st.get("parity_tau_offline", st.get("tau_offline"))
     tau_vl = st.get("parity_tau_vllm", st.get("tau_vllm"))
     on = f" on the same {st['parity_prompts']} prompts" if st.get("parity_tau_vllm") is not None and st.get("parity_prompts") else ""
-    parts.append(f"<p>Offline τ {_fmt(tau_off)} vs vLLM τ {_fmt(tau_vl)}{on}: parity "
+    parts.append(f"<p>Offline τ {_fixed(tau_off, 3)} vs vLLM τ {_fixed(tau_vl, 3)}{on}: parity "
                  f"{html.escape(parity_txt)}.</p>")
     parts.append(warn_list)
     diag = [x for x in (st.get("diagnosis") or []) if x]

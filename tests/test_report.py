@@ -157,6 +157,9 @@ def test_the_parity_line_shows_the_parity_prompts_vllm_tau_not_the_pooled_one(tm
     page = index_html(tmp_path, [], {})
     assert "Offline τ 1.596 vs vLLM τ 1.559 on the same 16 prompts: parity agrees (relative gap 0.023" in page
     assert "vs vLLM τ 1.477" not in page
+    # both sides with three decimals (a new user read "Offline τ 1.66 vs vLLM τ 1.742", the console 1.660)
+    write_stats(stage_dir(tmp_path, 5), {**stats, "parity_tau_offline": 1.66, "parity_tau_vllm": 1.742})
+    assert "Offline τ 1.660 vs vLLM τ 1.742 on the same 16 prompts" in index_html(tmp_path, [], {})
 
 
 def test_a_data_size_warning_alone_does_not_say_the_drafter_may_not_help(tmp_path):
