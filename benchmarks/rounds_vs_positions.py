@@ -1,4 +1,4 @@
-"""Why training's validation tau_hat is above the tau vLLM measures (issue 13): the TTT chain of a drafter at
+"""Why training's validation tau_hat is above the tau vLLM measures: the TTT chain of a drafter at
 every position of the target's own greedy text, teacher forced, on this machine's target.
 
 For each prompt of a stage-5 vLLM result (``vllm_eagle3.json``: prompt ids, vLLM's output tokens, the
@@ -18,7 +18,7 @@ prompt's *training* answer (generated in bf16 on the GPU) instead of vLLM's floa
 text's share of the gap is separated from the rounds' share.
 
 usage: rounds_vs_positions.py VLLM_EAGLE3_JSON DRAFTER_DIR K [--samples SAMPLES.jsonl]
-  e.g. rounds_vs_positions.py /work/gpu8/eval/full/05_evaluate/vllm_eagle3.json /work/gpu8/full_drafter 3
+  e.g. rounds_vs_positions.py outputs/smollm2-135m/05_evaluate/vllm_eagle3.json outputs/smollm2-135m/04_train/drafter 3
 Runs the embedded target in float32 on CPU (~15 min for 192 prompts of 128 tokens on 2 cores).
 """
 from __future__ import annotations

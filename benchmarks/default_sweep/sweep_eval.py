@@ -1,4 +1,4 @@
-"""Score stage-4 drafters on the traffic of a finished stage 5 without vLLM (issue 12's training sweep).
+"""Score stage-4 drafters on the traffic of a finished stage 5 without vLLM (the default's stage-4 settings sweep).
 
 For each evaluation set of a stage 5 (``prompts.json``: held-out split, general chat, ...), the sequences are
 vLLM's own T=0 output (``vllm_eagle3.json`` ``per_prompt``: prompt ids + output tokens; at T=0 the text does
@@ -6,7 +6,7 @@ not depend on the drafter). The target runs over them once (stage 3's online pat
 ``eagle3.extract.online_samples``); each drafter then goes through the Trainer's own validation
 (``Trainer.evaluate``): teacher-forced TTT chains, and verification rounds walked as decoding schedules them
 (``eagle3.train.metrics.simulate_rounds``) for k = 1..K drafts. On the CPU default that walk gave vLLM's
-tau to 0.004 (1.552 vs 1.553 general chat, 1.746 vs 1.750 held-out; benchmarks/RESULTS.md session 8), so a
+tau to 0.004 (1.552 vs 1.553 general chat, 1.746 vs 1.750 held-out; benchmarks/RESULTS.md), so a
 sweep of drafters trained on a GPU machine without vLLM is scored on stage 5's traffic in seconds.
 
 usage (each RUN_DIR: its params.yaml, stage 2's vocab mapping and 04_train/drafter; the target is the first's):

@@ -1,26 +1,27 @@
-"""The issue-13 run on one GPU: stages 1-4 of benchmarks/issue13_gpu/h200-run.yaml called directly
-(no papermill/Jupyter there), plus the data-scaling curve, resumable step by step.
+"""The GPU recipe's stages 1-4 called directly, without papermill or Jupyter, resumable step by step;
+also the run directories of the data-scaling curve and of stage-4 variants trained side by side.
 
-usage (from the repository root; PYTHONPATH=<tree>:/tmp/site, EAGLE3_CACHE=/tmp/e3cache):
-  h200_pipeline.py synth                  stage 1 of the full run (self prompts, then the answers)
-  h200_pipeline.py restore DIR            stage 1 of the full run from an earlier run's files in DIR
-                                          (samples.jsonl, source_0.meta.json, source_0.stats.json): the
-                                          self-written prompts are rebuilt from the samples (their
-                                          `origin` line), so `synth` only finalizes, with no generation
-  h200_pipeline.py subsets 1000,4000,16000  run dirs /tmp/runs/n<N>: synthesize.limit N (the first N
-                                          of the same shuffled prompts), the full run's samples and
-                                          self-prompt files copied, so stage 1 only finalizes them
-  h200_pipeline.py vocab full,n1000,...   stage 2 of each run dir, in parallel processes
-  h200_pipeline.py extract full,n1000,... stage 3 of each, one after the other (one process each)
-  h200_pipeline.py train full,n1000,...   stage 4 (+ export) of each, one after the other
-  h200_pipeline.py share full e6,...      run dirs of H200_VARIANTS (JSON: name -> overrides, e.g.
-                                          '{"e6": {"train": {"epochs": 6}}}') whose stages 1-3 are the
-                                          base run's folders (symlinks): only stage 4 differs
-                                          (SHARE_STAGES=1,2: only stages 1-2 shared, stage 3 its own)
-  h200_pipeline.py summary                one JSON line per run dir with the headline numbers
-TRAIN_PARALLEL=1: `train` runs its run dirs side by side (a 1-layer drafter leaves most of an H200 idle).
-Epochs are held fixed across data sizes (train.epochs of h200-run.yaml), so the steps grow with the
-data. Logs: /tmp/runs/<name>.<stage>.log.
+usage (from the repository root, with the package importable):
+  pipeline.py synth                  stage 1 of run `full` (self prompts, then the answers)
+  pipeline.py restore DIR            stage 1 of run `full` from an earlier run's files in DIR
+                                     (samples.jsonl, source_0.meta.json, source_0.stats.json): the
+                                     self-written prompts are rebuilt from the samples (their `origin`
+                                     line), so `synth` only finalizes, with no generation
+  pipeline.py subsets 1000,4000      run dirs n<N>: synthesize.limit N (the first N of the same
+                                     shuffled prompts), the full run's samples and self-prompt files
+                                     copied, so stage 1 only finalizes them (the data-scaling curve)
+  pipeline.py vocab full,n1000,...   stage 2 of each run dir, in parallel processes
+  pipeline.py extract full,n1000,... stage 3 of each, one after the other (one process each)
+  pipeline.py train full,n1000,...   stage 4 (+ export) of each, one after the other
+  pipeline.py share full e6,...      run dirs of RECIPE_VARIANTS (JSON: name -> overrides, e.g.
+                                     '{"e6": {"train": {"epochs": 6}}}') whose stages 1-3 are the base
+                                     run's folders (symlinks): only stage 4 differs
+                                     (SHARE_STAGES=1,2: only stages 1-2 shared, stage 3 its own)
+  pipeline.py summary                one JSON line per run dir with the headline numbers
+Environment: RECIPE_PARAMS (default params/smollm2-135m-h200.yaml), RECIPE_ROOT (the run directories'
+parent, default outputs/gpu_recipe), RECIPE_SET (JSON overrides for every run dir), RECIPE_VARIANTS,
+TRAIN_PARALLEL=1 (`train` runs its run dirs side by side: a small drafter leaves most of a GPU idle).
+Epochs are held fixed across data sizes, so the steps grow with the data. Logs: RECIPE_ROOT/<name>.<stage>.log.
 """
 from __future__ import annotations
 
@@ -32,17 +33,17 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RUN_YAML = Path(os.environ.get("H200_YAML", HERE / "h200-run.yaml"))  # another yaml: a CPU smoke test
-ROOT = Path(os.environ.get("H200_ROOT", "/tmp/runs"))
+RUN_YAML = Path(os.environ.get("RECIPE_PARAMS", HERE.parents[1] / "params" / "smollm2-135m-h200.yaml"))
+ROOT = Path(os.environ.get("RECIPE_ROOT", "outputs/gpu_recipe"))
 
 
 def params_for(name: str):
     from eagle3.config import apply_overrides, load_params
 
-    # H200_SET: JSON overrides for every run dir (e.g. '{"synthesize": {"batch_size": 2048}}')
-    extra = json.loads(os.environ.get("H200_SET", "{}"))
+    # RECIPE_SET: JSON overrides for every run dir (e.g. '{"synthesize": {"batch_size": 2048}}')
+    extra = json.loads(os.environ.get("RECIPE_SET", "{}"))
     over = {"run": {"name": name, "output_dir": str(ROOT)}}
-    variants = json.loads(os.environ.get("H200_VARIANTS", "{}"))
+    variants = json.loads(os.environ.get("RECIPE_VARIANTS", "{}"))
     if name in variants:
         extra = apply_overrides(extra, variants[name])
     elif name != "full":
@@ -136,6 +137,7 @@ def subsets(sizes: list[int]) -> None:
 
 
 def _launch(names: list[str], stage: str, parallel: bool = True) -> None:
+    ROOT.mkdir(parents=True, exist_ok=True)
     procs = {}
     t0, bad = time.time(), []
     for name in names:

@@ -1,11 +1,11 @@
-"""Stage 5 on this (CPU) machine for drafters trained on the H200 (issue 13): each drafter evaluated
-with eagle3.evaluate.run in a run dir that holds the full GPU run's stage-1 samples (so every drafter
-meets the same held-out split, and the general-chat set excludes every training prompt of the full
-run, a superset of each subset's) and ``evaluate.drafter_dir`` pointing at the brought-back drafter.
+"""Stage 5 on a CPU (or any vLLM) machine for drafters trained on a GPU machine and brought back: each
+drafter is evaluated with eagle3.evaluate.run in a run dir that holds the GPU run's stage-1 samples (so
+every drafter meets the same held-out split, and the general-chat set excludes every training prompt of
+the full run, a superset of each subset's) and ``evaluate.drafter_dir`` pointing at the drafter.
 
-usage: eval_here.py ROOT NAME:DRAFTER_DIR:K:METHODS [...] [--set key=value ...]
+usage: evaluate_drafters.py ROOT NAME:DRAFTER_DIR:K:METHODS [...] [--set key=value ...]
   ROOT/samples_full.jsonl: the GPU run's samples; run dirs ROOT/eval/NAME; METHODS = eagle3+ngram+none
-  e.g. eval_here.py /work/gpu3 full:/work/gpu3/full/drafter:3:eagle3+ngram+none --set evaluate.num_prompts=96
+  e.g. evaluate_drafters.py gpu full:gpu/full/drafter:3:eagle3+ngram+none --set evaluate.num_prompts=96
 Prints one line "EVAL {json}" per run (per set: τ, tokens per target forward, per-position acceptance,
 tokens/s per method) and leaves each run's results.json / stats.json in ROOT/eval/NAME/05_evaluate.
 """

@@ -1,10 +1,10 @@
-"""The data-scaling curve of the issue-13 run (benchmarks/RESULTS.md): vLLM τ of each drafter on the
+"""The data-scaling curve of the GPU recipe (benchmarks/RESULTS.md): vLLM τ of each drafter on the
 general-chat set and on the held-out split vs the conversations it was trained on, beside its
 validation τ̂; one figure and a Markdown table.
 
 usage: scaling_curve.py ROOT OUT.png NAME=CONVERSATIONS [...]
-  ROOT/eval/NAME/05_evaluate/results.json (eval_here.py) and ROOT/stats/NAME/04_train/stats.json
-  (brought back from the GPU); e.g. scaling_curve.py /work/gpu3 curve.png n1000=1000 n4000=4000 full=50692
+  ROOT/eval/NAME/05_evaluate/results.json (evaluate_drafters.py) and ROOT/stats/NAME/04_train/stats.json
+  (brought back from the GPU); e.g. scaling_curve.py gpu curve.png n1000=1000 n4000=4000 full=50692
 """
 from __future__ import annotations
 
