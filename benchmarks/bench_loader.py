@@ -7,7 +7,7 @@ Writes a synthetic stage-3 run (bench_train.synthetic_run: 3 aux layers + the la
 ``--doc-len`` tokens) and times, on the same packing plan (speculators' multipack, the loop's):
 
 * the collate alone on items already read: speculators' ``CollateFn(shift_batch)`` (the loader's
-  collate before issue 14: fresh zeroed buffers, the aux states copied twice), the stage's
+  former collate: fresh zeroed buffers, the aux states copied twice), the stage's
   :class:`eagle3.train.data.PackedCollate` into fresh buffers, and into one reused buffer (what each
   loader thread does per batch on CUDA, where the buffers are a pinned ring);
 * :class:`eagle3.train.data.MicroBatches` end to end with N loader threads, ms per micro-batch as the
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace, rd: Path) -> None:
             fn(its)
         rows.append((label, (time.perf_counter() - t) / reps))
 
-    # the collate before issue 14's change: speculators' CollateFn(shift_batch) on its flat item layout
+    # the former collate: speculators' CollateFn(shift_batch) on its flat item layout
     spec = CollateFn(args.token_budget, args.hidden, num_target_layers=3, dtype=torch.bfloat16, preprocess=shift_batch)
     per_batch("speculators CollateFn(shift_batch), fresh zeroed buffers",
               lambda its: spec([{**x, "hidden_states": x["hidden_states"].flatten(1)} for x in its]))

@@ -17,7 +17,7 @@ states in the contract layout) and time, on the same packed micro-batches:
 * ``bare``: the same ``Eagle3DraftModel`` built the same way, batches collated beforehand and kept
   in memory, and a plain loop of forward, backward, grad clip, AdamW step.
 
-The loop's overhead is ``1 - ours / bare`` (issue 14: <= 5 %; both loops under the same ``--compile``).
+The loop's overhead is ``1 - ours / bare`` (goal: <= 5 %; both loops under the same ``--compile``).
 On GPU it also prints the model FLOP utilisation (training FLOPs per token from the layer shapes, below, against the bf16 dense peak of
 the card, 989 TFLOP/s for an H200 SXM) and the peak memory. The target is built in code, so nothing
 is downloaded: a config.json with the shapes (GPU: Llama-3.1-8B, hidden 4096, 32 layers, 32/8 heads,
@@ -349,7 +349,7 @@ def main(argv=None) -> int:
                     help="train.autocast of both loops ('auto': bf16 on GPU, float32 on CPU for this float32 fake target)")
     ap.add_argument("--compare-autocast", action="store_true",
                     help="instead of ours vs bare: ours with train.autocast none (float32) vs bfloat16, alternating, "
-                    "and their ratio (the CPU question of issue 12: does bf16 autocast pay on an AMX CPU?)")
+                    "and their ratio (does bf16 autocast pay on an AMX CPU?)")
     ap.add_argument("--batches-on-device", action="store_true",
                     help="a third loop: ours with the batches pre-collated on the device (the loop without its data path)")
     ap.add_argument("--compile", default="attention", choices=["attention", "speculators", "none"],
