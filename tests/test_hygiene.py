@@ -297,19 +297,20 @@ def test_ruff_clean():
 
 
 def test_readme_command_table_names_every_cli_command_and_option():
-    """The README's "Other entry points" table is where a user looks up a command: each `eagle3`
-    subcommand and each of its options must be there (it once lacked run --kernel/--no-report and
-    verify --no-values, which only --help showed)."""
+    """The command table of docs/USAGE.md (the README links it) is where a user looks up a command: each
+    `eagle3` subcommand and each of its options must be there (it once lacked run --kernel/--no-report
+    and verify --no-values, which only --help showed)."""
     from eagle3.cli import _build_parser  # the parser --help prints
 
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    rows = [line for line in readme.splitlines() if line.startswith("| `.venv/bin/eagle3 ")]
+    usage = (ROOT / "docs" / "USAGE.md").read_text(encoding="utf-8")
+    assert "docs/USAGE.md" in (ROOT / "README.md").read_text(encoding="utf-8"), "README does not link docs/USAGE.md"
+    rows = [line for line in usage.splitlines() if line.startswith("| `.venv/bin/eagle3 ")]
     parser = _build_parser()
     sub = next(a for a in parser._actions if a.choices and isinstance(a.choices, dict))
     for name, command in sub.choices.items():
         row = next((r for r in rows if r.startswith(f"| `.venv/bin/eagle3 {name} ")), None)
-        assert row is not None, f"README command table: no row for `eagle3 {name}`"
+        assert row is not None, f"docs/USAGE.md command table: no row for `eagle3 {name}`"
         for action in command._actions:
             for flag in action.option_strings:
                 if flag.startswith("--") and flag != "--help":
-                    assert flag in row.split("|")[1], f"README: `eagle3 {name}` row lacks {flag}"
+                    assert flag in row.split("|")[1], f"docs/USAGE.md: `eagle3 {name}` row lacks {flag}"
