@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3.config import Params, ParamsError, dump_params, load_params, params_fingerprint, parse_overrides
+from eagle3.config import Params
+from eagle3.errors import ParamsError
+from eagle3.params_file import dump_params, load_params, params_fingerprint, parse_overrides
 from eagle3.rundir import prepare_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -237,7 +239,7 @@ def test_evaluate_section_is_read_by_stage_5_only():
     and no notebook of stages 1-4 mentions it."""
     import ast
 
-    from eagle3.config import STAGE_OWN_SECTIONS
+    from eagle3.params_file import STAGE_OWN_SECTIONS
 
     assert STAGE_OWN_SECTIONS == {"evaluate": 5}
     found = []
@@ -369,7 +371,7 @@ def test_run_dir_params_yaml_names_its_own_folder(tmp_params):
 
 def test_a_changed_source_field_is_named_by_its_own_key_not_by_both_lists():
     """A new user's --redo 5 printed both whole lists of sources (twice each) for one changed field."""
-    from eagle3.config import changed_stage, diff_params
+    from eagle3.params_file import changed_stage, diff_params
 
     src = {"kind": "file", "path": "seed.jsonl", "format": "alpaca", "fields": {"instruction": "instruction"}}
     a = Params.model_validate({"evaluate": {"sources": [src]}})

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3.config import load_params
 from eagle3.contracts import tokenized
 from eagle3.contracts.samples import SamplesError, write_samples
 from eagle3.contracts.vocab_mapping import VocabMapping, VocabMappingError, read_mapping
 from eagle3.io import read_json
+from eagle3.params_file import load_params
 from eagle3.rundir import VOCAB, RunDir
 from eagle3.vocab import Coverage, CoverageExplorer, VocabError, VocabStats
 from eagle3.vocab import run as run_stage

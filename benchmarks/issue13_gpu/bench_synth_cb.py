@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from eagle3.chat import ChatRenderer, pad_token_id, stop_token_ids
-from eagle3.config import load_params
+from eagle3.params_file import load_params
 from eagle3.synthesize.local import generate_continuous, generate_padded
 from eagle3.target import load_target
 

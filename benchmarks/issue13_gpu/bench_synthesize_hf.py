@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eagle3.config import load_params
+from eagle3.params_file import load_params
 from eagle3.target import resolve_target
 
 N, MAXNEW = int(sys.argv[1]), int(sys.argv[2])

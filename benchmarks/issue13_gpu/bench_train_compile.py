@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3.config import dump_params, load_params
+from eagle3.params_file import dump_params, load_params
 from eagle3.target import resolve_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_train

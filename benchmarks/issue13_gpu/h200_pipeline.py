@@ -37,7 +37,7 @@ ROOT = Path(os.environ.get("H200_ROOT", "/tmp/runs"))
 
 
 def params_for(name: str):
-    from eagle3.config import apply_overrides, load_params
+    from eagle3.params_file import apply_overrides, load_params
 
     # H200_SET: JSON overrides for every run dir (e.g. '{"synthesize": {"batch_size": 2048}}')
     extra = json.loads(os.environ.get("H200_SET", "{}"))

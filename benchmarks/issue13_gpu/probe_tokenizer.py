@@ -9,7 +9,7 @@ from pathlib import Path
 import transformers
 from transformers import AutoTokenizer
 
-from eagle3.config import load_params
+from eagle3.params_file import load_params
 from eagle3.target import resolve_target
 
 out = Path(os.environ["OUT"])
