@@ -52,7 +52,7 @@ def matmul_rates(reps: int = 20) -> list[dict]:
 
 _CHILD = r"""
 import json, sys, time
-from eagle3.config import load_params
+from eagle3.params_file import load_params
 from eagle3.prompts import load_prompts
 from eagle3.synthesize import TurnRequest
 from eagle3.synthesize.local import VllmBackend

@@ -21,7 +21,6 @@ def main() -> None:
     import torch
 
     from eagle3.chat import stop_token_ids, template_kwargs
-    from eagle3.config import load_params
     from eagle3.evaluate import (
         find_drafter,
         heldout_prompts,
@@ -31,6 +30,7 @@ def main() -> None:
         training_reference,
     )
     from eagle3.evaluate.vllm_jobs import build_job
+    from eagle3.params_file import load_params
     from eagle3.rundir import resolve_run_dir
     from eagle3.target import load_target, resolve_target
 

@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--variants", default="stage,one call,no seeds,top-p 1")
     args = ap.parse_args()
 
-    from eagle3.config import load_params
+    from eagle3.params_file import load_params
     from eagle3.self_prompt import VllmDriver, plan_requests, settings_from_params
     from eagle3.synthesize.local import VllmBackend
 

@@ -18,8 +18,8 @@ import torch
 
 
 def main() -> None:
-    from eagle3.config import load_params
     from eagle3.contracts.hidden_states import HiddenStatesDataset
+    from eagle3.params_file import load_params
     from eagle3.train.data import MicroBatches, collate_fn, epoch_plan, read_manifest
     from eagle3.train.model import SupervisedRows, build_drafter, loss_config, resolve_inputs
 

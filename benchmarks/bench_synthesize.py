@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--backends", default="transformers,vllm")
     args = ap.parse_args()
 
-    from eagle3.config import load_params
+    from eagle3.params_file import load_params
     from eagle3.prompts import load_prompts
     from eagle3.synthesize.local import TransformersBackend, VllmBackend
 

@@ -64,10 +64,10 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from eagle3.config import load_params
     from eagle3.contracts.drafter import read_config
     from eagle3.evaluate.drafter import load_drafter
     from eagle3.hooks import CachedCapture
+    from eagle3.params_file import load_params
     from eagle3.target import load_target
     from eagle3.train.metrics import simulate_rounds
 

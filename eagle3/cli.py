@@ -104,7 +104,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(render_report(args.run_dir))
         return 0
     if args.cmd == "params":
-        from eagle3.config import dump_params, load_params
+        from eagle3.params_file import dump_params, load_params
 
         print(dump_params(load_params(args.params, args.overrides)), end="")
         return 0

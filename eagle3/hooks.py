@@ -188,10 +188,10 @@ def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
     On CUDA the tensor is staged in pinned memory first: only a copy from pinned memory is asynchronous
     for certain (a copy from pageable memory, or ``torch.tensor(..., device=)``, may wait for the stream).
-    The H200 profile of stage 3 showed two ``cudaStreamSynchronize`` per batch, 0.3 s each, under
-    ``aten::to`` from these per-batch copies: the host waited for every batch's forward and the GPU
-    idled while the next one was prepared (benchmarks/RESULTS.md, 2026-12-04 session 11; extraction
-    0.931x -> 0.937x the unpadded forward after this change). The pinned block returns to PyTorch's
+    With pageable copies the H200 profile of stage 3 showed two ``cudaStreamSynchronize`` per batch,
+    0.3 s each, under ``aten::to``: the host waited for every batch's forward and the GPU idled while
+    the next one was prepared (benchmarks/RESULTS.md, extraction vs the unpadded forward: 0.931x ->
+    0.937x the unpadded forward with pinned copies). The pinned block returns to PyTorch's
     caching host allocator, which records the copy's event before reusing it. Elsewhere a plain
     ``.to(device)``.
 
@@ -303,7 +303,8 @@ def _register_packed_attention() -> None:
     # transformers' mask creation returns None at once ("custom attention without equivalent mask
     # creation", masking_utils._preprocess_mask_arguments). With one, it ran its packed-sequence
     # detection on our position ids, whose `if (...).all()` read a device value: one
-    # cudaStreamSynchronize per batch, ~20 ms of GPU idle each on the H200 (RESULTS.md, session 13).
+    # cudaStreamSynchronize per batch, ~20 ms of GPU idle each on the H200 (benchmarks/RESULTS.md,
+    # the last host sync of the packed forward).
     AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
     _REGISTERED = True
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3.config import Params, load_params
+from eagle3.config import Params
+from eagle3.params_file import load_params
 from eagle3.rundir import prepare_run_dir, project_root, resolve_run_dir
 
 __all__ = ["setup", "show_table", "run_dir_note"]

@@ -191,7 +191,8 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
     """
     # config imports nothing of ours but errors; imported here so that `rundir` stays importable
     # from config-free code (the report).
-    from eagle3.config import (
+    from eagle3.io import atomic_write_text
+    from eagle3.params_file import (
         STAGE_OWN_SECTIONS,
         changed_stage,
         diff_params,
@@ -199,7 +200,6 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
         load_params,
         params_fingerprint,
     )
-    from eagle3.io import atomic_write_text
 
     rd = Path(run_dir) if run_dir is not None else resolve_run_dir(params)
     rd.mkdir(parents=True, exist_ok=True)
@@ -235,7 +235,7 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
 
 def _own_section(stage: int) -> str:
     """The params section that ``stage`` alone reads (:data:`eagle3.config.STAGE_OWN_SECTIONS`)."""
-    from eagle3.config import STAGE_OWN_SECTIONS
+    from eagle3.params_file import STAGE_OWN_SECTIONS
 
     return next(k for k, v in STAGE_OWN_SECTIONS.items() if v == stage)
 

@@ -11,9 +11,9 @@ import threading
 import time
 from pathlib import Path
 
-from eagle3.config import load_params
 from eagle3.errors import ParamsError, RunInterrupted, RunnerError, StageFailed, StaleStage
 from eagle3.io import format_bytes, read_json
+from eagle3.params_file import load_params
 from eagle3.rundir import (
     NOTEBOOKS,
     PARAMS_FILE,
@@ -386,7 +386,7 @@ def verify_run(run_dir: str | Path, check_values: bool = True) -> list[str]:
     Raises:
         RunnerError: ``run_dir`` is not a run directory (no ``params.yaml``).
     """
-    from eagle3.config import load_params
+    from eagle3.params_file import load_params
     from eagle3.rundir import EXTRACT
 
     rd = RunDir(run_dir)
@@ -555,7 +555,7 @@ def _done_text(prog: dict) -> str:
 
 def _run_params(run_dir: str | Path):
     """The run's resolved params (which files a stage consumes depends on a few), None if unreadable."""
-    from eagle3.config import load_params
+    from eagle3.params_file import load_params
 
     try:
         return load_params(Path(run_dir) / "params.yaml")

@@ -177,7 +177,7 @@ def cpu_has_native_bf16() -> bool:
     check (``torch.ops.mkldnn._is_mkldnn_bf16_supported``). Without them torch and vLLM emulate bf16:
     on a 2-core AMD EPYC with AVX2 only, a [512, 576] x [576, 1536] matmul ran at 1.2 GFLOP/s in
     bfloat16 vs 152 GFLOP/s in float32, and vLLM's CPU engine did not finish 256 answers in 20 min
-    (benchmarks/RESULTS.md session 6)."""
+    (benchmarks/RESULTS.md, bfloat16 on a CPU that emulates it)."""
     import torch
 
     try:

@@ -130,7 +130,7 @@ class Tracker:
                                       **kwargs)
 
     def _run_id_suffix(self) -> str:
-        from eagle3.config import params_fingerprint
+        from eagle3.params_file import params_fingerprint
 
         return params_fingerprint(self.params)[:8]
 

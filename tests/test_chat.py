@@ -19,7 +19,7 @@ def tok(embedded_target):
 
 
 def _gguf_517(tok):
-    """What transformers 5.17 makes of the embedded GGUF (issue 13): eos <|im_start|>, no pad token."""
+    """What transformers 5.17 makes of the embedded GGUF: eos <|im_start|>, no pad token."""
     t = copy.deepcopy(tok)
     t.pad_token = None
     t.eos_token = "<|im_start|>"

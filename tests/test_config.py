@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eagle3.config import Params, ParamsError, dump_params, load_params, params_fingerprint, parse_overrides
+from eagle3.config import Params
+from eagle3.errors import ParamsError
+from eagle3.params_file import dump_params, load_params, params_fingerprint, parse_overrides
 from eagle3.rundir import prepare_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,11 +165,11 @@ def test_run_dir_takes_evaluate_only_params_when_stage_5_is_redone(tmp_params, t
 
 
 def test_run_dir_keeps_stage_5_params_for_calls_that_do_not_run_stage_5(tmp_params, tmp_path, capsys):
-    """A new user's finding: after the README's `--stages 5 --redo 5` with their own evaluation set,
-    every notebook (stage 1's too) and `make run` refused the run on the default params, and the way
-    offered (redo stage 5 on the defaults) drops that set. A call that does not run stage 5 now opens
-    the run and keeps its params.yaml; one that does is refused with the way back to the run's own
-    params, and the difference shows a file source with its own fields."""
+    """After the README's `--stages 5 --redo 5` with an own evaluation set, a call on the default
+    params that does not run stage 5 (a notebook of stages 1-4, `make run` of other stages) opens the
+    run and keeps its params.yaml (redoing stage 5 on the defaults would drop that set); one that does
+    is refused with the way back to the run's own params, and the difference shows a file source with
+    its own fields."""
     from eagle3.notebook import setup
 
     own = tmp_path / "mine.jsonl"
@@ -237,7 +239,7 @@ def test_evaluate_section_is_read_by_stage_5_only():
     and no notebook of stages 1-4 mentions it."""
     import ast
 
-    from eagle3.config import STAGE_OWN_SECTIONS
+    from eagle3.params_file import STAGE_OWN_SECTIONS
 
     assert STAGE_OWN_SECTIONS == {"evaluate": 5}
     found = []
@@ -353,9 +355,9 @@ def test_cli_set_help_examples_are_valid_params():
 
 
 def test_run_dir_params_yaml_names_its_own_folder(tmp_params):
-    """A new user opened outputs/newuser16 (made by `eagle3 run --run-name newuser16`) in a notebook with
-    params/ci.yaml: setup rewrote the run's params.yaml with ci.yaml's run.name, so a later setup on that
-    params.yaml resolved to another directory. params.yaml names the folder it lies in, whoever opened it."""
+    """A run made as outputs/newuser16 (`eagle3 run --run-name newuser16`) opened in a notebook with
+    params/ci.yaml keeps run.name newuser16 in its params.yaml (with ci.yaml's name a later setup on
+    that params.yaml would resolve to another directory): params.yaml names the folder it lies in."""
     p = load_params(tmp_params("train:\n  lr: 0.001\n"))
     assert p.run.name != "newuser16"
     rd = prepare_run_dir(p, Path(p.run.output_dir) / "newuser16")
@@ -368,8 +370,8 @@ def test_run_dir_params_yaml_names_its_own_folder(tmp_params):
 
 
 def test_a_changed_source_field_is_named_by_its_own_key_not_by_both_lists():
-    """A new user's --redo 5 printed both whole lists of sources (twice each) for one changed field."""
-    from eagle3.config import changed_stage, diff_params
+    """One changed field of a source is named by its dotted key, not by both whole lists of sources."""
+    from eagle3.params_file import changed_stage, diff_params
 
     src = {"kind": "file", "path": "seed.jsonl", "format": "alpaca", "fields": {"instruction": "instruction"}}
     a = Params.model_validate({"evaluate": {"sources": [src]}})

@@ -195,10 +195,10 @@ def test_stage5_puts_the_layer_id_warning_into_stats_and_results(random_drafter,
     """The wiring: stage 5 hands an external drafter's config ids, the offline records' text and the
     target's layer count to the check, and its warning lands in stats.json and results.json."""
     import eagle3.evaluate.layer_ids as li
-    from eagle3.config import load_params
     from eagle3.contracts.samples import write_samples
     from eagle3.evaluate import run
     from eagle3.io import read_json
+    from eagle3.params_file import load_params
     from eagle3.rundir import EVALUATE, RunDir, prepare_run_dir, resolve_run_dir
 
     seen = {}

@@ -17,12 +17,12 @@ def test_every_error_is_an_eagle3_error_with_its_second_base():
 
 
 def test_old_names_are_the_classes_in_errors():
-    from eagle3 import config, evaluate, prompts, runner, synthesize, target
+    from eagle3 import evaluate, params_file, prompts, runner, synthesize, target
     from eagle3.extract import prepare
     from eagle3.train import model
     from eagle3.vocab import render
 
-    assert config.ParamsError is errors.ParamsError
+    assert params_file.ParamsError is errors.ParamsError
     assert target.TargetError is errors.TargetError
     assert prompts.PromptError is errors.PromptsError
     assert synthesize.SynthesisError is errors.SynthesisError

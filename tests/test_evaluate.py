@@ -431,8 +431,8 @@ def test_parity_error_message_carries_the_diagnosis():
 
 
 def _write_run(tmp_params, questions_heldout, questions_train, extra_yaml=""):
-    from eagle3.config import load_params
     from eagle3.contracts.samples import write_samples
+    from eagle3.params_file import load_params
     from eagle3.rundir import prepare_run_dir, resolve_run_dir
 
     params = load_params(tmp_params("target:\n  model: embedded:smollm2-135m\n  dtype: float32\n  device: cpu\n"
@@ -530,7 +530,7 @@ def test_own_prompts_added_to_a_finished_run_keep_the_training_exclusion(tmp_par
     """`eagle3 run PARAMS --stages 5 --redo 5 --set evaluate.sources=[...]` on an existing run: the
     run directory takes the evaluate-only params, and the new set still leaves out the prompts the
     run trained on (its samples are the run's own)."""
-    from eagle3.config import load_params
+    from eagle3.params_file import load_params
     from eagle3.rundir import prepare_run_dir
 
     model, tok = target_model
@@ -1048,8 +1048,8 @@ def test_small_training_data_fix_names_a_valid_source():
     paste: its ``{kind: self, ...}`` source loads."""
     import re
 
-    from eagle3.config import load_params
     from eagle3.evaluate.mismatch import mismatch_warnings
+    from eagle3.params_file import load_params
 
     ev = load_params(None, ["tracking.mode=disabled"]).evaluate
     out = mismatch_warnings({}, {"known": True, "conversations": 10, "completion_tokens": 100,
@@ -1080,9 +1080,9 @@ def test_offline_resume_key_is_the_same_for_a_relative_and_an_absolute_run_dir(t
     had opened it by its absolute path: the key held the vocab mapping's path as given, so a finished
     stage 5 measured its offline prompts again (5.5 min) and rewrote its files. The mapping enters the
     key by content: the same bytes give the same key wherever the run is opened from; other bytes, another."""
-    from eagle3.config import load_params
     from eagle3.contracts.drafter import DrafterSettings
     from eagle3.evaluate.stage import _Inputs, _offline_key
+    from eagle3.params_file import load_params
 
     (tmp_path / "outputs" / "run" / "02_vocab").mkdir(parents=True)
     mapping = tmp_path / "outputs" / "run" / "02_vocab" / "vocab_mapping.safetensors"
@@ -1109,9 +1109,9 @@ def test_vllm_job_key_takes_the_drafter_by_content_not_by_path(tmp_path):
     still names the path the worker loads); other drafter bytes, another key; n-gram's key ignores the drafter."""
     from types import SimpleNamespace
 
-    from eagle3.config import load_params
     from eagle3.contracts.drafter import DrafterSettings
     from eagle3.evaluate.stage import _Inputs, _job
+    from eagle3.params_file import load_params
 
     params = load_params(None)
     ref = DrafterSettings(aux_layer_ids=[1, 15, 27], norm_before_residual=True, vocab_mapping=None)

@@ -26,7 +26,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _extract_fixtures import write_train_parquet
 
-from eagle3.config import load_params
 from eagle3.contracts.hidden_states import (
     HiddenStatesDataset,
     NonFiniteError,
@@ -40,6 +39,7 @@ from eagle3.extract import load_rows, online_samples, preflight, run, verify
 from eagle3.extract.core import extract_batches, plan_batches
 from eagle3.hooks import PrefillCapture, resolve_layer_ids
 from eagle3.io import read_json
+from eagle3.params_file import load_params
 from eagle3.rundir import STAGES, prepare_run_dir
 
 VOCAB_DIR, EXTRACT_DIR = STAGES[2], STAGES[3]  # the stage folder names
@@ -701,7 +701,7 @@ def test_sigkill_during_a_file_write_then_resume_is_identical(ref, tmp_path, tok
     script = f"""
 import itertools, sys, threading, time
 from pathlib import Path
-from eagle3.config import load_params
+from eagle3.params_file import load_params
 from eagle3.contracts.hidden_states import save_sample
 from eagle3.extract import run
 calls = itertools.count(1)  # next() is atomic: the two writer threads share it

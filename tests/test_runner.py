@@ -14,9 +14,9 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from eagle3.cli import main
-from eagle3.config import load_params
 from eagle3.errors import ParamsError
 from eagle3.io import read_json
+from eagle3.params_file import load_params
 from eagle3.rundir import NOTEBOOKS
 from eagle3.runner import StageFailed, parse_stages, run_pipeline
 
@@ -166,7 +166,7 @@ from pathlib import Path
 import eagle3.runner
 eagle3.runner.notebooks_dir = lambda: Path(sys.argv[1])  # the test's notebooks instead of notebooks/
 from eagle3.cli import main
-from eagle3.config import load_params
+from eagle3.params_file import load_params
 sys.exit(main(sys.argv[2:]))
 """
 

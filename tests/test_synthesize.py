@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from _synthesize_fixtures import FakeChatServer
 
-from eagle3.config import Params, dump_params
+from eagle3.config import Params
 from eagle3.contracts.samples import SamplesError, SampleStore, read_samples
 from eagle3.io import read_json
+from eagle3.params_file import dump_params
 from eagle3.prompts import load_prompts
 from eagle3.rundir import SYNTHESIZE, RunDir, prepare_run_dir
 from eagle3.synthesize import (
@@ -373,7 +374,7 @@ def test_corrupt_middle_line_is_reported(tmp_path):
 
 _CHILD = """
 import sys
-from eagle3.config import load_params
+from eagle3.params_file import load_params
 from eagle3.rundir import prepare_run_dir
 from eagle3.synthesize import run
 p = load_params(sys.argv[1])

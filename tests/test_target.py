@@ -106,8 +106,8 @@ def test_the_default_run_loads_the_target_in_the_dtype_this_cpu_runs_fast(embedd
     where the CPU has native bf16, float32 elsewhere, and the vLLM jobs get the same name."""
     import torch
 
-    from eagle3.config import load_params
     from eagle3.evaluate.vllm_jobs import build_job
+    from eagle3.params_file import load_params
     from eagle3.target import cpu_has_native_bf16, load_target
 
     params = load_params("params/smollm2-135m.yaml", ["tracking.mode=disabled"])

@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from eagle3.config import load_params
+from eagle3.params_file import load_params
 from eagle3.tracking import Tracker, resolve_mode, scrub_secrets
 
 

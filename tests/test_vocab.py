@@ -579,7 +579,7 @@ def test_explorer_numbers_and_slider(tok):
 
 
 def test_explorer_counts_padding_ids_up_to_the_full_vocab():
-    """Issue 16: the explorer's held-out OOV at a size is the mapping's (padding ids included): 0 at the
+    """The explorer's held-out OOV at a size is the mapping's (padding ids included): 0 at the
     full vocab 49,152, and equal to the stage's formula at every size."""
     from eagle3.vocab.report import CoverageExplorer
 
@@ -649,7 +649,7 @@ def test_tokenized_contract_round_trip_and_row_checks(tmp_path):
 
 
 def test_loss_mask_of_a_mis_converted_tokenizer_is_unchanged(tok, embedded_target):
-    """Issue 13: the GGUF converted by transformers 5.17 names <|im_start|> as eos and has no pad token;
+    """The GGUF converted by transformers 5.17 names <|im_start|> as eos and has no pad token;
     the supervised span still ends at the template's end of turn, exactly as with the right tokenizer."""
     import copy
 
@@ -684,7 +684,7 @@ DEEPSEEK_V31_STYLE = """{%- set ns = namespace(is_last_user=false) -%}
 
 
 def test_deepseek_v31_style_prompt_that_opens_the_think_block(embedded_target):
-    """Issue 15 §5: only what the target generated is supervised. Non-thinking: the prompt ends in
+    """Only what the target generated is supervised. Non-thinking: the prompt ends in
     "</think>", the answer alone is supervised. Thinking: the prompt ends in "<think>", the target
     wrote reasoning + "</think>" + answer (the template's turn render has "</think>" + answer):
     the row is the served prompt followed by exactly that, all of it supervised."""

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3.config import load_params
 from eagle3.contracts import tokenized
 from eagle3.contracts.samples import SamplesError, write_samples
 from eagle3.contracts.vocab_mapping import VocabMapping, VocabMappingError, read_mapping
 from eagle3.io import read_json
+from eagle3.params_file import load_params
 from eagle3.rundir import VOCAB, RunDir
 from eagle3.vocab import Coverage, CoverageExplorer, VocabError, VocabStats
 from eagle3.vocab import run as run_stage
@@ -108,12 +108,12 @@ def test_run_end_to_end_and_resume(tmp_path):
     assert 0 < st["heldout_oov_rate"] < 1 and st["cache_hit"] is False
     for png in ("coverage_curve", "rank_frequency", "sequence_lengths"):
         assert (d / f"{png}.png").stat().st_size > 1000
-    # the explorer computes the same held-out OOV as the stage, and none at the full vocab (issue 16)
+    # the explorer computes the same held-out OOV as the stage, and none at the full vocab
     ex = CoverageExplorer.from_run(rd)
     assert ex.chosen_size == 16 and ex.summary(16)["heldout_oov_rate"] == st["heldout_oov_rate"]
     assert ex.summary(49152)["heldout_oov_rate"] == 0.0 and ex.summary(49152)["heldout_coverage"] == 1.0
 
-    # a finished stage with the same inputs is returned as it is: no file rewritten (issue 16)
+    # a finished stage with the same inputs is returned as it is: no file rewritten
     files = {f.name: (f.stat().st_mtime_ns, f.read_bytes()) for f in sorted(d.iterdir()) if f.is_file()}
     assert run(_params(tmp_path, "vocab.draft_vocab_size=16"), rd) == st
     assert {f.name: (f.stat().st_mtime_ns, f.read_bytes()) for f in sorted(d.iterdir()) if f.is_file()} == files

@@ -55,10 +55,10 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file
 
-    from eagle3.config import load_params, parse_overrides
     from eagle3.contracts.hidden_states import to_training_item
     from eagle3.distributed import DistContext
     from eagle3.extract.online import OnlineExtractor, online_samples
+    from eagle3.params_file import load_params, parse_overrides
     from eagle3.train.data import epoch_plan
     from eagle3.train.loop import Trainer
     from eagle3.train.model import resolve_inputs

@@ -18,8 +18,8 @@ from pathlib import Path
 
 
 def main() -> None:
-    from eagle3.config import apply_overrides, load_params, parse_overrides
     from eagle3.evaluate import run
+    from eagle3.params_file import apply_overrides, load_params, parse_overrides
     from eagle3.rundir import RunDir
 
     root = Path(sys.argv[1])

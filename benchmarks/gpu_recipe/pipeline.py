@@ -38,7 +38,7 @@ ROOT = Path(os.environ.get("RECIPE_ROOT", "outputs/gpu_recipe"))
 
 
 def params_for(name: str):
-    from eagle3.config import apply_overrides, load_params
+    from eagle3.params_file import apply_overrides, load_params
 
     # RECIPE_SET: JSON overrides for every run dir (e.g. '{"synthesize": {"batch_size": 2048}}')
     extra = json.loads(os.environ.get("RECIPE_SET", "{}"))

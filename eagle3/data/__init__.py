@@ -1,6 +1,6 @@
 """Prompt sets that ship inside the package (package data, found with :mod:`importlib.resources`).
 
-``general_chat.jsonl`` is the project's own general-chat evaluation set (issue 12): 96 prompts
+``general_chat.jsonl`` is the project's own general-chat evaluation set: 96 prompts
 written for this project (not copied from MT-Bench, Vicuna-bench, AlpacaEval or any public
 benchmark), 12 in each of :data:`GENERAL_CHAT_CATEGORIES`. One JSON object a line:
 

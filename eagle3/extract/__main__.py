@@ -22,9 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verify-only", action="store_true", help="re-check an existing folder and exit")
     args = ap.parse_args(argv)
 
-    from eagle3.config import load_params
     from eagle3.errors import ExtractError, ParamsError
     from eagle3.extract import run, verify
+    from eagle3.params_file import load_params
     from eagle3.rundir import prepare_run_dir, resolve_run_dir
 
     try:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from eagle3.config import Params, dump_params
+from eagle3.config import Params
 from eagle3.contracts.hidden_states import SampleWriter, capture_dtype
 from eagle3.distributed import DistContext, in_torchrun, launch_torchrun
 from eagle3.errors import ExtractError
@@ -28,6 +28,7 @@ from eagle3.extract.prepare import Prepared, extract_dir, prepare
 from eagle3.extract.progress import make_progress
 from eagle3.hooks import PrefillCapture
 from eagle3.io import atomic_write_json, atomic_write_text, read_json
+from eagle3.params_file import dump_params
 from eagle3.rundir import EXTRACT
 from eagle3.stage import StageRun, check_fresh
 

@@ -128,7 +128,7 @@ def print_commands(params_file: str, run_dir: str | None = None, port: int = 800
     """Print the two launch commands (server, client) for a params file, for running them by hand."""
     import shlex
 
-    from eagle3.config import load_params
+    from eagle3.params_file import load_params
     from eagle3.rundir import resolve_run_dir
 
     params = load_params(params_file)

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3.config import Params, diff_params, dump_params, load_params
+from eagle3.config import Params
 from eagle3.errors import TrainError
 from eagle3.io import atomic_write_json, atomic_write_text, format_bytes, free_bytes, is_disk_full, read_json
+from eagle3.params_file import diff_params, dump_params, load_params
 from eagle3.train.model import trainable_state
 
 __all__ = ["list_checkpoints", "checkpoint_path", "save_checkpoint", "load_checkpoint", "resume_state", "prune",

@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import eagle3.train.checkpoint as ckpt
-from eagle3.config import Params, params_fingerprint
+from eagle3.config import Params
 from eagle3.contracts.hidden_states import HiddenStatesDataset, to_training_item
 from eagle3.distributed import DistContext
 from eagle3.errors import TrainError
+from eagle3.params_file import params_fingerprint
 from eagle3.rundir import TRAIN, RunDir
 from eagle3.train.metrics import StepMetrics, chain_lengths, draft_positions, metric_keys, simulate_rounds, summarize
 

@@ -152,7 +152,7 @@ def export_summary(run_dir: str | Path) -> dict:
 
 
 def _target_dir(run_dir: str | Path) -> str:
-    from eagle3.config import load_params
+    from eagle3.params_file import load_params
     from eagle3.target import resolve_target
 
     return str(resolve_target(load_params(RunDir(run_dir).params_file).target).path)

@@ -18,11 +18,12 @@ from pathlib import Path
 from typing import ClassVar
 
 import eagle3.train.checkpoint as ckpt
-from eagle3.config import Params, dump_params, load_params, params_fingerprint
+from eagle3.config import Params
 from eagle3.contracts.drafter import check_drafter, export_drafter
 from eagle3.distributed import DistContext, in_torchrun, launch_torchrun
 from eagle3.errors import TrainError
 from eagle3.io import atomic_write_json, atomic_write_text, read_json
+from eagle3.params_file import dump_params, load_params, params_fingerprint
 from eagle3.rundir import TRAIN, RunDir
 from eagle3.stage import StageRun, Stats, check_fresh
 from eagle3.train.loop import Trainer, TrainingInterrupted

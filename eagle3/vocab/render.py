@@ -338,6 +338,8 @@ def _sample_rows(
     policy: str,
     rep: TokenizeReport,
 ) -> list[tuple[str, list[int], np.ndarray]]:
+    """The rows of one sample, ``(row id, input ids, int8 loss mask)``, from its renders ``P``/``F``
+    (``{assistant message index: ids}``); what each turn needed is counted into ``rep``."""
     msgs = sample["messages"]
     assistant = [j for j, m in enumerate(msgs) if m["role"] == "assistant"]
     finish = sample.get("finish_reasons") or [None] * len(assistant)
@@ -352,23 +354,7 @@ def _sample_rows(
             rep.leading_assistant_turns += 1  # nothing before it to bound against: context only
             continue
         done = usage[k].get("completion_tokens") if isinstance(usage[k], dict) else None
-        texts = lambda j=j: (r.text(r.prompt(msgs, j), True, kwargs), r.text(r.turn(msgs, j), False, kwargs))  # noqa: E731
-        opened = _opened_by_prompt(r, P[j], texts, msgs[j].get("reasoning")) if F[j][: len(P[j])] != P[j] else None
-        if opened is not None:
-            R[j], s, e, flags = r.turn_span(P[j], opened, texts, lambda: [], finish[k])
-            flags.add("reasoning_opened_by_prompt")
-        else:
-            R[j], s, e, flags = r.turn_span(P[j], F[j], texts,
-                                            lambda j=j: r.render_ids([r.prompt(msgs, j)], False, kwargs)[0], finish[k])
-        if block is not None and not msgs[j].get("reasoning"):
-            aligned = _without_block(r, P[j], texts, block)
-            if aligned is not None:
-                R2, s2, e2, flags2 = r.turn_span(P[j], aligned, texts, lambda: [], finish[k])
-                # the target wrote the block itself only when its recorded count says so
-                if isinstance(done, int) and done == e - s and done != e2 - s2:
-                    flags.add("empty_reasoning_block_kept")
-                else:
-                    R[j], s, e, flags = R2, s2, e2, flags2 | {"empty_reasoning_block_removed"}
+        R[j], s, e, flags = _turn_span(r, msgs, j, P[j], F[j], kwargs, block, finish[k], done)
         for fl in flags:
             setattr(rep, f"{fl}_turns", getattr(rep, f"{fl}_turns") + 1)
         spans[j] = (s, e)
@@ -378,6 +364,57 @@ def _sample_rows(
         reasoning = msgs[j].get("reasoning")
         if reasoning and not _reasoning_rendered(r.tok, R[j][s:e], reasoning):
             rep.reasoning_not_rendered_turns += 1
+    return _rows_of(sample["id"], assistant, R, spans, policy, rep)
+
+
+def _turn_span(
+    r: LossMaskRenderer,
+    msgs: list[dict],
+    j: int,
+    P: list[int],
+    F: list[int],
+    kwargs: dict,
+    block: str | None,
+    finish: str | None,
+    done: int | None,
+) -> tuple[list[int], int, int, set[str]]:
+    """``(row ids, start, end, flags)`` of assistant turn ``j``: the supervised span ``[start, end)`` of
+    the render ``F`` after the generation prompt ``P``, or of the row aligned to what the server saw
+    where the prompt opened the reasoning block or the template wrote an empty reasoning block that
+    the target did not generate (module docstring). ``done``: the turn's recorded completion tokens."""
+
+    def texts() -> tuple[str, str]:
+        return r.text(r.prompt(msgs, j), True, kwargs), r.text(r.turn(msgs, j), False, kwargs)
+
+    opened = _opened_by_prompt(r, P, texts, msgs[j].get("reasoning")) if F[: len(P)] != P else None
+    if opened is not None:
+        R, s, e, flags = r.turn_span(P, opened, texts, lambda: [], finish)
+        flags.add("reasoning_opened_by_prompt")
+    else:
+        R, s, e, flags = r.turn_span(P, F, texts, lambda: r.render_ids([r.prompt(msgs, j)], False, kwargs)[0], finish)
+    if block is not None and not msgs[j].get("reasoning"):
+        aligned = _without_block(r, P, texts, block)
+        if aligned is not None:
+            R2, s2, e2, flags2 = r.turn_span(P, aligned, texts, lambda: [], finish)
+            # the target wrote the block itself only when its recorded count says so
+            if isinstance(done, int) and done == e - s and done != e2 - s2:
+                flags.add("empty_reasoning_block_kept")
+            else:
+                R, s, e, flags = R2, s2, e2, flags2 | {"empty_reasoning_block_removed"}
+    return R, s, e, flags
+
+
+def _rows_of(
+    sample_id: str,
+    assistant: list[int],
+    R: dict[int, list[int]],
+    spans: dict[int, tuple[int, int]],
+    policy: str,
+    rep: TokenizeReport,
+) -> list[tuple[str, list[int], np.ndarray]]:
+    """A sample's rows from its turns' renders ``R`` and supervised spans: one row with every turn
+    supervised when the history is stable, else per ``policy`` (``last``: the whole conversation with
+    the last turn supervised; ``explode``: one row per turn as rendered for it, ids ``<id>#<k>``)."""
     if not spans:
         return []
     turns = sorted(spans)
@@ -392,13 +429,13 @@ def _sample_rows(
         return m
 
     if stable:
-        return [(sample["id"], full, masked(full, turns))]
+        return [(sample_id, full, masked(full, turns))]
     rep.history_rerendered_samples += 1
     if policy == "last":
-        return [(sample["id"], full, masked(full, [last]))]
+        return [(sample_id, full, masked(full, [last]))]
     rep.exploded_rows += len(turns)
     k_of = {j: k for k, j in enumerate(assistant)}
-    return [(f"{sample['id']}#{k_of[j]}", R[j], masked(R[j], [j])) for j in turns]
+    return [(f"{sample_id}#{k_of[j]}", R[j], masked(R[j], [j])) for j in turns]
 
 
 def tokenize_samples(

@@ -269,7 +269,7 @@ class CoverageExplorer:
         class Explorer(w.VBox):
             # the widget, plus a text/html rendering of its starting state: JupyterLab shows the widget
             # (its renderer outranks text/html); the HTML report and viewers without a widget manager
-            # show the static block instead of the widget's repr (issue 16)
+            # show the static block instead of the widget's repr
             def _repr_mimebundle_(self, **kwargs):
                 bundle = super()._repr_mimebundle_(**kwargs)
                 if isinstance(bundle, tuple):

@@ -282,7 +282,7 @@ def _finished(params: Params, run_dir: Path, hashes: dict[str, str], tok_hash: s
     Unchanged: both splits tokenized from the same corpus and tokenizer hashes (``tokenize_meta.json``),
     the mapping written, and the size rule giving the same draft vocab size on the stored counts.
     Nothing is rewritten then: opening notebook 02 on a finished run leaves ``stats.json`` and
-    ``progress.json`` byte-identical (issue 16).
+    ``progress.json`` byte-identical.
     """
     from eagle3.contracts.vocab_mapping import mapping_paths
     from eagle3.vocab.mapping import read_counts

