@@ -94,7 +94,7 @@ def _load(path: Path, name: str):
 def test_gpu_recipe_scripts_read_params_that_load():
     """benchmarks/gpu_recipe/pipeline.py runs the GPU recipe by default, and default_sweep/sweep.sh runs
     it on its own params file: both files exist and load, and every script sweep.sh calls exists."""
-    from eagle3.config import load_params
+    from eagle3.params_file import load_params
 
     pipeline = _load(BENCH / "gpu_recipe" / "pipeline.py", "gpu_recipe_pipeline_under_test")
     assert pipeline.RUN_YAML == ROOT / "params" / "smollm2-135m-h200.yaml"
