@@ -31,8 +31,8 @@ __all__ = ["BATCHINGS", "resolve_batching", "plan_batches", "consecutive_batches
 BATCHINGS = ("packed", "padded")
 """The two batch layouts. ``packed``: a batch's samples back to back in one row, per-sample position ids,
 document-causal attention (:meth:`eagle3.hooks.PrefillCapture.capture_packed`): no compute on padding
-and no mask. ``padded``: right-padded rows with an attention mask (the layout before issue 14; kept
-as the reference the packed states are tested against, and for targets that cannot run packed)."""
+and no mask. ``padded``: right-padded rows with an attention mask (the reference the packed states
+are tested against, and the layout for targets that cannot run packed, e.g. sliding-window attention)."""
 
 
 def resolve_batching(requested: str, config) -> str:
@@ -272,7 +272,7 @@ def extract_batches(capture: PrefillCapture, rows: TokenizedSplit, batches: Sequ
         rows: the tokenized samples.
         batches: lists of row indices (from :func:`plan_batches`).
         writer: where samples go (None: compute only, e.g. a benchmark).
-        shard_size: rows per ``rows_*`` folder.
+        shard_size: rows per shard folder (:func:`eagle3.contracts.hidden_states.sample_relpath`).
         skip: rows whose files are already done.
         on_batch: ``on_batch(new_samples, new_tokens, computed_tokens)`` after each batch.
         packed: the batch layout (:data:`BATCHINGS`); must match how ``batches`` were planned.

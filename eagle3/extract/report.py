@@ -127,7 +127,7 @@ def fig_bytes_per_token(run_dir: str | Path):
     """Bytes per token of every stored file vs its length, with the hidden-state-only projection."""
     sd = _sd(run_dir)
     meta = hsc.read_meta(sd) or {}
-    ents = hsc.read_entries(sd / "manifest.jsonl")
+    ents = hsc.read_manifest(sd, missing_ok=True)
     fig = Figure(figsize=(6, 3.2))
     ax = fig.subplots()
     if ents:
@@ -160,7 +160,7 @@ def layer_norms(run_dir: str | Path, max_samples: int = 16) -> dict:
 
     sd = _sd(run_dir)
     meta = hsc.read_meta(sd)
-    ents = sorted(hsc.read_entries(sd / "manifest.jsonl"), key=lambda e: e["row"])
+    ents = hsc.read_manifest(sd, missing_ok=True)
     if not meta or not ents:
         return {"stored_layers": [], "mean_norm": [], "per_position": [], "samples": []}
     idx = sorted(set(np.linspace(0, len(ents) - 1, min(max_samples, len(ents))).round().astype(int).tolist()))
@@ -168,7 +168,7 @@ def layer_norms(run_dir: str | Path, max_samples: int = 16) -> dict:
     count = 0
     longest = None
     for i in idx:
-        hs = load_file(str(sd / ents[i]["file"]))["hidden_states"].float()  # [seq, slots, hidden]
+        hs = hsc.read_states(load_file(str(sd / ents[i]["file"])))["hidden_states"].float()  # [seq, slots, hidden]
         nrm = hs.norm(dim=-1)  # [seq, slots]
         sums += nrm.sum(0).numpy()
         count += nrm.shape[0]

@@ -14,8 +14,8 @@ The path the motivating run took at scale (tensor parallel targets). Three piece
    completion per sample, files renamed to ``hs_<i>.safetensors``, ``i`` = index in the input);
 3. adoption (here): each ``hs_<i>.safetensors`` is checked (token ids equal the row's, shape
    ``[seq, n_aux + 1, hidden]``, finite), cast to ``extract.dtype``, given its loss mask and written
-   as ``rows_*/<row:06d>.safetensors`` with a manifest line, exactly as the transformers backend
-   writes it; the raw file is then deleted (``extract.vllm_keep_raw`` keeps it).
+   in Stage 3's layout (:mod:`eagle3.contracts.hidden_states`) with a manifest line, exactly as the
+   transformers backend writes it; the raw file is then deleted (``extract.vllm_keep_raw`` keeps it).
 
 The connector needs a GPU (CUDA streams, pinned memory), so :func:`run_vllm` refuses on a CPU-only
 machine unless ``extract.vllm_endpoint`` points at a server elsewhere that shares this filesystem.
