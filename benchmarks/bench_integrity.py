@@ -1,4 +1,4 @@
-"""Cost of the hidden-state integrity checks (issue 15): a stage-4 read with and without the sha256
+"""Cost of the hidden-state integrity checks: a stage-4 read with and without the sha256
 check, per sample and per MiB, for the embedded default's sample shape and a Llama-3.1-8B one.
 
   python benchmarks/bench_integrity.py [--repeats 5]
