@@ -84,8 +84,8 @@ def journal_paths(stage_dir: str | Path) -> list[Path]:
 
 def is_stale_temp(p: Path) -> bool:
     """True for a temp file a killed Stage 3 writer left behind: ours (``.<name>.<random>.tmp``) or
-    safetensors' own (``.tmpXXXXXX``, written beside its target by ``save_file``; found in ``rows_*``
-    folders of runs made before the writer used :data:`TMP_DIR`)."""
+    safetensors' own (``.tmpXXXXXX``, written beside its target by ``save_file``: in a ``rows_*``
+    folder when a writer saved there directly instead of in :data:`TMP_DIR`)."""
     n = p.name
     return n.startswith(".") and (n.endswith(".tmp") or n.startswith(".tmp")) and p.is_file()
 
