@@ -6,7 +6,7 @@ Four passes over the same samples, side by side:
   equal-length rows (``--ceiling-len``, default the mean sample length rounded to 64), no attention
   mask, so SDPA takes its fastest (flash) kernel and nothing is padded;
 * ``plain forward, padded`` — the decoder over the right-padded token-budget batches with their
-  attention mask (stage 3's former layout): what padding and the mask cost;
+  attention mask (``extract.batching: padded``): what padding and the mask cost;
 * ``capture only`` — :class:`eagle3.hooks.PrefillCapture` in the stage's layout
   (``--batching``, default ``packed``: each batch one row of samples back to back, per-sample
   positions, document-causal attention; ``padded``: the masked batches above) plus the NaN/Inf check
@@ -21,7 +21,7 @@ Four passes over the same samples, side by side:
 
 Each pass is timed end to end (device synchronised, writer drained), repeated ``--repeats`` times
 in alternation; the best time of each is reported, with its ratio to the ceiling and to the padded
-forward. Goal: extract + write >= 0.95x the unpadded forward. Before the passes, the
+forward. Goal on the GPU: extract + write >= 0.95x the unpadded forward. Before the passes, the
 packed capture of a few samples is compared with each sample captured alone (max abs difference),
 so a GPU run also checks the packed attention kernel it used.
 
@@ -271,7 +271,7 @@ def _commit() -> str | None:
 def mask_function_ab(cap: HiddenStateCapture, rows: TokenizedSplit, batches, out: Path, threads: int,
                      pending_mb: int, packed: bool, storage: torch.dtype, repeats: int) -> dict[str, float]:
     """Extract + write with and without a mask function registered for the packed attention, alternated:
-    with one (the former code), transformers' mask creation ran its packed-sequence
+    with one registered, transformers' mask creation ran its packed-sequence
     detection, a host read of the position ids (one stream sync per batch on CUDA). Returns the best
     seconds of each."""
     from transformers.masking_utils import AttentionMaskInterface
@@ -299,7 +299,7 @@ def main(argv=None) -> int:
                     help="auto: embedded on cpu, llama8b-shaped on cuda; smollm2-shaped: the embedded architecture "
                          "with random weights (no GGUF needed)")
     # cuda 480 (27 batches of <= 32K tokens): the pass ends with the last batch's write (~1 GB, ~0.46 s on
-    # the H200 host), a fixed cost that is 5% of a 160-sample pass but ~2% here (RESULTS.md, stage 3)
+    # the H200 host), a fixed cost that is 5% of a 160-sample pass but ~2% here (benchmarks/RESULTS.md, stage 3)
     ap.add_argument("--samples", type=int, default=None, help="synthetic samples (default: cpu 24, cuda 480)")
     ap.add_argument("--min-len", type=int, default=None, help="default: cpu 64, cuda 512")
     ap.add_argument("--max-len", type=int, default=None, help="default: cpu 384, cuda 3072")
@@ -319,7 +319,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write the results as JSON here")
     ap.add_argument("--ab-mask-function", action="store_true",
                     help="only the unpadded forward and extract + write with and without a mask function registered "
-                         "for the packed attention (the former code / now), alternated --repeats times")
+                         "for the packed attention (with one, transformers syncs the stream per batch), alternated --repeats times")
     ap.add_argument("--profile", action="store_true",
                     help="after the passes, one extract + write under torch.profiler (host calls, device idle gaps)")
     a = ap.parse_args(argv)

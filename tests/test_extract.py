@@ -215,7 +215,7 @@ def test_resolve_batching_follows_the_attention_of_the_config():
 
 
 def test_packed_capture_equals_the_padded_batch_and_each_sample_alone(target_model, tok):
-    """Issue 14: the packed row (no padding, per-sample positions, document-causal attention)
+    """The packed row (no padding, per-sample positions, document-causal attention)
     stores per sample what the right-padded masked batch stores, within bf16 rounding."""
     from _extract_fixtures import conversations, tokenize
 
@@ -272,7 +272,7 @@ class _NoHostRead(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_packed_forward_reads_no_tensor_value_on_the_host(target_model, tok):
-    """Issue 14 §1 (H200 profile, 2026-12-04 session 13): one ``cudaStreamSynchronize`` per batch came from
+    """One ``cudaStreamSynchronize`` per batch (seen in an H200 profile) came from
     transformers' packed-sequence detection (``find_packed_sequence_indices``: ``if (...).all()`` on the
     position ids), which ran because a mask function was registered for the packed attention; the GPU
     then idled ~20 ms per batch while the host prepared the next one. The packed forward (stage 3's
@@ -403,7 +403,7 @@ def test_fp8_storage_is_half_of_bf16_and_reads_back_close(ref, tmp_path, tok):
 
 
 def test_progress_heartbeat_counts_bytes_without_walking_the_folder(tmp_path, monkeypatch):
-    """Issue 14 §3: progress.json's bytes_on_disk comes from the resume scan's manifest sizes and the
+    """progress.json's bytes_on_disk comes from the resume scan's manifest sizes and the
     writer's own count; no write (update, heartbeat, close) lists the stage folder, however many files."""
     from eagle3.extract.progress import ExtractProgress
 
@@ -641,7 +641,7 @@ def _files(sd: Path) -> dict[int, Path]:
 
 
 def test_broken_files_of_a_complete_stage_are_found_and_redone(ref, tmp_path):
-    """Issue 15: a bit flip that keeps the size, a truncated file and a lost manifest line in a
+    """A bit flip that keeps the size, a truncated file and a lost manifest line in a
     finished stage 3: `verify` names each, `--redo 3` (reopen_stage) re-checks every file against the
     manifest, redoes the two broken ones and rewrites the same manifest."""
     from eagle3.runner import reopen_stage, verify_run
@@ -670,7 +670,7 @@ def test_broken_files_of_a_complete_stage_are_found_and_redone(ref, tmp_path):
 
 
 def test_a_stale_train_split_is_refused_then_redone(ref, tmp_path, tok):
-    """Issue 15: a sample removed and stage 2 re-run -> a finished stage 3 refuses (not "already
+    """A sample removed and stage 2 re-run -> a finished stage 3 refuses (not "already
     complete"), naming the changed file; `--redo 3` starts it over on the new split."""
     from eagle3.runner import reopen_stage
 
@@ -689,11 +689,11 @@ def test_a_stale_train_split_is_refused_then_redone(ref, tmp_path, tok):
 
 @pytest.mark.slow
 def test_sigkill_during_a_file_write_then_resume_is_identical(ref, tmp_path, tok):
-    """Issue 15: the kill lands inside sample writes on both writer threads (each has a partial
+    """The kill lands inside sample writes on both writer threads (each has a partial
     file; one also has, like safetensors' save_file, a `.tmpXXXXXX` of its own): everything they
     left is in the stage's temp folder, the next run removes it and ends byte-identical to the
-    uninterrupted run. Both threads hang on purpose: CI once caught the second thread mid-write of a
-    real file while the test expected only the first's."""
+    uninterrupted run. Both threads hang on purpose: with only one hung, the kill can catch the other
+    mid-write of a real file, a state the test does not expect."""
     _, rd, _ = ref
     p2, rd2 = new_run(tmp_path, "killed", tok, writer_threads=2)  # the two threads the test hangs
     sd = rd2 / EXTRACT_DIR

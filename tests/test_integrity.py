@@ -1,4 +1,4 @@
-"""Stale stages through the runner (issue 15 §2): each stage records the digests of the inputs it
+"""Stale stages through the runner: each stage records the digests of the inputs it
 consumed (``inputs.json``); a re-run refuses to skip a finished stage whose inputs changed, and
 ``--redo N`` redoes it (and later stages whose inputs change with it). ``eagle3 verify`` names
 stale stages.
@@ -84,7 +84,7 @@ def test_stale_stage_is_refused_then_redone_with_redo(flow, capsys):
     run_pipeline(pf, [1, 2, 3, 4], notebooks=nbs)  # nothing changed: every stage skipped
     assert _runs(rd) == {1: 1, 2: 1, 3: 1, 4: 1}
 
-    # issue 15: a sample removed, stage 2 re-run -> stage 3 must not be "already complete, skipped"
+    # a sample removed, stage 2 re-run -> stage 3 must not be "already complete, skipped"
     samples = rd / STAGES[1] / "samples.jsonl"
     samples.write_bytes(samples.read_bytes().replace(b'{"prompt": "b"}\n', b""))
     (rd / STAGES[2] / "stats.json").unlink()
@@ -112,7 +112,7 @@ def test_stale_stage_is_refused_then_redone_with_redo(flow, capsys):
 
 
 def test_a_changed_local_prompt_file_makes_stage_1_and_later_stages_stale(flow, capsys):
-    """Issue 15: stage 1's inputs are its local prompt files; an edited file is noticed (refused with
+    """Stage 1's inputs are its local prompt files; an edited file is noticed (refused with
     the file and the command), ``--redo 1`` starts stage 1 over (its self-written prompts kept) and
     every later stage whose input changes with it."""
     pf, nbs, rd = flow
@@ -178,9 +178,9 @@ def test_redo_of_an_unchanged_stage_keeps_its_files(flow, capsys):
 
 
 def test_a_redo_on_an_unusable_prompt_file_stops_before_it_touches_the_run(flow, capsys):
-    """A new user's --redo with a broken prompt source removed the stage's results and recorded the
-    broken params before the stage found the problem. The stages' local prompt files are now read
-    first: the run stops with the loader's message and not one byte of the run changes."""
+    """A --redo with a broken prompt source must not remove the stage's results or record the broken
+    params before the stage finds the problem: the stages' local prompt files are read first, the run
+    stops with the loader's message and not one byte of the run changes."""
     pf, nbs, rd = flow
     run_pipeline(pf, [1, 2, 3, 4], notebooks=nbs)
     before = {p: p.read_bytes() for p in rd.rglob("*") if p.is_file()}
@@ -195,8 +195,8 @@ def test_a_redo_on_an_unusable_prompt_file_stops_before_it_touches_the_run(flow,
 def test_stage_5_starting_over_keeps_its_keyed_measurements(tmp_path):
     """Stage 5 on changed inputs starts over, but keeps the offline records and the vLLM measurements:
     each is reused only where its resume key (drafter weights, prompts, settings) matches, so an
-    interrupted start-over re-run on the earlier params measures nothing again (a new user's finding:
-    746 s of vLLM measurements redone on identical jobs). A re-opened stage loses its progress.json
+    interrupted start-over re-run on the earlier params measures nothing again (without the keys, minutes
+    of vLLM measurements are redone on identical jobs). A re-opened stage loses its progress.json
     with its stats.json, so one that then fails before it starts is not shown as 'done'."""
     from eagle3.config import Params
     from eagle3.io import atomic_write_json

@@ -31,8 +31,8 @@ __all__ = ["BATCHINGS", "resolve_batching", "plan_batches", "consecutive_batches
 BATCHINGS = ("packed", "padded")
 """The two batch layouts. ``packed``: a batch's samples back to back in one row, per-sample position ids,
 document-causal attention (:meth:`eagle3.hooks.PrefillCapture.capture_packed`): no compute on padding
-and no mask. ``padded``: right-padded rows with an attention mask (the layout before issue 14; kept
-as the reference the packed states are tested against, and for targets that cannot run packed)."""
+and no mask. ``padded``: right-padded rows with an attention mask (the reference the packed states
+are tested against, and the layout for targets that cannot run packed, e.g. sliding-window attention)."""
 
 
 def resolve_batching(requested: str, config) -> str:
@@ -258,6 +258,34 @@ def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     return _COPY_STREAMS[index]
 
 
+def _queue_new_samples(writer: SampleWriter | None, rows: TokenizedSplit, batch: Sequence[int], cb: CapturedBatch,
+                       host: tuple, skip: set[int] | frozenset, shard_size: int,
+                       stored_layers: Sequence[int]) -> tuple[int, int]:
+    """Queue the samples of ``batch`` not in ``skip`` on ``writer`` (their host copies ``host`` from
+    :func:`to_host` may still be filling; the writer waits for ``ready``). Without a writer a CPU
+    batch's finite flags are checked here. Returns ``(new samples, their tokens)``."""
+    hs_host, fin, sc_host, ready = host
+    n_new = t_new = 0
+    for j, r in enumerate(batch):
+        if r in skip:
+            continue
+        n_new += 1
+        t_new += cb.lengths[j]
+        if writer is None:
+            if ready is None and not bool(fin[j]):
+                raise NonFiniteError(f"non-finite hidden states in sample id {rows.ids[r]} (row {r}): "
+                                     f"{first_non_finite(cb.sample(j, hs_host), stored_layers)}")
+            continue
+        tensors = {"token_ids": torch.from_numpy(rows.tokens(r).copy()),
+                   "loss_mask": torch.from_numpy(rows.mask(r).copy()),
+                   "hidden_states": cb.sample(j, hs_host)}
+        if sc_host is not None:
+            tensors[SCALES] = cb.sample(j, sc_host)
+        writer.submit({"row": r, "id": rows.ids[r], "file": sample_relpath(r, shard_size)}, tensors,
+                      finite=fin[j], ready=ready)
+    return n_new, t_new
+
+
 def extract_batches(capture: PrefillCapture, rows: TokenizedSplit, batches: Sequence[Sequence[int]],
                     writer: SampleWriter | None, *, shard_size: int, skip: set[int] | frozenset = frozenset(),
                     pad_id: int = 0, on_batch: Callable[[int, int, int], None] | None = None,
@@ -272,7 +300,7 @@ def extract_batches(capture: PrefillCapture, rows: TokenizedSplit, batches: Sequ
         rows: the tokenized samples.
         batches: lists of row indices (from :func:`plan_batches`).
         writer: where samples go (None: compute only, e.g. a benchmark).
-        shard_size: rows per ``rows_*`` folder.
+        shard_size: rows per shard folder (:func:`eagle3.contracts.hidden_states.sample_relpath`).
         skip: rows whose files are already done.
         on_batch: ``on_batch(new_samples, new_tokens, computed_tokens)`` after each batch.
         packed: the batch layout (:data:`BATCHINGS`); must match how ``batches`` were planned.
@@ -292,28 +320,12 @@ def extract_batches(capture: PrefillCapture, rows: TokenizedSplit, batches: Sequ
     storage = storage or capture.storage_dtype
     for batch in batches:
         cb = forward_batch(capture, rows, batch, packed=packed, pad_id=pad_id).quantize(storage)
-        lens = cb.lengths
-        hs_host, fin, sc_host, ready = to_host(cb.hs, cb.finite, cb.scales)  # fp8: half the bytes cross PCIe
-        n_new = t_new = 0
-        for j, r in enumerate(batch):
-            if r in skip:
-                continue
-            n_new += 1
-            t_new += lens[j]
-            if writer is None:
-                if ready is None and not bool(fin[j]):
-                    raise NonFiniteError(f"non-finite hidden states in sample id {rows.ids[r]} (row {r}): "
-                                         f"{first_non_finite(cb.sample(j, hs_host), capture.stored_layers)}")
-                continue
-            tensors = {"token_ids": torch.from_numpy(rows.tokens(r).copy()),
-                       "loss_mask": torch.from_numpy(rows.mask(r).copy()),
-                       "hidden_states": cb.sample(j, hs_host)}
-            if sc_host is not None:
-                tensors[SCALES] = cb.sample(j, sc_host)
-            writer.submit({"row": r, "id": rows.ids[r], "file": sample_relpath(r, shard_size)}, tensors,
-                          finite=fin[j], ready=ready)
+        host = to_host(cb.hs, cb.finite, cb.scales)  # fp8: half the bytes cross PCIe
+        n_new, t_new = _queue_new_samples(writer, rows, batch, cb, host, skip, shard_size, capture.stored_layers)
+        ready = host[-1]
         if ready is not None and writer is None:
             ready.synchronize()
+        lens = cb.lengths
         cost = sum(lens) if packed else len(lens) * max(lens)
         new_samples += n_new
         new_tokens += t_new

@@ -51,7 +51,7 @@ class ExtractStats(Stats):
     preflight_projected_seconds: float | None
     world_size: int
     verified: bool
-    batching: str = "padded"  # extract.batching as resolved (stats written before issue 14: padded)
+    batching: str = "padded"  # extract.batching as resolved (a stats.json without the key is from a padded-only run)
     attention_kernel: str | None = None  # packed: "varlen" (flash over cu_seqlens) or "sdpa" (one call per sample)
 
 
@@ -124,8 +124,8 @@ def finalize(params: Params, run_dir: Path, sd: Path, setup: Setup, pf: dict, lo
         ExtractError: a row without a file (re-running resumes); a verify problem.
     """
     rows = setup.rows
-    entries = hs.known_entries(sd)
-    missing = [r for r in range(len(rows)) if r not in entries or not (sd / entries[r]["file"]).is_file()]
+    entries = hs.finished_records(sd, hs.known_entries(sd), len(rows))
+    missing = [r for r in range(len(rows)) if r not in entries]
     if missing:
         r = missing[0]
         raise ExtractError(f"{len(missing)} row(s) have no file after the run (first: row {r}, id {rows.ids[r]}); "

@@ -7,9 +7,7 @@ compute starts, :func:`preflight` only the projection.
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +22,7 @@ from eagle3.distributed import DistContext
 from eagle3.errors import ExtractError, VocabError
 from eagle3.extract.core import batch_cost, plan_batches, resolve_batching
 from eagle3.hooks import resolve_layer_ids, text_config
-from eagle3.io import atomic_write_json, atomic_write_text, free_bytes, read_json
+from eagle3.io import atomic_write_json, free_bytes
 from eagle3.rundir import EXTRACT, RunDir
 
 __all__ = [
@@ -41,9 +39,6 @@ __all__ = [
 # safetensors header of one sample file (JSON with 3 tensors + metadata, padded to 8 bytes), measured
 # at ~330 bytes; the projection counts it per file.
 HEADER_BYTES_ESTIMATE = 384
-# meta.json keys that must agree for a folder to be resumed.
-_META_KEYS = ("aux_layer_ids", "num_hidden_layers", "hidden_size", "dtype", "stored_layers",
-              "dataset_fingerprint", "shard_size")
 
 
 def extract_dir(run_dir: str | Path, create: bool = True) -> Path:
@@ -88,20 +83,15 @@ class Setup:
 
 def _meta(params: Params, rows: TokenizedSplit, aux: list[int], n_layers: int, hidden: int,
           sdtype: torch.dtype, cdtype: torch.dtype, resolved) -> dict:
-    name = hs.dtype_name(sdtype)
-    layout = {"token_ids": "int64 [seq]", "loss_mask": "int8 [seq]",
-              "hidden_states": f"{name} [seq, {len(aux) + 1}, {hidden}]"}
-    if sdtype == hs.FP8:
-        layout[hs.SCALES] = f"float32 [seq, {len(aux) + 1}, 1] (value = hidden_states x scale)"
     return {
         "aux_layer_ids": aux,
         "num_hidden_layers": n_layers,
         "hidden_size": hidden,
-        "dtype": name,
+        "dtype": hs.dtype_name(sdtype),
         "target": str(resolved.path),
         "verifier": resolved.name,
         "stored_layers": [*aux, n_layers],
-        "layout": layout,
+        "layout": hs.tensor_layout(sdtype, len(aux) + 1, hidden),
         "convention": "slot i = layer id stored_layers[i]; id k < N = transformers hidden_states[k]; "
                       "id N = last decoder layer output before the final norm",
         "num_samples": len(rows),
@@ -137,90 +127,6 @@ def build_setup(params: Params, run_dir: Path) -> Setup:
     meta["batching"] = batching
     return Setup(rows, meta, aux, meta["stored_layers"], n_layers, hidden, sdtype, cdtype, resolved.path,
                  plan_batches(rows.lengths, ep.token_budget, packed=batching == "packed"), batching)
-
-
-def _check_meta(sd: Path, meta: dict) -> None:
-    """Refuse to resume a folder written for another model, layer set, dtype or dataset."""
-    old = hs.read_meta(sd)
-    if not old:
-        return
-    diffs = [f"{k}: {old.get(k)!r} in {sd / 'meta.json'}, {meta[k]!r} now" for k in _META_KEYS if old.get(k) != meta[k]]
-    if diffs:
-        hint = ""
-        if any(d.startswith(("hidden_size", "num_hidden_layers")) for d in diffs):
-            hint = " The target model's hidden size / layer count disagrees with the stored files."
-        if all(d.startswith("dataset_fingerprint") for d in diffs):
-            hint = (" Stage 2's train split changed since these files were written: redo stage 3 with "
-                    "`eagle3 run PARAMS --stages 3-5 --redo 3` (it starts over on the new split).")
-        raise ExtractError(
-            f"{sd} holds hidden states of a different configuration:\n  " + "\n  ".join(diffs) +
-            f"\n{hint} Delete {sd} to extract again, or start a new run (run.name)."
-        )
-
-
-def _scan_output_dir(sd: Path, n_rows: int, shard_size: int) -> tuple[list[Path], list[Path]]:
-    """``(foreign, stale_temps)`` in the ``rows_*`` folders: files this stage did not write, and
-    temp files of a killed writer (:func:`eagle3.contracts.hidden_states.is_stale_temp`: ours, or
-    safetensors' ``.tmpXXXXXX`` left by writers older than the stage's own temp folder). The temp
-    folder itself (``.writing/``) is not scanned: everything in it is a temp file."""
-    foreign: list[Path] = []
-    temps: list[Path] = []
-    for d in sorted(sd.iterdir()) if sd.exists() else []:
-        if hs.is_stale_temp(d):
-            temps.append(d)
-            continue
-        if not d.name.startswith("rows_"):
-            continue
-        m = hs.SHARD_DIR_RE.match(d.name)
-        if not d.is_dir() or not m or int(m.group(2)) - int(m.group(1)) != shard_size:
-            foreign.append(d)
-            continue
-        for f in sorted(d.iterdir()):
-            if hs.is_stale_temp(f):
-                temps.append(f)
-                continue
-            fm = hs.ROW_FILE_RE.match(f.name)
-            row = int(fm.group(1)) if fm else -1
-            if not fm or not f.is_file() or row >= n_rows or hs.shard_name(row, shard_size) != d.name:
-                foreign.append(f)
-    return foreign, temps
-
-
-def _scan_rows(sd: Path, setup: Setup, rows_to_check: Iterable[int], known: dict[int, dict]) -> tuple[dict[int, dict], list[dict]]:
-    """Check the files of ``rows_to_check``: ``(valid entries by row, redone [{row, id, reason}])``.
-
-    A file is valid when its header parses, its shapes / dtypes / token ids / loss mask are right
-    and, when a journal or the manifest records it, its size and sha256 match the record (every such
-    file is hashed again: a bit flip that keeps the header and the size is caught here); an
-    unrecorded good file is hashed. Invalid files are deleted (they are redone).
-    """
-    shard = setup.meta["shard_size"]
-    rows = setup.rows
-    valid: dict[int, dict] = {}
-    redone: list[dict] = []
-    existing = {p.name: p for d in sd.glob("rows_*") if d.is_dir() for p in d.iterdir()}
-    for r in rows_to_check:
-        rel = hs.sample_relpath(r, shard)
-        path = sd / rel
-        if path.name not in existing or existing[path.name] != path:
-            continue
-        reason = hs.check_sample_file(path, rows.tokens(r), len(setup.stored), setup.hidden, setup.sdtype,
-                                      rows.mask(r))
-        size = path.stat().st_size
-        e = known.get(r)
-        recorded = e is not None and e.get("file") == rel
-        if reason is None and recorded and int(e["bytes"]) != size:
-            reason = f"size {size} != {e['bytes']} recorded when it was written (truncated?)"
-        digest = hs.sha256_file(path) if reason is None else None
-        if reason is None and recorded and digest != e["sha256"]:
-            reason = "sha256 differs from the one recorded when it was written (the file changed on disk)"
-        if reason is not None:
-            path.unlink(missing_ok=True)
-            redone.append({"row": r, "id": rows.ids[r], "reason": reason})
-            continue
-        valid[r] = {"row": r, "id": rows.ids[r], "num_tokens": int(rows.lengths[r]), "file": rel,
-                    "bytes": size, "sha256": digest}
-    return valid, redone
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,9 +214,7 @@ def preflight(params: Params, run_dir: str | Path, write: bool = True) -> dict:
     run_dir = Path(run_dir)
     setup = build_setup(params, run_dir)
     sd = extract_dir(run_dir)
-    _check_meta(sd, setup.meta)
-    known = hs.known_entries(sd)
-    done = {r: e for r, e in known.items() if r < len(setup.rows) and (sd / e["file"]).is_file()}
+    done = hs.scan(sd, setup.meta).finished()
     pf = _preflight_dict(params, setup, sd, len(done), sum(int(setup.rows.lengths[r]) for r in done),
                          sum(int(e["bytes"]) for e in done.values()), 1)
     if write:
@@ -339,28 +243,6 @@ class Prepared:
     done_bytes: int
 
 
-def _refuse_foreign(sd: Path, foreign: list[Path]) -> None:
-    if foreign:
-        shown = "\n  ".join(str(p) for p in foreign[:5]) + ("\n  ..." if len(foreign) > 5 else "")
-        raise ExtractError(
-            f"{len(foreign)} file(s) in {sd} were not written by Stage 3 (the rows_* folders hold only "
-            f"<row:06d>.safetensors files of this dataset):\n  {shown}\nMove them elsewhere and re-run; "
-            f"nothing was changed."
-        )
-
-
-def _clean_stale(sd: Path, temps: list[Path], world: int) -> None:
-    """Remove a killed writer's temp files (the stage's ``.writing/`` folder and stray temps in the
-    ``rows_*`` folders) and journals of ranks that no longer exist."""
-    hs.clean_temp(sd)
-    for p in temps:
-        p.unlink(missing_ok=True)
-    for p in sd.glob("manifest.part-*.jsonl"):
-        m = p.name[len("manifest.part-"):-len(".jsonl")]
-        if not m.isdigit() or int(m) >= world:
-            p.unlink(missing_ok=True)
-
-
 def prepare(params: Params, run_dir: Path, sd: Path, dist: DistContext) -> Prepared:
     """Inputs, folder checks, resume scan and preflight (refusal) — everything before the model loads.
 
@@ -369,19 +251,15 @@ def prepare(params: Params, run_dir: Path, sd: Path, dist: DistContext) -> Prepa
             preflight refusal (not enough disk, with the numbers and the options).
     """
     setup = build_setup(params, run_dir)
-    rows = setup.rows
-    _check_meta(sd, setup.meta)
-    foreign, temps = _scan_output_dir(sd, len(rows), params.extract.shard_size)
-    _refuse_foreign(sd, foreign)
-    known = hs.known_entries(sd)
+    found = hs.scan(sd, setup.meta)
+    found.refuse_foreign()
     dist.barrier()  # every rank has read the journals
     if dist.rank == 0:
-        _clean_stale(sd, temps, dist.world)
+        found.remove_stale(dist.world)
     my_batches = [b for i, b in enumerate(setup.plan) if i % dist.world == dist.rank]
     my_rows = [r for b in my_batches for r in b]
-    valid, redone = _scan_rows(sd, setup, my_rows, known)
-    journal = sd / hs.journal_name(dist.rank)
-    atomic_write_text(journal, "".join(json.dumps(e) + "\n" for e in valid.values()))
+    valid, redone = found.recheck(setup.rows, my_rows)
+    journal = hs.write_journal(sd, dist.rank, valid.values())
     for r in redone:
         print(f"eagle3 extract: redoing row {r['row']} (id {r['id']}): {r['reason']}", flush=True)
     mine = {"done_rows": len(valid), "done_tokens": sum(e["num_tokens"] for e in valid.values()),
@@ -392,7 +270,7 @@ def prepare(params: Params, run_dir: Path, sd: Path, dist: DistContext) -> Prepa
     if dist.rank == 0:
         pf = _preflight_dict(params, setup, sd, done["done_rows"], done["done_tokens"], done["done_bytes"], dist.world)
         atomic_write_json(sd / "preflight.json", pf)
-        if not read_json(sd / "meta.json", None):
+        if not found.found_meta:
             hs.write_meta(sd, setup.meta)
     pf = dist.broadcast(pf)
     if not pf["fits"]:

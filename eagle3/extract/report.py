@@ -127,7 +127,7 @@ def fig_bytes_per_token(run_dir: str | Path):
     """Bytes per token of every stored file vs its length, with the hidden-state-only projection."""
     sd = _sd(run_dir)
     meta = hsc.read_meta(sd) or {}
-    ents = hsc.read_entries(sd / "manifest.jsonl")
+    ents = hsc.read_manifest(sd, missing_ok=True)
     fig = Figure(figsize=(6, 3.2))
     ax = fig.subplots()
     if ents:
@@ -160,7 +160,7 @@ def layer_norms(run_dir: str | Path, max_samples: int = 16) -> dict:
 
     sd = _sd(run_dir)
     meta = hsc.read_meta(sd)
-    ents = sorted(hsc.read_entries(sd / "manifest.jsonl"), key=lambda e: e["row"])
+    ents = hsc.read_manifest(sd, missing_ok=True)
     if not meta or not ents:
         return {"stored_layers": [], "mean_norm": [], "per_position": [], "samples": []}
     idx = sorted(set(np.linspace(0, len(ents) - 1, min(max_samples, len(ents))).round().astype(int).tolist()))
@@ -168,7 +168,7 @@ def layer_norms(run_dir: str | Path, max_samples: int = 16) -> dict:
     count = 0
     longest = None
     for i in idx:
-        hs = load_file(str(sd / ents[i]["file"]))["hidden_states"].float()  # [seq, slots, hidden]
+        hs = hsc.read_states(load_file(str(sd / ents[i]["file"])))["hidden_states"].float()  # [seq, slots, hidden]
         nrm = hs.norm(dim=-1)  # [seq, slots]
         sums += nrm.sum(0).numpy()
         count += nrm.shape[0]
@@ -225,48 +225,62 @@ def convention_check(params, run_dir: str | Path, n_samples: int = 2, model=None
     ds = hsc.HiddenStatesDataset(_sd(run_dir))
     if model is None:
         model, _, _ = load_target(params.target)
-    dev = next(model.parameters()).device
     dec, _ = decoder_layers(model)
     stored = ds.meta["stored_layers"]
     n = ds.meta["num_hidden_layers"]
-    dtype = getattr(torch, ds.meta["dtype"])
     worst: dict[tuple, list] = {}
     all_norms = np.zeros(n + 1)
     stored_norms = np.zeros(len(stored))
     count = 0
     for i in range(min(n_samples, len(ds))):
         item = ds[i]
-        out = model(input_ids=item["token_ids"][None].to(dev), output_hidden_states=True, use_cache=False)
-        hsl = out.hidden_states
+        hsl = _compare_sample(model, dec.norm, item, stored, n, getattr(torch, ds.meta["dtype"]), worst)
         got = item["hidden_states"].float()
-        for s, k in enumerate(stored):
-            if k < n:
-                ref = hsc.as_stored(hsl[k][0], dtype).cpu()
-                pairs = [(f"hidden_states[{k}]", got[:, s], ref)]
-            else:
-                ref = hsc.as_stored(hsl[n][0], dtype).cpu()
-                normed = hsc.as_stored(dec.norm(got[:, s].to(dev, next(model.parameters()).dtype)), dtype).cpu()
-                pairs = [("final_norm(slot) vs hidden_states[N]", normed, ref),
-                         ("slot vs hidden_states[N] (contrast)", got[:, s], ref)]
-            for name, a, b in pairs:
-                d = float((a - b).abs().max())
-                w = worst.setdefault((k, s, name), [0.0, 0.0])
-                w[0] = max(w[0], d)
-                w[1] = max(w[1], float(b.abs().max()))
         all_norms += np.array([float(h[0].float().norm(dim=-1).sum()) for h in hsl])
         stored_norms += got.norm(dim=-1).sum(0).numpy()
         count += got.shape[0]
     rows = [{"layer_id": k, "slot": s, "compared_with": name, "max_abs_diff": v[0], "ref_scale": v[1],
              "relative": v[0] / v[1] if v[1] else 0.0} for (k, s, name), v in worst.items()]
+    return rows, _fig_convention(all_norms / max(count, 1), stored, stored_norms / max(count, 1),
+                                 min(n_samples, len(ds)))
+
+
+def _compare_sample(model, final_norm, item: dict, stored: list[int], n: int, dtype: torch.dtype,
+                    worst: dict[tuple, list]) -> tuple:
+    """One stored sample against transformers' ``hidden_states`` (``[max |diff|, max |ref|]`` per
+    (layer id, slot, comparison) updated in ``worst``); returns transformers' ``hidden_states``."""
+    dev = next(model.parameters()).device
+    out = model(input_ids=item["token_ids"][None].to(dev), output_hidden_states=True, use_cache=False)
+    hsl = out.hidden_states
+    got = item["hidden_states"].float()
+    for s, k in enumerate(stored):
+        if k < n:
+            ref = hsc.as_stored(hsl[k][0], dtype).cpu()
+            pairs = [(f"hidden_states[{k}]", got[:, s], ref)]
+        else:
+            ref = hsc.as_stored(hsl[n][0], dtype).cpu()
+            normed = hsc.as_stored(final_norm(got[:, s].to(dev, next(model.parameters()).dtype)), dtype).cpu()
+            pairs = [("final_norm(slot) vs hidden_states[N]", normed, ref),
+                     ("slot vs hidden_states[N] (contrast)", got[:, s], ref)]
+        for name, a, b in pairs:
+            d = float((a - b).abs().max())
+            w = worst.setdefault((k, s, name), [0.0, 0.0])
+            w[0] = max(w[0], d)
+            w[1] = max(w[1], float(b.abs().max()))
+    return hsl
+
+
+def _fig_convention(all_norms: np.ndarray, stored: list[int], stored_norms: np.ndarray, n_samples: int):
+    """Every layer's mean norm per token (transformers) with the stored slots' on top."""
     fig = Figure(figsize=(7, 3.4))
     ax = fig.subplots()
-    ax.plot(range(n + 1), all_norms / max(count, 1), marker=".", color="0.5",
+    ax.plot(range(len(all_norms)), all_norms, marker=".", color="0.5",
             label="transformers hidden_states[k] (k = N is after the final norm)")
-    ax.scatter(stored, stored_norms / max(count, 1), s=60, facecolors="none", edgecolors="C3", lw=2,
+    ax.scatter(stored, stored_norms, s=60, facecolors="none", edgecolors="C3", lw=2,
                label="stored slots (id N before the final norm)", zorder=3)
     ax.set(xlabel="layer id k", ylabel="mean ||h|| per token", yscale="log",
-           title=f"per-layer hidden-state norm ({min(n_samples, len(ds))} samples)")
+           title=f"per-layer hidden-state norm ({n_samples} samples)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    return rows, fig
+    return fig

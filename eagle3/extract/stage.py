@@ -60,7 +60,7 @@ def run(params: Params, run_dir: str | Path, *, write_fn: Callable | None = None
     Raises:
         ExtractError: missing or malformed Stage 2 output; a row longer than ``vocab.max_seq_len``;
             bad aux layer ids; a folder written for another model / layers / dtype / dataset; a
-            foreign file in a ``rows_*`` folder; a preflight refusal (not enough disk, with the
+            foreign file in a row shard; a preflight refusal (not enough disk, with the
             numbers and the options); a full disk during the run (resumable); a finished stage whose
             input (``train.parquet``) changed since (:func:`eagle3.stage.check_fresh`: redo it).
         NonFiniteError: a sample with NaN/Inf hidden states (names the sample id).

@@ -14,8 +14,8 @@ The path the motivating run took at scale (tensor parallel targets). Three piece
    completion per sample, files renamed to ``hs_<i>.safetensors``, ``i`` = index in the input);
 3. adoption (here): each ``hs_<i>.safetensors`` is checked (token ids equal the row's, shape
    ``[seq, n_aux + 1, hidden]``, finite), cast to ``extract.dtype``, given its loss mask and written
-   as ``rows_*/<row:06d>.safetensors`` with a manifest line, exactly as the transformers backend
-   writes it; the raw file is then deleted (``extract.vllm_keep_raw`` keeps it).
+   in Stage 3's layout (:mod:`eagle3.contracts.hidden_states`) with a manifest line, exactly as the
+   transformers backend writes it; the raw file is then deleted (``extract.vllm_keep_raw`` keeps it).
 
 The connector needs a GPU (CUDA streams, pinned memory), so :func:`run_vllm` refuses on a CPU-only
 machine unless ``extract.vllm_endpoint`` points at a server elsewhere that shares this filesystem.
@@ -48,7 +48,7 @@ from eagle3.config import Params
 from eagle3.contracts.hidden_states import SampleWriter, first_non_finite, sample_relpath, storage_tensors
 from eagle3.distributed import DistContext
 from eagle3.errors import ExtractError
-from eagle3.extract.prepare import Setup, build_setup, extract_dir, prepare
+from eagle3.extract.prepare import Prepared, Setup, build_setup, extract_dir, prepare
 from eagle3.extract.progress import make_progress
 from eagle3.rundir import EXTRACT
 from eagle3.stage import StageRun
@@ -259,11 +259,86 @@ def adopt_vllm_outputs(params: Params, run_dir: str | Path, raw_dir: str | Path 
     missing = [r for r in range(len(prep.setup.rows)) if r not in done]
     out = {"adopted": writer.files_written, "problems": problems, "missing": missing, "stats": None}
     if finalize and not missing:
-        loops = [{"samples": writer.files_written, "tokens": sum(e["num_tokens"] for e in writer.entries),
-                  "computed_tokens": 0, "seconds": secs, "bytes_written": writer.bytes_written,
-                  "writer_busy_s": writer.busy_s, "calibration": None}]
+        loops = _loop_stats(writer, secs, 0)
         out["stats"] = _fin.finalize(params, run_dir, sd, prep.setup, prep.pf, loops, prep.redone, 1, None)
     return out
+
+
+def _new_writer(sd: Path, prep: Prepared, ep) -> SampleWriter:
+    return SampleWriter(sd, prep.journal, prep.setup.stored, threads=ep.writer_threads,
+                        max_pending_bytes=ep.max_pending_mb << 20)
+
+
+def _loop_stats(writer: SampleWriter, seconds: float, computed_tokens: int) -> list[dict]:
+    """The one "rank" of an adoption, in the form :func:`eagle3.extract.finalize.finalize` takes."""
+    return [{"samples": writer.files_written, "tokens": sum(e["num_tokens"] for e in writer.entries),
+             "computed_tokens": computed_tokens, "seconds": seconds, "bytes_written": writer.bytes_written,
+             "writer_busy_s": writer.busy_s, "calibration": None}]
+
+
+def _serve_and_collect(params: Params, sd: Path, setup: Setup, row_map: list[int], writer: SampleWriter,
+                       done: set[int], problems: list[dict], on_adopted) -> int:
+    """Write the client's input for ``row_map`` and run speculators' client against
+    ``extract.vllm_endpoint`` or a ``vllm serve`` started here, adopting files every 2 s while it
+    runs (``on_adopted()`` after each pass); returns the client's exit code."""
+    from eagle3.target import resolve_target
+    from eagle3.vllm_utils import VllmServer
+
+    ep = params.extract
+    raw = sd / RAW_DIR
+    write_vllm_input(setup.rows, row_map, sd / INPUT_DIR)
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.wait(2.0):
+            problems.extend(_adopt(sd, setup, raw, row_map, writer, done, final=False, keep_raw=ep.vllm_keep_raw))
+            on_adopted()
+
+    def client(endpoint: str) -> int:
+        th = threading.Thread(target=poll, daemon=True)
+        th.start()
+        try:
+            return subprocess.run(generate_command(endpoint, sd / INPUT_DIR, raw), check=False).returncode
+        finally:
+            stop.set()
+            th.join()
+
+    if ep.vllm_endpoint:
+        return client(ep.vllm_endpoint)
+    model = str(resolve_target(params.target).path)
+    args = serve_args(params, setup.aux, setup.num_layers, sd / STAGING_DIR, int(setup.rows.lengths.max()))
+    with VllmServer(model, args=args, log_file=sd / "vllm_serve.log") as server:
+        return client(server.base_url)
+
+
+def _refuse_missing(setup: Setup, done: set[int], problems: list[dict], rc: int) -> None:
+    """Print the rejected raw files; raise when a row still has no file after the client finished."""
+    for p in problems:
+        print(f"eagle3 extract (vllm): rejected {p['file']}: {p['problem']}", flush=True)
+    missing = [r for r in range(len(setup.rows)) if r not in done]
+    if missing:
+        raise ExtractError(
+            f"{len(missing)} row(s) have no hidden states after the vLLM client finished (exit code {rc}); "
+            f"first: row {missing[0]} (id {setup.rows.ids[missing[0]]}). {len(problems)} file(s) were "
+            f"rejected (printed above). Re-run to retry only the missing rows."
+        )
+
+
+def _close_quietly(writer: SampleWriter) -> None:
+    try:
+        writer.close()
+    except BaseException:  # noqa: BLE001 - the first error is the one raised
+        pass
+
+
+def _require_gpu(ep) -> None:
+    """Refuse before any work when no GPU serves the extraction (here, or behind ``extract.vllm_endpoint``)."""
+    if ep.vllm_endpoint is None and not torch.cuda.is_available():
+        raise ExtractError(
+            "extract.backend = vllm needs a GPU: vLLM's ExampleHiddenStatesConnector copies hidden states "
+            "through CUDA streams and pinned memory. Use extract.backend: transformers on CPU, or set "
+            "extract.vllm_endpoint to a GPU server that shares this filesystem."
+        )
 
 
 def run_vllm(params: Params, run_dir: str | Path) -> dict:
@@ -277,33 +352,23 @@ def run_vllm(params: Params, run_dir: str | Path) -> dict:
         ExtractError: no GPU and no ``vllm_endpoint``; rows still missing after the client finished
             (re-running retries only those); plus everything :func:`eagle3.extract.run` raises.
     """
-    from eagle3.target import resolve_target
-    from eagle3.vllm_utils import VllmServer
-
     run_dir = Path(run_dir)
     ep = params.extract
     sd = extract_dir(run_dir)
-    if ep.vllm_endpoint is None and not torch.cuda.is_available():
-        raise ExtractError(
-            "extract.backend = vllm needs a GPU: vLLM's ExampleHiddenStatesConnector copies hidden states "
-            "through CUDA streams and pinned memory. Use extract.backend: transformers on CPU, or set "
-            "extract.vllm_endpoint to a GPU server that shares this filesystem."
-        )
+    _require_gpu(ep)
     dist = DistContext()
     prep = prepare(params, run_dir, sd, dist)
     setup = prep.setup
-    raw, staging = sd / RAW_DIR, sd / STAGING_DIR
+    raw = sd / RAW_DIR
     raw.mkdir(exist_ok=True)
-    writer = SampleWriter(sd, prep.journal, setup.stored, threads=ep.writer_threads,
-                          max_pending_bytes=ep.max_pending_mb << 20)
+    writer = _new_writer(sd, prep, ep)
     done = set(prep.valid)
     problems: list[dict] = []
     old_map = _row_map(sd / INPUT_DIR)
     if old_map:  # files of an interrupted attempt, indexed by that attempt's input
         problems += _adopt(sd, setup, raw, old_map, writer, done, final=True, keep_raw=ep.vllm_keep_raw)
         writer.close()
-        writer = SampleWriter(sd, prep.journal, setup.stored, threads=ep.writer_threads,
-                              max_pending_bytes=ep.max_pending_mb << 20)
+        writer = _new_writer(sd, prep, ep)
     for f in raw.glob("hs_*.safetensors"):
         f.unlink()
     todo = [r for r in range(len(setup.rows)) if r not in done]
@@ -311,63 +376,26 @@ def run_vllm(params: Params, run_dir: str | Path) -> dict:
     with st:
         _ = st.tracker  # the W&B run opens now, as the stage starts
         t0 = time.perf_counter()
+        counted = {"n": 0}
+
+        def tick() -> None:
+            n = len(done) - len(prep.valid) - counted["n"]
+            if n > 0:
+                st.progress.update(n)
+                counted["n"] += n
+
         try:
             if todo:
-                row_map = todo
-                write_vllm_input(setup.rows, todo, sd / INPUT_DIR)
-                stop = threading.Event()
-                counted = {"n": 0}
-
-                def tick() -> None:
-                    n = len(done) - len(prep.valid) - counted["n"]
-                    if n > 0:
-                        st.progress.update(n)
-                        counted["n"] += n
-
-                def poll() -> None:
-                    while not stop.wait(2.0):
-                        problems.extend(_adopt(sd, setup, raw, row_map, writer, done, final=False, keep_raw=ep.vllm_keep_raw))
-                        tick()
-
-                def client(endpoint: str) -> int:
-                    th = threading.Thread(target=poll, daemon=True)
-                    th.start()
-                    try:
-                        return subprocess.run(generate_command(endpoint, sd / INPUT_DIR, raw), check=False).returncode
-                    finally:
-                        stop.set()
-                        th.join()
-
-                if ep.vllm_endpoint:
-                    rc = client(ep.vllm_endpoint)
-                else:
-                    model = str(resolve_target(params.target).path)
-                    args = serve_args(params, setup.aux, setup.num_layers, staging, int(setup.rows.lengths.max()))
-                    with VllmServer(model, args=args, log_file=sd / "vllm_serve.log") as server:
-                        rc = client(server.base_url)
-                problems += _adopt(sd, setup, raw, row_map, writer, done, final=True, keep_raw=ep.vllm_keep_raw)
+                rc = _serve_and_collect(params, sd, setup, todo, writer, done, problems, tick)
+                problems += _adopt(sd, setup, raw, todo, writer, done, final=True, keep_raw=ep.vllm_keep_raw)
                 writer.close()
                 tick()
-                for p in problems:
-                    print(f"eagle3 extract (vllm): rejected {p['file']}: {p['problem']}", flush=True)
-                missing = [r for r in range(len(setup.rows)) if r not in done]
-                if missing:
-                    raise ExtractError(
-                        f"{len(missing)} row(s) have no hidden states after the vLLM client finished (exit code {rc}); "
-                        f"first: row {missing[0]} (id {setup.rows.ids[missing[0]]}). {len(problems)} file(s) were "
-                        f"rejected (printed above). Re-run to retry only the missing rows."
-                    )
+                _refuse_missing(setup, done, problems, rc)
             else:
                 writer.close()
         except BaseException:
-            try:
-                writer.close()
-            except BaseException:  # noqa: BLE001 - the first error is the one raised
-                pass
+            _close_quietly(writer)
             raise
-        shutil.rmtree(staging, ignore_errors=True)
-        secs = time.perf_counter() - t0
-        loops = [{"samples": writer.files_written, "tokens": sum(e["num_tokens"] for e in writer.entries),
-                  "computed_tokens": sum(e["num_tokens"] for e in writer.entries), "seconds": secs,
-                  "bytes_written": writer.bytes_written, "writer_busy_s": writer.busy_s, "calibration": None}]
+        shutil.rmtree(sd / STAGING_DIR, ignore_errors=True)
+        loops = _loop_stats(writer, time.perf_counter() - t0, sum(e["num_tokens"] for e in writer.entries))
         return _fin.finalize(params, run_dir, sd, setup, prep.pf, loops, prep.redone, 1, st)
