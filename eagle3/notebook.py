@@ -50,11 +50,12 @@ def run_dir_note(run_dir: str | Path, chosen: bool) -> str:
 
     A notebook opened in JupyterLab with the default ``run_dir = None`` lands in
     ``outputs/<run.name>``, which may be a finished run made by ``make run``: the line says so, and
-    that its complete stages are read, not redone or rewritten (issue 16).
+    that its complete stages are read, not redone or rewritten.
     """
-    from eagle3.rundir import STAGES, stage_complete
+    from eagle3.rundir import STAGES
+    from eagle3.stage import stage_record
 
-    done = [s for s in STAGES if stage_complete(run_dir, s)]
+    done = [s for s in STAGES if stage_record(run_dir, s).complete]
     how = ("set in the parameters cell" if chosen else
            "the default `outputs/<run.name>` of the params file; set `run_dir` in the parameters cell to open another run")
     if done:

@@ -6,15 +6,10 @@ import time
 
 import pytest
 
-from eagle3.io import (
-    Progress,
-    atomic_path,
-    atomic_write_json,
-    read_json,
-    write_stats,
-)
-from eagle3.rundir import stage_complete
-from eagle3.runner import format_status, parse_stages, status_rows
+from eagle3.commands.run import parse_stages
+from eagle3.commands.status import format_status, status_rows
+from eagle3.io import atomic_path, atomic_write_json, read_json
+from eagle3.stage import Progress, stage_record, write_stats
 
 
 def test_atomic_write_keeps_old_file_on_failure(tmp_path):
@@ -67,9 +62,9 @@ def test_progress_file_and_status(tmp_path):
     assert text.splitlines()[-1].startswith("tokens/s: this execution")  # which clock the column reads
     prog.close()
     assert read_json(d / "progress.json")["status"] == "done"
-    assert not stage_complete(run, 3)
+    assert not stage_record(run, 3).complete
     write_stats(d, {"samples": 10})
-    assert stage_complete(run, 3)
+    assert stage_record(run, 3).complete
     assert status_rows(run)[2]["state"] == "complete"
 
 

@@ -32,14 +32,14 @@ def test_rundir_paths(tmp_path):
 
 
 def test_stage_complete_and_notebooks(tmp_path):
-    from eagle3.io import write_stats
+    from eagle3.stage import stage_record, write_stats
 
     rd = RunDir(tmp_path)
-    assert not rd.complete(1)
+    assert not stage_record(tmp_path, 1).complete
     write_stats(rd.stage(1, create=True), {"x": 1}, complete=False)
-    assert not rd.complete(1)
+    assert not stage_record(tmp_path, 1).complete
     write_stats(rd.stage(1), {"x": 1})
-    assert rd.complete(1) and rundir.stage_complete(tmp_path, 1)
+    assert stage_record(tmp_path, 1).complete
     assert sorted(rundir.STAGES) == sorted(rundir.NOTEBOOKS) == [1, 2, 3, 4, 5]
     for n in rundir.NOTEBOOKS:
         assert rundir.notebook_path(n).is_file()

@@ -1,4 +1,4 @@
-"""The papermill runner and the CLI on small notebooks made by the test."""
+"""The commands (run, status, report) and the CLI on small notebooks made by the test."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from eagle3.cli import main
+from eagle3.commands.run import parse_stages, run_pipeline
 from eagle3.config import load_params
-from eagle3.errors import ParamsError
+from eagle3.errors import ParamsError, StageFailed
 from eagle3.io import read_json
 from eagle3.rundir import NOTEBOOKS
-from eagle3.runner import StageFailed, parse_stages, run_pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,8 +35,8 @@ def _nb(path: Path, body: str) -> None:
 
 
 WRITE_STAGE = """
-from eagle3.io import write_stats, Progress
 from eagle3.rundir import stage_dir
+from eagle3.stage import Progress, write_stats
 d = stage_dir(run_dir, {s})
 with Progress(d, total=3, unit="items") as p:
     p.update(3, tokens=30)
@@ -163,8 +163,8 @@ with StageRun(params, run_dir, {s}, total=3, unit="items") as st:
 DRIVE = """
 import sys
 from pathlib import Path
-import eagle3.runner
-eagle3.runner.notebooks_dir = lambda: Path(sys.argv[1])  # the test's notebooks instead of notebooks/
+import eagle3.commands.run
+eagle3.commands.run.notebooks_dir = lambda: Path(sys.argv[1])  # the test's notebooks instead of notebooks/
 from eagle3.cli import main
 from eagle3.config import load_params
 sys.exit(main(sys.argv[2:]))
@@ -228,14 +228,14 @@ def test_ctrl_c_in_eagle3_run_says_how_to_resume_and_exits_130(tmp_params, nbdir
 
 
 def main_with_notebooks(args: list[str], nbdir: Path) -> int:
-    import eagle3.runner
+    import eagle3.commands.run
 
-    old = eagle3.runner.notebooks_dir
-    eagle3.runner.notebooks_dir = lambda: nbdir
+    old = eagle3.commands.run.notebooks_dir
+    eagle3.commands.run.notebooks_dir = lambda: nbdir
     try:
         return main(args)
     finally:
-        eagle3.runner.notebooks_dir = old
+        eagle3.commands.run.notebooks_dir = old
 
 
 def test_ctrl_c_ends_status_watch_quietly(tmp_path, monkeypatch, capsys):
@@ -256,7 +256,7 @@ def test_ctrl_c_ends_status_watch_quietly(tmp_path, monkeypatch, capsys):
 
 
 def test_resume_stages_after_an_interrupt():
-    from eagle3.runner import format_stages, resume_stages
+    from eagle3.commands.run import format_stages, resume_stages
 
     assert format_stages([1, 2, 3, 5]) == "1-3,5" and format_stages([4]) == "4" and format_stages([2, 4, 5]) == "2,4-5"
     assert resume_stages(3, [1, 2, 3, 4, 5], None) == ([3, 4, 5], [])
@@ -300,7 +300,7 @@ def test_python_dash_m_and_console_script(tmp_path):
 
 
 def test_report_renders_index(tmp_params, nbdir):
-    from eagle3.runner import render_report
+    from eagle3.commands.report import render_report
 
     rd = run_pipeline(tmp_params(), [1, 2], notebooks=nbdir)
     index = render_report(rd)
@@ -342,20 +342,20 @@ def test_bad_stage_selection_is_a_clear_error(spec, msg, capsys):
 
 
 def test_cli_eagle3_errors_are_clean_and_bugs_keep_their_traceback(monkeypatch, capsys):
-    import eagle3.runner
+    import eagle3.commands.report
     from eagle3.errors import TrainError
 
     def planted(*a, **k):
         raise TrainError("02_vocab/mapping.json missing: run stage 2")
 
-    monkeypatch.setattr(eagle3.runner, "render_report", planted)
+    monkeypatch.setattr(eagle3.commands.report, "render_report", planted)
     assert main(["report", "somewhere"]) == 2
     assert capsys.readouterr().err == "eagle3: 02_vocab/mapping.json missing: run stage 2\n"
 
     def bug(*a, **k):
         raise KeyError("a real bug")
 
-    monkeypatch.setattr(eagle3.runner, "render_report", bug)
+    monkeypatch.setattr(eagle3.commands.report, "render_report", bug)
     with pytest.raises(KeyError, match="a real bug"):
         main(["report", "somewhere"])
 
@@ -363,7 +363,7 @@ def test_cli_eagle3_errors_are_clean_and_bugs_keep_their_traceback(monkeypatch, 
 def test_status_into_a_closed_pipe_is_quiet(tmp_path):
     rd = tmp_path / "run"
     (rd / "01_synthesize").mkdir(parents=True)
-    code = ("import sys, eagle3.runner as r\n"
+    code = ("import sys, eagle3.commands.status as r\n"
             "r.format_status = lambda d: 'line\\n' * 200000\n"
             "from eagle3.cli import main\n"
             f"sys.exit(main(['status', {str(rd)!r}]))\n")
@@ -396,12 +396,12 @@ def test_a_read_only_run_directory_is_a_clean_error(tmp_path, capsys):
 def test_a_full_disk_is_a_clean_error(monkeypatch, capsys):
     import errno
 
-    import eagle3.runner
+    import eagle3.commands.report
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device", "/data/run/params.yaml")
 
-    monkeypatch.setattr(eagle3.runner, "render_report", full)
+    monkeypatch.setattr(eagle3.commands.report, "render_report", full)
     assert main(["report", "x"]) == 2
     assert capsys.readouterr().err == ("eagle3: No space left on device: /data/run/params.yaml (the disk is full: "
                                        "free space or set run.output_dir to a larger disk)\n")
@@ -441,8 +441,8 @@ def test_the_terminal_shows_a_running_stage_s_progress(tmp_path):
     earlier execution is not shown; a new unit (the stage's next phase) starts a new bar."""
     import time
 
-    from eagle3.io import Progress
-    from eagle3.runner import ProgressEcho
+    from eagle3.commands.status import ProgressEcho
+    from eagle3.stage import Progress
 
     sd = tmp_path / "03_extract"
     old = Progress(sd, total=9, unit="samples")
@@ -485,8 +485,8 @@ def test_the_terminal_shows_a_running_stage_s_progress(tmp_path):
 def test_a_log_shows_each_phase_s_end_and_start_at_once(tmp_path):
     """New-user check: at one line a minute the log went from "673/960 self prompts" straight to
     answering, and from "0/20 offline prompts" to the vLLM phase: a phase's end was never shown."""
-    from eagle3.io import Progress
-    from eagle3.runner import ProgressEcho
+    from eagle3.commands.status import ProgressEcho
+    from eagle3.stage import Progress
 
     sd = tmp_path / "05_evaluate"
     log = io.StringIO()
@@ -513,7 +513,7 @@ def test_the_kernel_is_not_sent_sigint_when_papermill_shuts_it_down(monkeypatch)
 
     from jupyter_client.manager import AsyncKernelManager
 
-    from eagle3.runner import _InterruptForwarder
+    from eagle3.commands.run import _InterruptForwarder
 
     calls = []
 

@@ -40,9 +40,9 @@ from eagle3.evaluate.vllm_jobs import (
     vllm_serve_command,
     vllm_summary,
 )
-from eagle3.io import Progress, atomic_write_json, file_sha256, json_digest, read_json, read_jsonl
+from eagle3.io import atomic_write_json, file_sha256, json_digest, read_json, read_jsonl
 from eagle3.rundir import ENGINE_LOGS_DIR, EVALUATE, EXTRACT, TRAIN, RunDir
-from eagle3.stage import StageRun, Stats
+from eagle3.stage import Progress, StageRun, Stats
 
 __all__ = ["EvaluateStats", "find_drafter", "training_reference", "run"]
 
