@@ -1,9 +1,10 @@
 """Every path of a run, in one place.
 
-A run directory (``<run.output_dir>/<run.name>``) holds ``params.yaml``, one folder per stage and
-``report/``::
+A run directory (``<run.output_dir>/<run.name>``) holds ``params.yaml``, the executed notebooks, one
+folder per stage and ``report/``::
 
     params.yaml
+    notebooks/      the executed stage notebooks (eagle3 run)
     01_synthesize/  samples.jsonl, progress.json, stats.json, inputs.json (every stage)
     02_vocab/       train.parquet, heldout.parquet, vocab_mapping.safetensors, mapping.json, ...
     03_extract/     meta.json, manifest.jsonl, preflight.json, rows_*/NNNNNN.safetensors
@@ -77,6 +78,7 @@ PROGRESS_FILE = "progress.json"
 STATS_FILE = "stats.json"
 INPUTS_FILE = "inputs.json"  # digests of the upstream files a finished stage consumed (eagle3.stage)
 REPORT_DIR = "report"
+EXECUTED_DIR = "notebooks"  # the stage notebooks as `eagle3 run` executed them
 
 # Stage 1
 SAMPLES_FILE = "samples.jsonl"
@@ -240,13 +242,13 @@ def _params_refusal(rd: Path, diffs: list[str], stage: int | None, own: dict[str
     again = (" " + shlex.join(options)) if options else ""
     msg = (f"Run directory {rd} was created with different params ({rd / PARAMS_FILE}); refusing to mix "
            f"outputs of two configurations. Differences:\n  " + "\n  ".join(diffs) + "\n")
-    # the way back to the run as it was made (a user who redid stage 5 on their own sets, then ran the
-    # default params again, found only ways that drop those sets)
+    # the way back to the run as it was made (after stage 5 was redone on the user's own sets, the
+    # default params again would otherwise leave only ways that drop those sets)
     reopen = (f" To re-open this run as it was made, use its own params: `eagle3 run {rd / PARAMS_FILE}` "
               f"(in a notebook's parameters cell: params_file = \"{rd / PARAMS_FILE}\", run_dir = \"{rd}\").")
     if stage is not None:
-        # the file's other settings of that section replace the run's (a user's own evaluation sets went
-        # missing that way): the run's own params with the same options change only what they name
+        # the file's other settings of that section replace the run's (a user's own evaluation sets would
+        # go missing that way): the run's own params with the same options change only what they name
         keep = (f" To change only what your options name and keep the run's other {_own_section(stage)}.* settings, "
                 f"start from its own params: `eagle3 run {rd / PARAMS_FILE}{again} --stages {stage} --redo {stage}`."
                 if again else "")
@@ -296,6 +298,11 @@ class RunDir:
     def params_file(self) -> Path:
         """``params.yaml``: the resolved params the run was made with."""
         return self.root / PARAMS_FILE
+
+    @property
+    def executed_dir(self) -> Path:
+        """``notebooks/``: the stage notebooks as ``eagle3 run`` executed them (with their outputs)."""
+        return self.root / EXECUTED_DIR
 
     @property
     def report_dir(self) -> Path:

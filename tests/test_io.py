@@ -1,4 +1,4 @@
-"""Stage file contracts: atomic writes, progress.json, status table, report index."""
+"""File helpers (atomic writes) and the stage records they carry: progress.json, the status table."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def test_atomic_write_keeps_old_file_on_failure(tmp_path):
 
 
 def test_atomic_write_gives_the_mode_of_a_plain_open(tmp_path, monkeypatch):
-    """A new user's finding: stats.json, params.yaml and the figures were 0600 (mkstemp's mode) beside a
-    0644 report page; an atomically written file now gets what open() gives under the umask."""
+    """stats.json, params.yaml and the figures are not 0600 (mkstemp's mode) beside a 0644 report page:
+    an atomically written file gets what open() gives under the umask."""
     import os
 
     import eagle3.io as eio
@@ -206,7 +206,7 @@ def test_file_sha256_and_format_bytes(tmp_path):
 
 
 def test_the_eta_follows_the_recent_rate_not_a_slow_start(tmp_path):
-    """Session 22's training on the H200: the first step compiled for 51 s and the first epoch read from
+    """A training run on an H200: the first step compiled for 51 s and the first epoch read from
     disk, so the phase's average rate put the ETA at twice the time left. Here: a 60 s first step, then
     5 steps/s for 150 s; 1,249 steps left are 250 s at the recent rate (the average says ~349 s)."""
     prog = Progress(tmp_path, total=2000, unit="steps", interval_s=0.0)

@@ -69,9 +69,9 @@ def test_run_resume_and_status(tmp_params, nbdir, capsys):
 
 
 def test_later_stages_on_a_new_run_name_stop_before_the_folder_exists(tmp_params, nbdir, capsys):
-    """A new user's finding: `eagle3 run P --stages 5 --run-name <typo>` created the run folder, then
-    failed inside notebook 05 on the missing samples. It now stops first, names the command that runs
-    the earlier stages too, and writes nothing; the same call on the real run goes on."""
+    """`eagle3 run P --stages 5 --run-name <typo>` must not create the run folder and then fail inside
+    notebook 05 on the missing samples: it stops first, names the command that runs the earlier stages
+    too, and writes nothing; the same call on the real run goes on."""
     pf = tmp_params()
     new = Path(load_params(pf).run.output_dir) / "typo"
     with pytest.raises(ParamsError) as e:
@@ -97,7 +97,7 @@ def test_evaluate_only_params_on_an_existing_run_redo_stage_5_only(tmp_params, n
     s1 = (rd / "01_synthesize" / "stats.json").read_bytes()
     with pytest.raises(ParamsError, match=r"evaluate\.num_prompts: None -> 5\n.*--stages 5 --redo 5") as refused:
         run_pipeline(pf, [5], overrides=["evaluate.num_prompts=5"], notebooks=nbdir)
-    # the command it names keeps the override (a new user's copy-paste redid stage 5 on the file's params)
+    # the command it names keeps the override (without it, a copy-paste would redo stage 5 on the file's params)
     assert f"`eagle3 run {pf} --set evaluate.num_prompts=5 --stages 5 --redo 5`" in str(refused.value)
     # and the way that keeps the run's other evaluate.* settings (a user's own evaluation sets)
     assert (f"keep the run's other evaluate.* settings, start from its own params: `eagle3 run {rd / 'params.yaml'} "
@@ -114,9 +114,9 @@ def test_evaluate_only_params_on_an_existing_run_redo_stage_5_only(tmp_params, n
 
 def test_a_run_with_its_own_evaluate_params_opens_for_stages_1_4_and_by_its_own_params_yaml(tmp_params, nbdir, capsys,
                                                                                             tmp_path):
-    """A new user's finding: after `--stages 5 --redo 5` with their own evaluation params, `make run` and
-    every notebook refused the run on the default params. Stages 1-4 now open it (they do not read
-    evaluate.*) and keep its params.yaml; all five are refused with the way back, the run's own
+    """After `--stages 5 --redo 5` with the user's own evaluation params, `make run` and every notebook
+    open the run with the default params: stages 1-4 open it (they do not read evaluate.*) and keep
+    its params.yaml; all five are refused with the way back, the run's own
     params.yaml, which opens that run, also when the folder was copied (its params name the old one)."""
     import shutil
 
@@ -172,9 +172,9 @@ sys.exit(main(sys.argv[2:]))
 
 
 def test_a_stage_s_stderr_line_reaches_the_terminal_once(tmp_params, tmp_path):
-    """Session-14 trial: vLLM's import-time warning ("Triton is installed, but doesn't include CPU
-    backend") showed twice in `eagle3 run`'s terminal: papermill wrote the notebook's stderr to our
-    stream and also logged it as a warning (log_output), which Python's last-resort handler printed.
+    """A stage's stderr line (vLLM's import-time warning "Triton is installed, but doesn't include CPU
+    backend") shows once in `eagle3 run`'s terminal: with log_output papermill writes the notebook's
+    stderr to our stream and also logs it as a warning, which Python's last-resort handler prints.
     A real `eagle3 run` process (in-process, pytest's own log capture would hide the second copy)."""
     d = tmp_path / "nbs"
     d.mkdir()
@@ -408,8 +408,8 @@ def test_a_full_disk_is_a_clean_error(monkeypatch, capsys):
 
 
 def test_the_resume_hint_names_the_command_as_it_was_started(monkeypatch, tmp_path):
-    """A fresh-clone trial (session 12) was told `eagle3 run ...` after `make run`, which starts
-    `.venv/bin/python -m eagle3` (the venv's bin is not on PATH): the hint repeats how eagle3 was started."""
+    """After `make run`, which starts `.venv/bin/python -m eagle3` (the venv's bin need not be on PATH),
+    `eagle3 run ...` would not run: the hint repeats how eagle3 was started."""
     import eagle3.cli
 
     monkeypatch.chdir(tmp_path)
@@ -436,8 +436,8 @@ class _Tty(io.StringIO):
 
 
 def test_the_terminal_shows_a_running_stage_s_progress(tmp_path):
-    """`eagle3 run` echoes the running stage's progress.json (the session-12 trial saw only a start and
-    an end line per stage): a line per interval in a log, a tqdm bar on a terminal; a file left by an
+    """`eagle3 run` echoes the running stage's progress.json (not only a start and an end line per
+    stage): a line per interval in a log, a tqdm bar on a terminal; a file left by an
     earlier execution is not shown; a new unit (the stage's next phase) starts a new bar."""
     import time
 
@@ -483,8 +483,8 @@ def test_the_terminal_shows_a_running_stage_s_progress(tmp_path):
 
 
 def test_a_log_shows_each_phase_s_end_and_start_at_once(tmp_path):
-    """New-user check: at one line a minute the log went from "673/960 self prompts" straight to
-    answering, and from "0/20 offline prompts" to the vLLM phase: a phase's end was never shown."""
+    """At one line a minute a log must not go from "673/960 self prompts" straight to answering, or
+    from "0/20 offline prompts" to the vLLM phase: each phase's end is shown, then the next one's start."""
     from eagle3.commands.status import ProgressEcho
     from eagle3.stage import Progress
 
@@ -507,8 +507,8 @@ def test_a_log_shows_each_phase_s_end_and_start_at_once(tmp_path):
 
 def test_the_kernel_is_not_sent_sigint_when_papermill_shuts_it_down(monkeypatch):
     """jupyter_client's shutdown_kernel interrupts the kernel before asking it to shut down; after a
-    stage that finished normally ipykernel then printed 'ERROR | KeyboardInterrupt caught in kernel'
-    (two new users saw it). The runner's kernel manager skips that SIGINT; other interrupts pass."""
+    stage that finished normally ipykernel then prints 'ERROR | KeyboardInterrupt caught in kernel'.
+    `eagle3 run`'s kernel manager skips that SIGINT; other interrupts pass."""
     import asyncio
 
     from jupyter_client.manager import AsyncKernelManager

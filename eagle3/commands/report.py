@@ -75,7 +75,7 @@ def render_report(run_dir: str | Path) -> Path:
     from eagle3.report import index_html
 
     run_dir = Path(run_dir)
-    nb_dir = run_dir / "notebooks"
+    nb_dir = RunDir(run_dir).executed_dir
     executed = sorted(nb_dir.glob("*.ipynb")) if nb_dir.exists() else []
     if not executed:
         raise RunnerError(f"{run_dir}: no executed notebooks in {nb_dir}; run `eagle3 run` first")

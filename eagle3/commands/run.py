@@ -153,7 +153,7 @@ class _InterruptForwarder:
     notebook, instead of a KeyboardInterrupt tearing the kernel's sockets down under it (80 lines of
     papermill/ZMQ traceback); a second one raises KeyboardInterrupt here at once.
 
-    The kernel runs in its own session (jupyter_client starts it so), so a terminal's Ctrl-C does not
+    The kernel runs in its own process session (jupyter_client starts it so), so a terminal's Ctrl-C does not
     reach it by itself; its process group is found through the kernel manager papermill builds from
     :meth:`manager_class`. Installed only in the main thread (``signal.signal`` works nowhere else).
     """
@@ -243,10 +243,13 @@ def run_dir_for(params, params_file: str | Path | None, overrides: list[str] | N
     return pf.parent
 
 
-def _kernel_available(name: str) -> bool:
+def _require_kernel(name: str) -> None:
+    """Raises RunnerError: the Jupyter kernel ``name`` is not registered (with how to register it)."""
     from jupyter_client.kernelspec import KernelSpecManager
 
-    return name in KernelSpecManager().find_kernel_specs()
+    if name not in KernelSpecManager().find_kernel_specs():
+        raise RunnerError(f"Jupyter kernel {name!r} is not registered. Run `make venv` (it registers the kernel "
+                          f"of the project's virtual environment) or pass --kernel NAME.")
 
 
 def run_pipeline(
@@ -283,9 +286,7 @@ def run_pipeline(
         RunInterrupted: Ctrl-C while a stage ran (the stage keeps what it wrote).
         RunnerError: the Jupyter kernel ``eagle3`` is not registered (run ``make venv``).
     """
-    ov = list(overrides or [])
-    if run_name:
-        ov.append(f"run.name={run_name}")
+    ov = [*(overrides or []), *([f"run.name={run_name}"] if run_name else [])]
     params = load_params(params_file, ov)
     selected = list(stages or STAGES)
     redo_set = set(redo or [])
@@ -301,12 +302,7 @@ def run_pipeline(
                               options=params_options(run_name, overrides))
     for trash in run_dir.glob(".redo-*"):  # a stage folder a killed --redo was removing
         shutil.rmtree(trash, ignore_errors=True)
-    if not _kernel_available(kernel):
-        raise RunnerError(
-            f"Jupyter kernel {kernel!r} is not registered. Run `make venv` (it registers the kernel "
-            f"of the project's virtual environment) or pass --kernel NAME."
-        )
-    (run_dir / "notebooks").mkdir(exist_ok=True)
+    _require_kernel(kernel)
     nb_root = Path(notebooks) if notebooks else notebooks_dir()
     print(f"eagle3: run directory {run_dir}", flush=True)
     for s in selected:
@@ -359,7 +355,8 @@ def _execute_stage(run_dir: Path, s: int, nb_in: Path, kernel: str, next_stage: 
     """
     import papermill as pm
 
-    out_nb = run_dir / "notebooks" / NOTEBOOKS[s]
+    out_nb = RunDir(run_dir).executed_dir / NOTEBOOKS[s]
+    out_nb.parent.mkdir(exist_ok=True)
     print(f"eagle3: stage {s} ({STAGES[s]}) running {nb_in.name} (watch: eagle3 status {run_dir})", flush=True)
     t0 = time.time()
     stopped = RunInterrupted(f"stage {s} ({STAGES[s]}) was interrupted (Ctrl-C)", stage=s, run_dir=run_dir)
