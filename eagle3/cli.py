@@ -30,6 +30,8 @@ _SET_HELP = ("override one params key, e.g. --set train.lr=0.003 --set synthesiz
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from eagle3.commands.run import KERNEL
+
     p = argparse.ArgumentParser(prog="eagle3", description="Train EAGLE-3 drafters and measure their acceptance in vLLM.")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
@@ -38,7 +40,7 @@ def _build_parser() -> argparse.ArgumentParser:
     r.add_argument("--stages", default="1-5", help="stages to run, e.g. 1-5, 3, 2,4-5 (default 1-5)")
     r.add_argument("--run-name", default=None, help="run name (default: run.name from params)")
     r.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=_SET_HELP)
-    r.add_argument("--kernel", default="eagle3", help="Jupyter kernel (default: eagle3)")
+    r.add_argument("--kernel", default=KERNEL, help=f"Jupyter kernel (default: {KERNEL})")
     r.add_argument("--no-report", action="store_true", help="do not render the HTML report at the end")
     r.add_argument("--redo", default=None, metavar="STAGES",
                    help="re-open these stages even if complete, e.g. --redo 3: a stage whose inputs changed starts "
@@ -139,7 +141,7 @@ def _interrupted_message(args: argparse.Namespace, exc) -> str:  # exc: a RunInt
     command that resumes (the same options, the stages from the interrupted one on)."""
     import shlex
 
-    from eagle3.commands.run import format_stages, params_options, parse_stages, resume_stages
+    from eagle3.commands.run import KERNEL, format_stages, params_options, parse_stages, resume_stages
 
     prog = invocation()
     cmd = [*prog, "run", args.params]
@@ -150,7 +152,7 @@ def _interrupted_message(args: argparse.Namespace, exc) -> str:  # exc: a RunInt
     else:
         cmd += ["--stages", args.stages] + (["--redo", args.redo] if args.redo else [])
     cmd += params_options(args.run_name, args.overrides)
-    cmd += (["--kernel", args.kernel] if args.kernel != "eagle3" else []) + (["--no-report"] if args.no_report else [])
+    cmd += (["--kernel", args.kernel] if args.kernel != KERNEL else []) + (["--no-report"] if args.no_report else [])
     what = str(exc) if exc is not None else "interrupted (Ctrl-C)"
     where = f" (`{shlex.join([*prog, 'status', str(exc.run_dir)])}` shows it)" if exc is not None and exc.run_dir else ""
     return (f"\neagle3: {what}. What was written is kept{where}; each stage resumes its own work.\n"
