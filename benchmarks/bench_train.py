@@ -255,7 +255,7 @@ HOST_PARTS = {  # cProfile cumulative time of these functions inside Trainer.loo
     "next batch (read, collate, hand-over)": "MicroBatches",
     "metrics reduce (the step's one sync)": "eagle3/train/metrics.py:reduce",
     "metrics.jsonl / W&B": "eagle3/train/loop.py:_log",
-    "progress.json + bar": "eagle3/io.py:update",
+    "progress.json + bar": "eagle3/stage/progress.py:update",
     "validation": "eagle3/train/loop.py:evaluate",
     "checkpoints": "eagle3/train/loop.py:_checkpoint",
 }

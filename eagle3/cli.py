@@ -30,6 +30,8 @@ _SET_HELP = ("override one params key, e.g. --set train.lr=0.003 --set synthesiz
 
 
 def _build_parser() -> argparse.ArgumentParser:
+    from eagle3.commands.run import KERNEL
+
     p = argparse.ArgumentParser(prog="eagle3", description="Train EAGLE-3 drafters and measure their acceptance in vLLM.")
     sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
 
@@ -38,7 +40,7 @@ def _build_parser() -> argparse.ArgumentParser:
     r.add_argument("--stages", default="1-5", help="stages to run, e.g. 1-5, 3, 2,4-5 (default 1-5)")
     r.add_argument("--run-name", default=None, help="run name (default: run.name from params)")
     r.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=_SET_HELP)
-    r.add_argument("--kernel", default="eagle3", help="Jupyter kernel (default: eagle3)")
+    r.add_argument("--kernel", default=KERNEL, help=f"Jupyter kernel (default: {KERNEL})")
     r.add_argument("--no-report", action="store_true", help="do not render the HTML report at the end")
     r.add_argument("--redo", default=None, metavar="STAGES",
                    help="re-open these stages even if complete, e.g. --redo 3: a stage whose inputs changed starts "
@@ -62,53 +64,63 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _dispatch(args: argparse.Namespace) -> int:
-    if args.cmd == "run":
-        from eagle3.runner import parse_stages, render_report, run_pipeline
+def _run(args: argparse.Namespace) -> int:
+    from eagle3.commands.report import render_report
+    from eagle3.commands.run import parse_stages, run_pipeline
 
-        redo = parse_stages(args.redo, "--redo") if args.redo else None
-        run_dir = run_pipeline(args.params, parse_stages(args.stages), args.run_name, args.overrides, args.kernel,
-                               redo=redo)
-        if not args.no_report:
-            index = render_report(run_dir)
-            print(f"eagle3: report {index}")
-        return 0
-    if args.cmd == "status":
-        from eagle3.runner import format_status
+    redo = parse_stages(args.redo, "--redo") if args.redo else None
+    run_dir = run_pipeline(args.params, parse_stages(args.stages), args.run_name, args.overrides, args.kernel,
+                           redo=redo)
+    if not args.no_report:
+        index = render_report(run_dir)
+        print(f"eagle3: report {index}")
+    return 0
 
-        if not Path(args.run_dir).is_dir():
-            print(f"eagle3 status: {args.run_dir} is not a run directory", file=sys.stderr)
-            return 2
-        try:
-            while True:
-                print(format_status(args.run_dir), flush=True)
-                if not args.watch:
-                    return 0
-                time.sleep(args.watch)
-                print()
-        except KeyboardInterrupt:  # Ctrl-C is how --watch ends: nothing went wrong
+
+def _status(args: argparse.Namespace) -> int:
+    from eagle3.commands.status import format_status
+
+    if not Path(args.run_dir).is_dir():
+        print(f"eagle3 status: {args.run_dir} is not a run directory", file=sys.stderr)
+        return 2
+    try:
+        while True:
+            print(format_status(args.run_dir), flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(args.watch)
             print()
-            return 0
-    if args.cmd == "verify":
-        from eagle3.runner import verify_run
-
-        problems = verify_run(args.run_dir, check_values=not args.no_values)
-        for line in problems:
-            print(line)
-        print(f"eagle3 verify: {len(problems)} problem(s) in {args.run_dir}" if problems
-              else f"eagle3 verify: {args.run_dir}: no problem found", flush=True)
-        return 1 if problems else 0
-    if args.cmd == "report":
-        from eagle3.runner import render_report
-
-        print(render_report(args.run_dir))
+    except KeyboardInterrupt:  # Ctrl-C is how --watch ends: nothing went wrong
+        print()
         return 0
-    if args.cmd == "params":
-        from eagle3.params_file import dump_params, load_params
 
-        print(dump_params(load_params(args.params, args.overrides)), end="")
-        return 0
-    raise AssertionError(f"unhandled command {args.cmd!r}")  # argparse only admits the five above
+
+def _verify(args: argparse.Namespace) -> int:
+    from eagle3.commands.verify import verify_run
+
+    problems = verify_run(args.run_dir, check_values=not args.no_values)
+    for line in problems:
+        print(line)
+    print(f"eagle3 verify: {len(problems)} problem(s) in {args.run_dir}" if problems
+          else f"eagle3 verify: {args.run_dir}: no problem found", flush=True)
+    return 1 if problems else 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from eagle3.commands.report import render_report
+
+    print(render_report(args.run_dir))
+    return 0
+
+
+def _params(args: argparse.Namespace) -> int:
+    from eagle3.params_file import dump_params, load_params
+
+    print(dump_params(load_params(args.params, args.overrides)), end="")
+    return 0
+
+
+_COMMANDS = {"run": _run, "status": _status, "verify": _verify, "report": _report, "params": _params}
 
 
 def invocation() -> list[str]:
@@ -129,7 +141,7 @@ def _interrupted_message(args: argparse.Namespace, exc) -> str:  # exc: a RunInt
     command that resumes (the same options, the stages from the interrupted one on)."""
     import shlex
 
-    from eagle3.runner import format_stages, params_options, parse_stages, resume_stages
+    from eagle3.commands.run import KERNEL, format_stages, params_options, parse_stages, resume_stages
 
     prog = invocation()
     cmd = [*prog, "run", args.params]
@@ -140,7 +152,7 @@ def _interrupted_message(args: argparse.Namespace, exc) -> str:  # exc: a RunInt
     else:
         cmd += ["--stages", args.stages] + (["--redo", args.redo] if args.redo else [])
     cmd += params_options(args.run_name, args.overrides)
-    cmd += (["--kernel", args.kernel] if args.kernel != "eagle3" else []) + (["--no-report"] if args.no_report else [])
+    cmd += (["--kernel", args.kernel] if args.kernel != KERNEL else []) + (["--no-report"] if args.no_report else [])
     what = str(exc) if exc is not None else "interrupted (Ctrl-C)"
     where = f" (`{shlex.join([*prog, 'status', str(exc.run_dir)])}` shows it)" if exc is not None and exc.run_dir else ""
     return (f"\neagle3: {what}. What was written is kept{where}; each stage resumes its own work.\n"
@@ -161,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return _dispatch(args)
+        return _COMMANDS[args.cmd](args)
     except RunInterrupted as exc:
         print(_interrupted_message(args, exc), file=sys.stderr, flush=True)
         return 130  # 128 + SIGINT, as a shell reports a Ctrl-C'd program

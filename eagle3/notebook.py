@@ -27,7 +27,7 @@ def setup(params_file: str | None, run_dir: str | None = None, overrides: list[s
         tuple: ``(Params, run_dir)``.
 
     Raises:
-        ParamsError: see :func:`eagle3.config.load_params` and :func:`eagle3.rundir.prepare_run_dir`.
+        ParamsError: see :func:`eagle3.params_file.load_params` and :func:`eagle3.rundir.prepare_run_dir`.
     """
     pf = Path(params_file) if params_file else None
     if pf is not None and not pf.is_absolute() and not pf.exists():
@@ -51,11 +51,12 @@ def run_dir_note(run_dir: str | Path, chosen: bool) -> str:
 
     A notebook opened in JupyterLab with the default ``run_dir = None`` lands in
     ``outputs/<run.name>``, which may be a finished run made by ``make run``: the line says so, and
-    that its complete stages are read, not redone or rewritten (issue 16).
+    that its complete stages are read, not redone or rewritten.
     """
-    from eagle3.rundir import STAGES, stage_complete
+    from eagle3.rundir import STAGES
+    from eagle3.stage import stage_record
 
-    done = [s for s in STAGES if stage_complete(run_dir, s)]
+    done = [s for s in STAGES if stage_record(run_dir, s).complete]
     how = ("set in the parameters cell" if chosen else
            "the default `outputs/<run.name>` of the params file; set `run_dir` in the parameters cell to open another run")
     if done:

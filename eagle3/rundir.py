@@ -1,9 +1,10 @@
 """Every path of a run, in one place.
 
-A run directory (``<run.output_dir>/<run.name>``) holds ``params.yaml``, one folder per stage and
-``report/``::
+A run directory (``<run.output_dir>/<run.name>``) holds ``params.yaml``, the executed notebooks, one
+folder per stage and ``report/``::
 
     params.yaml
+    notebooks/      the executed stage notebooks (eagle3 run)
     01_synthesize/  samples.jsonl, progress.json, stats.json, inputs.json (every stage)
     02_vocab/       train.parquet, heldout.parquet, vocab_mapping.safetensors, mapping.json, ...
     03_extract/     meta.json, manifest.jsonl, preflight.json, rows_*/NNNNNN.safetensors
@@ -25,7 +26,6 @@ already holds a stage folder. See docs/DESIGN.md "Stage contracts" for what each
 
 from __future__ import annotations
 
-import json
 import shlex
 from pathlib import Path
 
@@ -49,7 +49,6 @@ __all__ = [
     "notebook_path",
     "resolve_run_dir",
     "stage_dir",
-    "stage_complete",
     "prepare_run_dir",
 ]
 
@@ -79,6 +78,7 @@ PROGRESS_FILE = "progress.json"
 STATS_FILE = "stats.json"
 INPUTS_FILE = "inputs.json"  # digests of the upstream files a finished stage consumed (eagle3.stage)
 REPORT_DIR = "report"
+EXECUTED_DIR = "notebooks"  # the stage notebooks as `eagle3 run` executed them
 
 # Stage 1
 SAMPLES_FILE = "samples.jsonl"
@@ -103,7 +103,7 @@ OFFLINE_RECORDS_FILE = "offline_records.jsonl"
 ENGINE_LOGS_DIR = "logs"  # vllm_<method>.log of each measurement
 VLLM_RESULT_FILE = "vllm_{method}.json"  # method: eagle3 | ngram | none; the job beside it as .job.json
 
-# What a stage starting over on changed inputs keeps (eagle3.runner.reopen_stage; globs in the stage
+# What a stage starting over on changed inputs keeps (eagle3.commands.run.reopen_stage; globs in the stage
 # folder): files whose reuse the stage's own resume decides by content, so that a start-over, or one
 # interrupted and run again on the earlier params, redoes none of the work they hold. Stage 1: the
 # self-written prompts (they depend on the target and the self-prompting settings, never on the prompt
@@ -146,30 +146,20 @@ def stage_dir(run_dir: str | Path, stage: int, create: bool = True) -> Path:
     return d
 
 
-def stage_complete(run_dir: str | Path, stage: int) -> bool:
-    """True when the stage's ``stats.json`` exists and says ``complete``."""
-    f = Path(run_dir) / STAGES[stage] / STATS_FILE
-    if not f.exists():
-        return False
-    return bool(json.loads(f.read_text(encoding="utf-8")).get("complete"))
-
-
 def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_file: str | Path | None = None,
                     stages=None, options=()) -> Path:
     """Create (or re-open) the run directory and write the resolved ``params.yaml`` into it.
 
     A run directory belongs to one set of params: re-opening it with params whose results would
-    differ is refused (``ParamsError`` listing the differing keys), so that no stage ever mixes
-    outputs of two configurations. Tracking settings and names may change between calls. One
-    exception: params that only one stage reads (:data:`eagle3.config.STAGE_OWN_SECTIONS`:
-    ``evaluate.*``, stage 5) may change when that stage is in ``redo`` (it is measured again on the
-    new params; the earlier stages' outputs, e.g. the training prompts stage 5 excludes, stay), and
-    are ignored when that stage is not among ``stages``: a notebook of stage 1, or ``eagle3 run
-    --stages 1-4``, opened with the default params on a run whose stage 5 measured the user's own
-    sets, runs its stages (which never read ``evaluate.*``) and leaves the run's ``params.yaml``, the
-    record of what stage 5 measured, as it is. The written ``params.yaml`` names the folder it lies
-    in (``run.name`` = the folder's name, where that is a valid run name), so that it resolves to this
-    run whoever opened it.
+    differ is refused, so that no stage ever mixes outputs of two configurations. Tracking settings
+    and names may change between calls. Params that only one stage reads
+    (:data:`eagle3.params_file.STAGE_OWN_SECTIONS`: ``evaluate.*``, stage 5) may change when that stage is
+    in ``redo`` (it is measured again on the new params; the earlier stages' outputs stay), and are
+    ignored when that stage is not among ``stages``: a stage-1 notebook or ``eagle3 run --stages 1-4``
+    with the default params, on a run whose stage 5 measured the user's own sets, runs its stages
+    (which never read ``evaluate.*``) and keeps the run's ``params.yaml``, the record of what stage 5
+    measured. The written ``params.yaml`` names the folder it lies in (``run.name`` = the folder's
+    name, where that is a valid run name), so that it resolves to this run whoever opens it.
 
     Args:
         params: the resolved :class:`eagle3.config.Params`.
@@ -179,8 +169,7 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
         stages: the stages this call runs or shows (``eagle3 run --stages``, a notebook's own stage);
             None = every stage.
         options: the command-line options the refusal's suggested command repeats (``--set``,
-            ``--run-name``; ``eagle3 run`` passes its own), so that the command it names runs the
-            params that were refused, not the file's.
+            ``--run-name``), so that the command it names runs the params that were refused.
 
     Returns:
         Path: the run directory.
@@ -189,52 +178,58 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
         ParamsError: ``params.yaml`` exists with a different fingerprint (the message lists the keys
             and what to do: the ``--redo`` command for a one-stage change, else a new run name).
     """
-    # config imports nothing of ours but errors; imported here so that `rundir` stays importable
+    # params_file imports config and errors; imported here so that `rundir` stays importable
     # from config-free code (the report).
     from eagle3.io import atomic_write_text
-    from eagle3.params_file import (
-        STAGE_OWN_SECTIONS,
-        changed_stage,
-        diff_params,
-        dump_params,
-        load_params,
-        params_fingerprint,
-    )
+    from eagle3.params_file import dump_params, load_params
 
     rd = Path(run_dir) if run_dir is not None else resolve_run_dir(params)
     rd.mkdir(parents=True, exist_ok=True)
     pfile = rd / PARAMS_FILE
-    if pfile.exists():
-        old = load_params(pfile)
-        if params_fingerprint(old) != params_fingerprint(params):
-            s, diffs = changed_stage(old, params), diff_params(old, params)
-            if s is not None and stages is not None and s not in set(stages):
-                # only params of a stage this call does not run differ: the stages run here do not read
-                # them, and the run's params.yaml stays the record that stage's outputs were made with
-                print(f"eagle3: these params differ from the run's only in {_own_section(s)}.* (read by stage {s} alone, "
-                      f"which this call does not run); the run's {PARAMS_FILE} is kept: " + "; ".join(diffs),
-                      flush=True)
-                return rd
-            if s is None or s not in set(redo or ()):
-                raise ParamsError(_params_refusal(rd, diffs, s, STAGE_OWN_SECTIONS, params_file, options))
-            # accepted: one stage's own params, that stage redone; say what changed
-            print("eagle3: params changed since this run was made (the stage that reads them is redone): "
-                  + "; ".join(diffs), flush=True)
-    # the directory is the run: its params.yaml names the folder it lies in, whichever params file
-    # opened it (a notebook that opened outputs/<a> with a params file of run.name b wrote b there, and
-    # a later setup on that params.yaml resolved to outputs/b, another run)
-    folder = rd.resolve().name
-    if params.run.name != folder:
-        try:
-            params = params.model_copy(update={"run": type(params.run)(**(params.run.model_dump() | {"name": folder}))})
-        except ValueError:  # a folder name that is no run name (pydantic's ValidationError): keep the params'
-            pass
-    atomic_write_text(pfile, dump_params(params))
+    if pfile.exists() and not _replaces_recorded(load_params(pfile), params, rd, redo, stages, params_file, options):
+        return rd
+    atomic_write_text(pfile, dump_params(_named_after(params, rd.resolve().name)))
     return rd
 
 
+def _replaces_recorded(old, params, rd: Path, redo, stages, params_file, options) -> bool:
+    """:func:`prepare_run_dir`'s rule for a run whose ``params.yaml`` holds ``old``: True when
+    ``params`` are written over it (the same fingerprint, or only the own params of a stage in
+    ``redo`` differ); False when only the own params of a stage outside ``stages`` differ (the run's
+    file is kept). Raises ParamsError (:func:`_params_refusal`) for any other difference."""
+    from eagle3.params_file import STAGE_OWN_SECTIONS, changed_stage, diff_params, params_fingerprint
+
+    if params_fingerprint(old) == params_fingerprint(params):
+        return True
+    s, diffs = changed_stage(old, params), diff_params(old, params)
+    if s is not None and stages is not None and s not in set(stages):
+        # only params of a stage this call does not run differ: the stages run here do not read
+        # them, and the run's params.yaml stays the record that stage's outputs were made with
+        print(f"eagle3: these params differ from the run's only in {_own_section(s)}.* (read by stage {s} alone, "
+              f"which this call does not run); the run's {PARAMS_FILE} is kept: " + "; ".join(diffs), flush=True)
+        return False
+    if s is None or s not in set(redo or ()):
+        raise ParamsError(_params_refusal(rd, diffs, s, STAGE_OWN_SECTIONS, params_file, options))
+    # accepted: one stage's own params, that stage redone; say what changed
+    print("eagle3: params changed since this run was made (the stage that reads them is redone): "
+          + "; ".join(diffs), flush=True)
+    return True
+
+
+def _named_after(params, folder: str):
+    """``params`` with ``run.name`` = ``folder``: the run's ``params.yaml`` names the folder it lies in,
+    whichever params file opened it, so that it resolves to this run and not to the run its params
+    file named. A folder name that is no valid run name keeps the params' own."""
+    if params.run.name == folder:
+        return params
+    try:
+        return params.model_copy(update={"run": type(params.run)(**(params.run.model_dump() | {"name": folder}))})
+    except ValueError:  # pydantic's ValidationError
+        return params
+
+
 def _own_section(stage: int) -> str:
-    """The params section that ``stage`` alone reads (:data:`eagle3.config.STAGE_OWN_SECTIONS`)."""
+    """The params section that ``stage`` alone reads (:data:`eagle3.params_file.STAGE_OWN_SECTIONS`)."""
     from eagle3.params_file import STAGE_OWN_SECTIONS
 
     return next(k for k, v in STAGE_OWN_SECTIONS.items() if v == stage)
@@ -247,13 +242,13 @@ def _params_refusal(rd: Path, diffs: list[str], stage: int | None, own: dict[str
     again = (" " + shlex.join(options)) if options else ""
     msg = (f"Run directory {rd} was created with different params ({rd / PARAMS_FILE}); refusing to mix "
            f"outputs of two configurations. Differences:\n  " + "\n  ".join(diffs) + "\n")
-    # the way back to the run as it was made (a user who redid stage 5 on their own sets, then ran the
-    # default params again, found only ways that drop those sets)
+    # the way back to the run as it was made (after stage 5 was redone on the user's own sets, the
+    # default params again would otherwise leave only ways that drop those sets)
     reopen = (f" To re-open this run as it was made, use its own params: `eagle3 run {rd / PARAMS_FILE}` "
               f"(in a notebook's parameters cell: params_file = \"{rd / PARAMS_FILE}\", run_dir = \"{rd}\").")
     if stage is not None:
-        # the file's other settings of that section replace the run's (a user's own evaluation sets went
-        # missing that way): the run's own params with the same options change only what they name
+        # the file's other settings of that section replace the run's (a user's own evaluation sets would
+        # go missing that way): the run's own params with the same options change only what they name
         keep = (f" To change only what your options name and keep the run's other {_own_section(stage)}.* settings, "
                 f"start from its own params: `eagle3 run {rd / PARAMS_FILE}{again} --stages {stage} --redo {stage}`."
                 if again else "")
@@ -266,8 +261,8 @@ def _params_refusal(rd: Path, diffs: list[str], stage: int | None, own: dict[str
 
 
 class RunDir:
-    """The paths of one run directory. Pure path arithmetic: nothing is created or read except
-    by :meth:`stage` with ``create=True`` and :meth:`complete`.
+    """The paths of one run directory. Pure path arithmetic: nothing is read, and nothing is created
+    except by :meth:`stage` with ``create=True`` (whether a stage is complete: :func:`eagle3.stage.stage_record`).
 
     Args:
         root: the run directory (``resolve_run_dir(params)``).
@@ -288,25 +283,26 @@ class RunDir:
         return stage_dir(self.root, stage, create=create)
 
     def progress(self, stage: int) -> Path:
-        """``<NN_name>/progress.json``: the live state of a stage (eagle3.io.Progress)."""
+        """``<NN_name>/progress.json``: the live state of a stage (:class:`eagle3.stage.Progress`)."""
         return self.stage(stage) / PROGRESS_FILE
 
     def stats(self, stage: int) -> Path:
-        """``<NN_name>/stats.json``: a finished stage's numbers (``complete: true``)."""
+        """``<NN_name>/stats.json``: a finished stage's numbers (``complete: true``; :func:`eagle3.stage.stage_record`)."""
         return self.stage(stage) / STATS_FILE
 
     def inputs(self, stage: int) -> Path:
         """``<NN_name>/inputs.json``: sha256 of every earlier stage's file the finished stage consumed."""
         return self.stage(stage) / INPUTS_FILE
 
-    def complete(self, stage: int) -> bool:
-        """True when the stage's ``stats.json`` says ``complete``."""
-        return stage_complete(self.root, stage)
-
     @property
     def params_file(self) -> Path:
         """``params.yaml``: the resolved params the run was made with."""
         return self.root / PARAMS_FILE
+
+    @property
+    def executed_dir(self) -> Path:
+        """``notebooks/``: the stage notebooks as ``eagle3 run`` executed them (with their outputs)."""
+        return self.root / EXECUTED_DIR
 
     @property
     def report_dir(self) -> Path:

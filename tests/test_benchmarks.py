@@ -35,7 +35,7 @@ def test_host_profile_parts_name_functions_that_exist():
     import torch.optim.adam
     import torch.optim.adamw  # noqa: F401
 
-    import eagle3.io
+    import eagle3.stage.progress
     import eagle3.train.data
     import eagle3.train.loop
     import eagle3.train.metrics  # noqa: F401

@@ -10,8 +10,8 @@ from safetensors.torch import save_file
 
 from eagle3.contracts.hidden_states import write_manifest
 from eagle3.contracts.samples import write_samples
-from eagle3.io import write_stats
 from eagle3.rundir import RunDir
+from eagle3.stage import write_stats
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("compare_runs", ROOT / "scripts" / "compare_runs.py")

@@ -233,9 +233,9 @@ def test_params_show_each_source_with_the_fields_of_its_kind(tmp_path, capsys):
 
 
 def test_evaluate_section_is_read_by_stage_5_only():
-    """STAGE_OWN_SECTIONS' claim: no module outside eagle3/evaluate/ reads params.evaluate (stage.py's
+    """STAGE_OWN_SECTIONS' claim: no module outside eagle3/evaluate/ reads params.evaluate (stage/inputs.py's
     consumed_files only for stage 5's record; rundir.py's evaluated_drafter, which only stage 5 and that
-    record call; runner.py's check_prompt_files, which reads stage 5's prompt files before stage 5 runs),
+    record call; commands/run.py's check_prompt_files, which reads stage 5's prompt files before stage 5 runs),
     and no notebook of stages 1-4 mentions it."""
     import ast
 
@@ -250,9 +250,9 @@ def test_evaluate_section_is_read_by_stage_5_only():
         tree = ast.parse(f.read_text(encoding="utf-8"))
         allowed: set[int] = set()
         for fn in ast.walk(tree):
-            if isinstance(fn, ast.FunctionDef) and (rel, fn.name) in {("eagle3/stage.py", "consumed_files"),
+            if isinstance(fn, ast.FunctionDef) and (rel, fn.name) in {("eagle3/stage/inputs.py", "consumed_files"),
                                                                        ("eagle3/rundir.py", "evaluated_drafter"),
-                                                                       ("eagle3/runner.py", "check_prompt_files")}:
+                                                                       ("eagle3/commands/run.py", "check_prompt_files")}:
                 allowed |= {n.lineno for n in ast.walk(fn) if hasattr(n, "lineno")}
         for n in ast.walk(tree):
             reads = (isinstance(n, ast.Attribute) and n.attr == "evaluate"
@@ -264,7 +264,7 @@ def test_evaluate_section_is_read_by_stage_5_only():
     assert found == []
     callers = sorted(f.relative_to(ROOT).as_posix() for f in (ROOT / "eagle3").rglob("*.py")
                      if ".evaluated_drafter(" in f.read_text(encoding="utf-8"))
-    assert callers == ["eagle3/evaluate/stage.py", "eagle3/stage.py"]
+    assert callers == ["eagle3/evaluate/stage.py", "eagle3/stage/inputs.py"]
     for nb in sorted((ROOT / "notebooks").glob("0[1-4]_*.ipynb")):
         assert "evaluate" not in nb.read_text(encoding="utf-8"), nb.name
 

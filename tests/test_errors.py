@@ -17,7 +17,8 @@ def test_every_error_is_an_eagle3_error_with_its_second_base():
 
 
 def test_old_names_are_the_classes_in_errors():
-    from eagle3 import evaluate, params_file, prompts, runner, synthesize, target
+    from eagle3 import evaluate, params_file, prompts, synthesize, target
+    from eagle3.commands import run
     from eagle3.extract import prepare
     from eagle3.train import model
     from eagle3.vocab import render
@@ -31,7 +32,7 @@ def test_old_names_are_the_classes_in_errors():
     assert model.TrainError is errors.TrainError
     assert evaluate.EvaluateError is errors.EvaluateError
     assert evaluate.ParityError is errors.ParityError
-    assert runner.StageFailed is errors.StageFailed
+    assert run.StageFailed is errors.StageFailed and run.StaleStage is errors.StaleStage
 
 
 def test_parity_error_lists_the_diagnosis():

@@ -39,8 +39,8 @@ from eagle3.evaluate import (
     summarize_rounds,
     vllm_serve_command,
 )
-from eagle3.io import Progress
 from eagle3.rundir import RunDir
+from eagle3.stage import Progress
 
 # ------------------------------------------------------------------------------------- metrics
 
@@ -768,7 +768,7 @@ def _stage_run_dir(tmp_params, drafter: Path, corrupt_mapping: bool = False):
 
     from eagle3.contracts.hidden_states import write_meta
     from eagle3.contracts.vocab_mapping import VocabMapping, write_mapping
-    from eagle3.io import write_stats
+    from eagle3.stage import write_stats
 
     params, run_dir = _write_run(
         tmp_params, EVAL_QUESTIONS[:2], TRAIN_QUESTIONS,
@@ -1139,7 +1139,7 @@ def test_a_moved_or_copied_run_measures_its_own_drafter(tmp_path):
     from eagle3.config import Params
     from eagle3.errors import EvaluateError
     from eagle3.evaluate.stage import find_drafter
-    from eagle3.io import write_stats
+    from eagle3.stage import write_stats
 
     orig = RunDir(tmp_path / "outputs" / "nu17")
     orig.drafter_dir.mkdir(parents=True)

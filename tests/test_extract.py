@@ -644,7 +644,8 @@ def test_broken_files_of_a_complete_stage_are_found_and_redone(ref, tmp_path):
     """A bit flip that keeps the size, a truncated file and a lost manifest line in a
     finished stage 3: `verify` names each, `--redo 3` (reopen_stage) re-checks every file against the
     manifest, redoes the two broken ones and rewrites the same manifest."""
-    from eagle3.runner import reopen_stage, verify_run
+    from eagle3.commands.run import reopen_stage
+    from eagle3.commands.verify import verify_run
 
     params, rd, _ = ref
     dst = tmp_path / "ref"
@@ -672,7 +673,7 @@ def test_broken_files_of_a_complete_stage_are_found_and_redone(ref, tmp_path):
 def test_a_stale_train_split_is_refused_then_redone(ref, tmp_path, tok):
     """A sample removed and stage 2 re-run -> a finished stage 3 refuses (not "already
     complete"), naming the changed file; `--redo 3` starts it over on the new split."""
-    from eagle3.runner import reopen_stage
+    from eagle3.commands.run import reopen_stage
 
     params, rd, _ = ref
     dst = tmp_path / "ref"

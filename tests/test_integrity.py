@@ -18,10 +18,10 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from eagle3.cli import main
+from eagle3.commands.run import run_pipeline
 from eagle3.errors import ParamsError, PromptsError, StaleStage
 from eagle3.io import file_sha256, read_json
 from eagle3.rundir import NOTEBOOKS, STAGES
-from eagle3.runner import run_pipeline
 
 PARAMS_CELL = 'params_file = None\nrun_dir = None\noverrides = []'
 
@@ -129,7 +129,8 @@ def test_a_changed_local_prompt_file_makes_stage_1_and_later_stages_stale(flow, 
     msg = str(ei.value)
     assert f"stage 1 (01_synthesize) is complete, but its inputs changed since it ran:\n  {src}: sha256 " in msg
     assert f"eagle3 run {pf} --stages 1-5 --redo 1" in msg and _runs(rd) == {1: 1, 2: 1, 3: 1, 4: 1}
-    from eagle3.runner import status_rows, verify_run
+    from eagle3.commands.status import status_rows
+    from eagle3.commands.verify import verify_run
 
     assert [r["state"] for r in status_rows(rd)][:2] == ["stale", "complete"]  # by digest, not size
     assert verify_run(rd)[0].startswith(f"stage 1 (01_synthesize) is stale: {src}: sha256 ")
@@ -198,9 +199,9 @@ def test_stage_5_starting_over_keeps_its_keyed_measurements(tmp_path):
     interrupted start-over re-run on the earlier params measures nothing again (without the keys, minutes
     of vLLM measurements are redone on identical jobs). A re-opened stage loses its progress.json
     with its stats.json, so one that then fails before it starts is not shown as 'done'."""
+    from eagle3.commands.run import reopen_stage
     from eagle3.config import Params
     from eagle3.io import atomic_write_json
-    from eagle3.runner import reopen_stage
 
     rd = tmp_path / "run"
     drafter = rd / "04_train" / "drafter" / "config.json"
@@ -238,7 +239,7 @@ def test_verify_names_a_stale_stage(flow, capsys):
     assert main(["verify", str(rd)]) == 1
     out = capsys.readouterr().out
     assert "stage 3 (03_extract) is stale: 02_vocab/train.parquet: sha256" in out and "1 problem(s)" in out
-    from eagle3.runner import status_rows
+    from eagle3.commands.status import status_rows
 
     assert [r["state"] for r in status_rows(rd)][:3] == ["complete", "complete", "stale"]  # sizes differ
     assert main(["run", str(pf), "--stages", "3"]) == 2  # the CLI: one clean line, exit 2

@@ -1,4 +1,4 @@
-"""Stage file contracts: atomic writes, progress.json, status table, report index."""
+"""File helpers (atomic writes) and the stage records they carry: progress.json, the status table."""
 
 from __future__ import annotations
 
@@ -6,15 +6,10 @@ import time
 
 import pytest
 
-from eagle3.io import (
-    Progress,
-    atomic_path,
-    atomic_write_json,
-    read_json,
-    write_stats,
-)
-from eagle3.rundir import stage_complete
-from eagle3.runner import format_status, parse_stages, status_rows
+from eagle3.commands.run import parse_stages
+from eagle3.commands.status import format_status, status_rows
+from eagle3.io import atomic_path, atomic_write_json, read_json
+from eagle3.stage import Progress, stage_record, write_stats
 
 
 def test_atomic_write_keeps_old_file_on_failure(tmp_path):
@@ -30,8 +25,8 @@ def test_atomic_write_keeps_old_file_on_failure(tmp_path):
 
 
 def test_atomic_write_gives_the_mode_of_a_plain_open(tmp_path, monkeypatch):
-    """A new user's finding: stats.json, params.yaml and the figures were 0600 (mkstemp's mode) beside a
-    0644 report page; an atomically written file now gets what open() gives under the umask."""
+    """stats.json, params.yaml and the figures are not 0600 (mkstemp's mode) beside a 0644 report page:
+    an atomically written file gets what open() gives under the umask."""
     import os
 
     import eagle3.io as eio
@@ -67,9 +62,9 @@ def test_progress_file_and_status(tmp_path):
     assert text.splitlines()[-1].startswith("tokens/s: this execution")  # which clock the column reads
     prog.close()
     assert read_json(d / "progress.json")["status"] == "done"
-    assert not stage_complete(run, 3)
+    assert not stage_record(run, 3).complete
     write_stats(d, {"samples": 10})
-    assert stage_complete(run, 3)
+    assert stage_record(run, 3).complete
     assert status_rows(run)[2]["state"] == "complete"
 
 
@@ -211,7 +206,7 @@ def test_file_sha256_and_format_bytes(tmp_path):
 
 
 def test_the_eta_follows_the_recent_rate_not_a_slow_start(tmp_path):
-    """Session 22's training on the H200: the first step compiled for 51 s and the first epoch read from
+    """A training run on an H200: the first step compiled for 51 s and the first epoch read from
     disk, so the phase's average rate put the ETA at twice the time left. Here: a 60 s first step, then
     5 steps/s for 150 s; 1,249 steps left are 250 s at the recent rate (the average says ~349 s)."""
     prog = Progress(tmp_path, total=2000, unit="steps", interval_s=0.0)

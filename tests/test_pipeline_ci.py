@@ -35,7 +35,7 @@ def ci_run(tmp_path_factory):
 
 
 def test_every_stage_complete_with_progress(ci_run):
-    from eagle3.runner import format_status
+    from eagle3.commands.status import format_status
 
     for name in STAGES.values():
         assert read_json(ci_run / name / "stats.json")["complete"], name

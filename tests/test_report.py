@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.io import write_stats
 from eagle3.report import MISSING, headline_keys, index_html, key_numbers, stats_classes
 from eagle3.rundir import STAGES, stage_dir
-from eagle3.stage import Stats
+from eagle3.stage import Stats, write_stats
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,7 +69,7 @@ def test_the_index_says_what_stage_1_left_out(tmp_path):
 
 
 def test_a_half_done_stage_says_how_far_it_got(tmp_path):
-    from eagle3.io import Progress
+    from eagle3.stage import Progress
 
     write_stats(stage_dir(tmp_path, 1), {"samples": 3})
     with pytest.raises(KeyError):

@@ -104,7 +104,7 @@ def _widget_nb():
 def test_widgets_become_static_html_in_the_report():
     from nbconvert import HTMLExporter
 
-    from eagle3.runner import static_widgets
+    from eagle3.commands.report import static_widgets
 
     nb = _widget_nb()
     assert static_widgets(nb) == 3
@@ -177,9 +177,9 @@ def test_notebook_setup_lets_table_cells_show_whole_sentences(tmp_path):
 
 
 def test_the_setup_cell_says_which_run_directory_it_opened(tmp_path):
-    from eagle3.io import write_stats
     from eagle3.notebook import run_dir_note
     from eagle3.rundir import STAGES
+    from eagle3.stage import write_stats
 
     rd = tmp_path / "smollm2-135m"
     note = run_dir_note(rd, chosen=False)

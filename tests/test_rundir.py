@@ -15,6 +15,7 @@ def test_rundir_paths(tmp_path):
         "vm": rd.vocab_mapping, "mj": rd.mapping_json, "meta": rd.extract_meta, "man": rd.manifest,
         "pf": rd.preflight, "drafter": rd.drafter_dir, "ckpt": rd.checkpoints_dir, "metrics": rd.train_metrics,
         "res": rd.evaluate_results, "params": rd.params_file, "report": rd.report_dir,
+        "executed": rd.executed_dir,
         "p2": rd.progress(2), "s5": rd.stats(5),
     }
     assert {k: v.relative_to(tmp_path).as_posix() for k, v in rel.items()} == {
@@ -23,7 +24,7 @@ def test_rundir_paths(tmp_path):
         "mj": "02_vocab/mapping.json", "meta": "03_extract/meta.json", "man": "03_extract/manifest.jsonl",
         "pf": "03_extract/preflight.json", "drafter": "04_train/drafter", "ckpt": "04_train/checkpoints",
         "metrics": "04_train/metrics.jsonl", "res": "05_evaluate/results.json", "params": "params.yaml",
-        "report": "report", "p2": "02_vocab/progress.json", "s5": "05_evaluate/stats.json",
+        "report": "report", "executed": "notebooks", "p2": "02_vocab/progress.json", "s5": "05_evaluate/stats.json",
     }
     assert list(tmp_path.iterdir()) == []  # path arithmetic only
     assert rd.stage(3, create=True).is_dir()
@@ -32,14 +33,14 @@ def test_rundir_paths(tmp_path):
 
 
 def test_stage_complete_and_notebooks(tmp_path):
-    from eagle3.io import write_stats
+    from eagle3.stage import stage_record, write_stats
 
     rd = RunDir(tmp_path)
-    assert not rd.complete(1)
+    assert not stage_record(tmp_path, 1).complete
     write_stats(rd.stage(1, create=True), {"x": 1}, complete=False)
-    assert not rd.complete(1)
+    assert not stage_record(tmp_path, 1).complete
     write_stats(rd.stage(1), {"x": 1})
-    assert rd.complete(1) and rundir.stage_complete(tmp_path, 1)
+    assert stage_record(tmp_path, 1).complete
     assert sorted(rundir.STAGES) == sorted(rundir.NOTEBOOKS) == [1, 2, 3, 4, 5]
     for n in rundir.NOTEBOOKS:
         assert rundir.notebook_path(n).is_file()

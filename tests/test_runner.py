@@ -1,4 +1,4 @@
-"""The papermill runner and the CLI on small notebooks made by the test."""
+"""The commands (run, status, report) and the CLI on small notebooks made by the test."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from eagle3.cli import main
-from eagle3.errors import ParamsError
+from eagle3.commands.run import parse_stages, run_pipeline
+from eagle3.errors import ParamsError, StageFailed
 from eagle3.io import read_json
 from eagle3.params_file import load_params
 from eagle3.rundir import NOTEBOOKS
-from eagle3.runner import StageFailed, parse_stages, run_pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,8 +35,8 @@ def _nb(path: Path, body: str) -> None:
 
 
 WRITE_STAGE = """
-from eagle3.io import write_stats, Progress
 from eagle3.rundir import stage_dir
+from eagle3.stage import Progress, write_stats
 d = stage_dir(run_dir, {s})
 with Progress(d, total=3, unit="items") as p:
     p.update(3, tokens=30)
@@ -69,9 +69,9 @@ def test_run_resume_and_status(tmp_params, nbdir, capsys):
 
 
 def test_later_stages_on_a_new_run_name_stop_before_the_folder_exists(tmp_params, nbdir, capsys):
-    """A new user's finding: `eagle3 run P --stages 5 --run-name <typo>` created the run folder, then
-    failed inside notebook 05 on the missing samples. It now stops first, names the command that runs
-    the earlier stages too, and writes nothing; the same call on the real run goes on."""
+    """`eagle3 run P --stages 5 --run-name <typo>` must not create the run folder and then fail inside
+    notebook 05 on the missing samples: it stops first, names the command that runs the earlier stages
+    too, and writes nothing; the same call on the real run goes on."""
     pf = tmp_params()
     new = Path(load_params(pf).run.output_dir) / "typo"
     with pytest.raises(ParamsError) as e:
@@ -97,7 +97,7 @@ def test_evaluate_only_params_on_an_existing_run_redo_stage_5_only(tmp_params, n
     s1 = (rd / "01_synthesize" / "stats.json").read_bytes()
     with pytest.raises(ParamsError, match=r"evaluate\.num_prompts: None -> 5\n.*--stages 5 --redo 5") as refused:
         run_pipeline(pf, [5], overrides=["evaluate.num_prompts=5"], notebooks=nbdir)
-    # the command it names keeps the override (a new user's copy-paste redid stage 5 on the file's params)
+    # the command it names keeps the override (without it, a copy-paste would redo stage 5 on the file's params)
     assert f"`eagle3 run {pf} --set evaluate.num_prompts=5 --stages 5 --redo 5`" in str(refused.value)
     # and the way that keeps the run's other evaluate.* settings (a user's own evaluation sets)
     assert (f"keep the run's other evaluate.* settings, start from its own params: `eagle3 run {rd / 'params.yaml'} "
@@ -114,9 +114,9 @@ def test_evaluate_only_params_on_an_existing_run_redo_stage_5_only(tmp_params, n
 
 def test_a_run_with_its_own_evaluate_params_opens_for_stages_1_4_and_by_its_own_params_yaml(tmp_params, nbdir, capsys,
                                                                                             tmp_path):
-    """A new user's finding: after `--stages 5 --redo 5` with their own evaluation params, `make run` and
-    every notebook refused the run on the default params. Stages 1-4 now open it (they do not read
-    evaluate.*) and keep its params.yaml; all five are refused with the way back, the run's own
+    """After `--stages 5 --redo 5` with the user's own evaluation params, `make run` and every notebook
+    open the run with the default params: stages 1-4 open it (they do not read evaluate.*) and keep
+    its params.yaml; all five are refused with the way back, the run's own
     params.yaml, which opens that run, also when the folder was copied (its params name the old one)."""
     import shutil
 
@@ -163,8 +163,8 @@ with StageRun(params, run_dir, {s}, total=3, unit="items") as st:
 DRIVE = """
 import sys
 from pathlib import Path
-import eagle3.runner
-eagle3.runner.notebooks_dir = lambda: Path(sys.argv[1])  # the test's notebooks instead of notebooks/
+import eagle3.commands.run
+eagle3.commands.run.notebooks_dir = lambda: Path(sys.argv[1])  # the test's notebooks instead of notebooks/
 from eagle3.cli import main
 from eagle3.params_file import load_params
 sys.exit(main(sys.argv[2:]))
@@ -172,9 +172,9 @@ sys.exit(main(sys.argv[2:]))
 
 
 def test_a_stage_s_stderr_line_reaches_the_terminal_once(tmp_params, tmp_path):
-    """Session-14 trial: vLLM's import-time warning ("Triton is installed, but doesn't include CPU
-    backend") showed twice in `eagle3 run`'s terminal: papermill wrote the notebook's stderr to our
-    stream and also logged it as a warning (log_output), which Python's last-resort handler printed.
+    """A stage's stderr line (vLLM's import-time warning "Triton is installed, but doesn't include CPU
+    backend") shows once in `eagle3 run`'s terminal: with log_output papermill writes the notebook's
+    stderr to our stream and also logs it as a warning, which Python's last-resort handler prints.
     A real `eagle3 run` process (in-process, pytest's own log capture would hide the second copy)."""
     d = tmp_path / "nbs"
     d.mkdir()
@@ -228,14 +228,14 @@ def test_ctrl_c_in_eagle3_run_says_how_to_resume_and_exits_130(tmp_params, nbdir
 
 
 def main_with_notebooks(args: list[str], nbdir: Path) -> int:
-    import eagle3.runner
+    import eagle3.commands.run
 
-    old = eagle3.runner.notebooks_dir
-    eagle3.runner.notebooks_dir = lambda: nbdir
+    old = eagle3.commands.run.notebooks_dir
+    eagle3.commands.run.notebooks_dir = lambda: nbdir
     try:
         return main(args)
     finally:
-        eagle3.runner.notebooks_dir = old
+        eagle3.commands.run.notebooks_dir = old
 
 
 def test_ctrl_c_ends_status_watch_quietly(tmp_path, monkeypatch, capsys):
@@ -256,7 +256,7 @@ def test_ctrl_c_ends_status_watch_quietly(tmp_path, monkeypatch, capsys):
 
 
 def test_resume_stages_after_an_interrupt():
-    from eagle3.runner import format_stages, resume_stages
+    from eagle3.commands.run import format_stages, resume_stages
 
     assert format_stages([1, 2, 3, 5]) == "1-3,5" and format_stages([4]) == "4" and format_stages([2, 4, 5]) == "2,4-5"
     assert resume_stages(3, [1, 2, 3, 4, 5], None) == ([3, 4, 5], [])
@@ -300,7 +300,7 @@ def test_python_dash_m_and_console_script(tmp_path):
 
 
 def test_report_renders_index(tmp_params, nbdir):
-    from eagle3.runner import render_report
+    from eagle3.commands.report import render_report
 
     rd = run_pipeline(tmp_params(), [1, 2], notebooks=nbdir)
     index = render_report(rd)
@@ -342,20 +342,20 @@ def test_bad_stage_selection_is_a_clear_error(spec, msg, capsys):
 
 
 def test_cli_eagle3_errors_are_clean_and_bugs_keep_their_traceback(monkeypatch, capsys):
-    import eagle3.runner
+    import eagle3.commands.report
     from eagle3.errors import TrainError
 
     def planted(*a, **k):
         raise TrainError("02_vocab/mapping.json missing: run stage 2")
 
-    monkeypatch.setattr(eagle3.runner, "render_report", planted)
+    monkeypatch.setattr(eagle3.commands.report, "render_report", planted)
     assert main(["report", "somewhere"]) == 2
     assert capsys.readouterr().err == "eagle3: 02_vocab/mapping.json missing: run stage 2\n"
 
     def bug(*a, **k):
         raise KeyError("a real bug")
 
-    monkeypatch.setattr(eagle3.runner, "render_report", bug)
+    monkeypatch.setattr(eagle3.commands.report, "render_report", bug)
     with pytest.raises(KeyError, match="a real bug"):
         main(["report", "somewhere"])
 
@@ -363,7 +363,7 @@ def test_cli_eagle3_errors_are_clean_and_bugs_keep_their_traceback(monkeypatch, 
 def test_status_into_a_closed_pipe_is_quiet(tmp_path):
     rd = tmp_path / "run"
     (rd / "01_synthesize").mkdir(parents=True)
-    code = ("import sys, eagle3.runner as r\n"
+    code = ("import sys, eagle3.commands.status as r\n"
             "r.format_status = lambda d: 'line\\n' * 200000\n"
             "from eagle3.cli import main\n"
             f"sys.exit(main(['status', {str(rd)!r}]))\n")
@@ -396,20 +396,20 @@ def test_a_read_only_run_directory_is_a_clean_error(tmp_path, capsys):
 def test_a_full_disk_is_a_clean_error(monkeypatch, capsys):
     import errno
 
-    import eagle3.runner
+    import eagle3.commands.report
 
     def full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device", "/data/run/params.yaml")
 
-    monkeypatch.setattr(eagle3.runner, "render_report", full)
+    monkeypatch.setattr(eagle3.commands.report, "render_report", full)
     assert main(["report", "x"]) == 2
     assert capsys.readouterr().err == ("eagle3: No space left on device: /data/run/params.yaml (the disk is full: "
                                        "free space or set run.output_dir to a larger disk)\n")
 
 
 def test_the_resume_hint_names_the_command_as_it_was_started(monkeypatch, tmp_path):
-    """A fresh-clone trial (session 12) was told `eagle3 run ...` after `make run`, which starts
-    `.venv/bin/python -m eagle3` (the venv's bin is not on PATH): the hint repeats how eagle3 was started."""
+    """After `make run`, which starts `.venv/bin/python -m eagle3` (the venv's bin need not be on PATH),
+    `eagle3 run ...` would not run: the hint repeats how eagle3 was started."""
     import eagle3.cli
 
     monkeypatch.chdir(tmp_path)
@@ -436,13 +436,13 @@ class _Tty(io.StringIO):
 
 
 def test_the_terminal_shows_a_running_stage_s_progress(tmp_path):
-    """`eagle3 run` echoes the running stage's progress.json (the session-12 trial saw only a start and
-    an end line per stage): a line per interval in a log, a tqdm bar on a terminal; a file left by an
+    """`eagle3 run` echoes the running stage's progress.json (not only a start and an end line per
+    stage): a line per interval in a log, a tqdm bar on a terminal; a file left by an
     earlier execution is not shown; a new unit (the stage's next phase) starts a new bar."""
     import time
 
-    from eagle3.io import Progress
-    from eagle3.runner import ProgressEcho
+    from eagle3.commands.status import ProgressEcho
+    from eagle3.stage import Progress
 
     sd = tmp_path / "03_extract"
     old = Progress(sd, total=9, unit="samples")
@@ -483,10 +483,10 @@ def test_the_terminal_shows_a_running_stage_s_progress(tmp_path):
 
 
 def test_a_log_shows_each_phase_s_end_and_start_at_once(tmp_path):
-    """New-user check: at one line a minute the log went from "673/960 self prompts" straight to
-    answering, and from "0/20 offline prompts" to the vLLM phase: a phase's end was never shown."""
-    from eagle3.io import Progress
-    from eagle3.runner import ProgressEcho
+    """At one line a minute a log must not go from "673/960 self prompts" straight to answering, or
+    from "0/20 offline prompts" to the vLLM phase: each phase's end is shown, then the next one's start."""
+    from eagle3.commands.status import ProgressEcho
+    from eagle3.stage import Progress
 
     sd = tmp_path / "05_evaluate"
     log = io.StringIO()
@@ -507,13 +507,13 @@ def test_a_log_shows_each_phase_s_end_and_start_at_once(tmp_path):
 
 def test_the_kernel_is_not_sent_sigint_when_papermill_shuts_it_down(monkeypatch):
     """jupyter_client's shutdown_kernel interrupts the kernel before asking it to shut down; after a
-    stage that finished normally ipykernel then printed 'ERROR | KeyboardInterrupt caught in kernel'
-    (two new users saw it). The runner's kernel manager skips that SIGINT; other interrupts pass."""
+    stage that finished normally ipykernel then prints 'ERROR | KeyboardInterrupt caught in kernel'.
+    `eagle3 run`'s kernel manager skips that SIGINT; other interrupts pass."""
     import asyncio
 
     from jupyter_client.manager import AsyncKernelManager
 
-    from eagle3.runner import _InterruptForwarder
+    from eagle3.commands.run import _InterruptForwarder
 
     calls = []
 

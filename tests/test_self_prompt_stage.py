@@ -42,7 +42,7 @@ def test_prepare_self_sources_writes_reuses_and_refuses_other_settings(tmp_path,
     import torch
 
     torch.set_num_threads(2)
-    from eagle3.io import Progress
+    from eagle3.stage import Progress
 
     params = _params(tmp_path)
     run_dir = params.run_dir()
@@ -150,7 +150,7 @@ def test_vllm_offline_self_prompting(tmp_path, embedded_target):
     ended at the template's end of turn, the filter counts add up (duplicates removed and counted),
     progress.json follows the kept prompts, and the same seed gives the same prompts again (vLLM's
     per-request seeds)."""
-    from eagle3.io import Progress
+    from eagle3.stage import Progress
 
     def params(name):
         p = _params(tmp_path, name, count=8, max_new_tokens=48)

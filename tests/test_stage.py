@@ -101,3 +101,34 @@ def test_consumed_files_per_stage(tmp_path):
     p.train.online = True  # online training reads no stage-3 file
     assert names(4, p)[-1] == "02_vocab/mapping.json"
     assert names(5, p)[-2:] == ["04_train/drafter/config.json", "04_train/drafter/model.safetensors"]
+
+
+def test_the_stage_record_answers_complete_and_gives_the_stats(tmp_path):
+    """stage_record is the one reader of stats.json: missing, incomplete, torn, not an object or
+    unreadable is 'not complete' (never a JSONDecodeError); complete gives the numbers and the typed stats."""
+    import os
+
+    from eagle3.stage import completed_stats, stage_record, write_stats
+
+    rec = stage_record(tmp_path, 2)
+    assert (rec.stage, rec.complete, rec.stats) == (2, False, {})
+    assert not (tmp_path / "02_vocab").exists()  # reading creates nothing
+    sd = tmp_path / "02_vocab"
+    write_stats(sd, {"samples": 3, "coverage": 0.5}, complete=False)
+    rec = stage_record(tmp_path, 2)
+    assert rec.complete is False and rec.stats["samples"] == 3 and rec.as_stats(_Stats) is None
+    write_stats(sd, {"samples": 3, "coverage": 0.5})
+    rec = stage_record(tmp_path, 2)
+    assert rec.complete is True and rec.stats["coverage"] == 0.5 and rec.stats["complete"] is True
+    assert rec.as_stats(_Stats) == _Stats(samples=3, coverage=0.5) == completed_stats(tmp_path, 2, _Stats)
+    for damaged in (b'{"samples": 3, "compl', b"[1, 2]", b"\xff\xfe", b""):
+        (sd / "stats.json").write_bytes(damaged)
+        assert stage_record(tmp_path, 2) == type(rec)(stage=2, complete=False, stats={}), damaged
+        assert completed_stats(tmp_path, 2, _Stats) is None
+    write_stats(sd, {"samples": 3, "coverage": 0.5})
+    if os.geteuid() != 0:  # root reads a file without read permission
+        (sd / "stats.json").chmod(0)
+        try:
+            assert stage_record(tmp_path, 2).complete is False
+        finally:
+            (sd / "stats.json").chmod(0o644)

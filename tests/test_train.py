@@ -1127,8 +1127,8 @@ def test_verify_checks_the_checkpoints_and_the_exported_drafter(ref_run, tmp_pat
     """Issue 15: `eagle3 verify` covers stage 4: a damaged or incomplete checkpoint, and a draft vocab
     mapping replaced after training (every checkpoint's mapping_digest, the drafter's d2t/t2d and
     the stale stage 4 are named)."""
+    from eagle3.commands.verify import verify_run
     from eagle3.contracts.vocab_mapping import VocabMapping, mapping_digest, read_mapping, write_mapping
-    from eagle3.runner import verify_run
 
     rd, _, params = ref_run
     rd2 = tmp_path / "run"

@@ -25,7 +25,8 @@ from eagle3.errors import EvaluateError
 from eagle3.evaluate.drafter import Eagle3Drafter, crop_cache
 from eagle3.evaluate.metrics import summarize_rounds
 from eagle3.hooks import CachedCapture
-from eagle3.io import Progress, json_digest, read_jsonl
+from eagle3.io import json_digest, read_jsonl
+from eagle3.stage import Progress
 
 __all__ = [
     "speculative_accept",

@@ -40,9 +40,9 @@ from eagle3.evaluate.vllm_jobs import (
     vllm_serve_command,
     vllm_summary,
 )
-from eagle3.io import Progress, atomic_write_json, file_sha256, json_digest, read_json, read_jsonl
+from eagle3.io import atomic_write_json, file_sha256, json_digest, read_json, read_jsonl
 from eagle3.rundir import ENGINE_LOGS_DIR, EVALUATE, EXTRACT, TRAIN, RunDir
-from eagle3.stage import StageRun, Stats
+from eagle3.stage import Progress, StageRun, Stats, stage_record
 
 __all__ = ["EvaluateStats", "find_drafter", "training_reference", "run"]
 
@@ -228,8 +228,8 @@ def _finished(params, inp: _Inputs, rd: RunDir) -> EvaluateStats | None:
     ``stats.json`` and ``progress.json`` as they were (issue 16).
     """
     ev = params.evaluate
-    st = read_json(rd.stats(EVALUATE), None)
-    if not st or not st.get("complete") or not rd.evaluate_results.exists():
+    rec = stage_record(rd.root, EVALUATE)
+    if not rec.complete or not rd.evaluate_results.exists():
         return None
     if "offline" in ev.backends:
         key = _offline_key(params, inp)
@@ -243,7 +243,7 @@ def _finished(params, inp: _Inputs, rd: RunDir) -> EvaluateStats | None:
         if not res or res.get("job_key") != _job(params, inp, method)[1]:
             return None
     try:
-        return EvaluateStats.from_dict(st)
+        return EvaluateStats.from_dict(rec.stats)
     except (TypeError, ValueError):  # a stats.json of an older layout: measure again
         return None
 

@@ -12,8 +12,7 @@ from eagle3.config import Params
 from eagle3.contracts import hidden_states as hs
 from eagle3.errors import ExtractError
 from eagle3.extract.prepare import Setup, extract_dir, load_rows
-from eagle3.io import write_stats
-from eagle3.stage import StageRun, Stats
+from eagle3.stage import StageRun, Stats, write_stats
 
 __all__ = ["ExtractStats", "finalize", "verify"]
 

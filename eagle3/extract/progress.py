@@ -9,7 +9,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from eagle3.distributed import DistContext
-from eagle3.io import Progress, read_json
+from eagle3.io import read_json
+from eagle3.stage import Progress
 
 __all__ = ["ExtractProgress", "make_progress"]
 

@@ -27,10 +27,10 @@ from eagle3.extract.finalize import ExtractStats, finalize
 from eagle3.extract.prepare import Prepared, extract_dir, prepare
 from eagle3.extract.progress import make_progress
 from eagle3.hooks import PrefillCapture
-from eagle3.io import atomic_write_json, atomic_write_text, read_json
+from eagle3.io import atomic_write_json, atomic_write_text
 from eagle3.params_file import dump_params
 from eagle3.rundir import EXTRACT
-from eagle3.stage import StageRun, check_fresh
+from eagle3.stage import StageRun, check_fresh, stage_record
 
 __all__ = ["run"]
 
@@ -70,10 +70,10 @@ def run(params: Params, run_dir: str | Path, *, write_fn: Callable | None = None
     if ep.data_parallel > 1 and not in_torchrun():
         return ExtractStats.from_dict(_launch_data_parallel(params, run_dir, ep.data_parallel))
     sd = extract_dir(run_dir)
-    st = read_json(sd / "stats.json", {}) or {}
-    if st.get("complete"):
+    rec = stage_record(run_dir, EXTRACT)
+    if rec.complete:
         check_fresh(run_dir, EXTRACT, params, ExtractError)  # finished on other inputs: refuse, say how to redo
-        return ExtractStats.from_dict(st)
+        return ExtractStats.from_dict(rec.stats)
     if ep.backend == "vllm":
         from eagle3.extract.vllm_backend import run_vllm
 
@@ -88,13 +88,13 @@ def _launch_data_parallel(params: Params, run_dir: Path, nproc: int) -> dict:
     pfile = sd / "torchrun_params.yaml"
     atomic_write_text(pfile, dump_params(params))
     rc, cmd = launch_torchrun("eagle3.extract", pfile, run_dir, nproc)
-    stats = read_json(sd / "stats.json", {}) or {}
-    if rc != 0 or not stats.get("complete"):
+    rec = stage_record(run_dir, EXTRACT)
+    if rc != 0 or not rec.complete:
         raise ExtractError(
             f"data-parallel extraction failed (exit code {rc}); see the output above and "
             f"{sd / 'progress.json'}. Re-running resumes. Command: {' '.join(cmd)}"
         )
-    return stats
+    return rec.stats
 
 
 class _Calibration:

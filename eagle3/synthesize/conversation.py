@@ -16,8 +16,8 @@ from typing import Any
 from eagle3.chat import ChatRenderer
 from eagle3.contracts.samples import SampleStore
 from eagle3.errors import SynthesisError
-from eagle3.io import Progress
 from eagle3.prompts import Prompt
+from eagle3.stage import Progress
 from eagle3.synthesize.turns import TurnRequest, TurnResult
 
 __all__ = ["Conversation", "prepare", "Session", "run_batched"]

@@ -248,9 +248,9 @@ def _run_stage(params: Params, run_dir: Path, shared: list) -> SynthesizeStats:
     if any(src.kind == "self" for src in syn.sources):
         # the target writes these prompts first (resumable, 01_synthesize/self_prompts/); they then
         # load as file sources labelled "self" (eagle3.self_prompt)
-        from eagle3.io import Progress
         from eagle3.rundir import stage_dir
         from eagle3.self_prompt import prepare_self_sources, self_sources_pending
+        from eagle3.stage import Progress
 
         total = sum(src.self_prompt.count for src in syn.sources if src.kind == "self")
         # progress.json during self-prompting (done = prompts kept); the StageRun below replaces it.

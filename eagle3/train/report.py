@@ -12,6 +12,7 @@ from matplotlib.figure import Figure
 
 from eagle3.io import read_json
 from eagle3.rundir import TRAIN, RunDir
+from eagle3.stage import stage_record
 
 __all__ = ["load_metrics", "checkpoint_table", "plot_training", "plot_validation", "inputs_table", "export_summary"]
 
@@ -35,7 +36,7 @@ def checkpoint_table(run_dir: str | Path):
     import pandas as pd
 
     rd = RunDir(run_dir)
-    stats = read_json(rd.stats(TRAIN), {}) or {}
+    stats = stage_record(run_dir, TRAIN).stats
     rows = []
     for d in sorted(rd.checkpoints_dir.glob("step_*")):
         st = read_json(d / "state.json")
@@ -135,9 +136,9 @@ def export_summary(run_dir: str | Path) -> dict:
     from eagle3.contracts.drafter import check_drafter
 
     rd = RunDir(run_dir)
-    stats = read_json(rd.stats(TRAIN), {}) or {}
-    d = rd.drafter_dir
-    if not stats.get("complete") or not d.exists():
+    rec = stage_record(run_dir, TRAIN)
+    stats, d = rec.stats, rd.drafter_dir
+    if not rec.complete or not d.exists():
         return {"exported": False}
     cfg = json.loads((d / "config.json").read_text())
     verifier = cfg["speculators_config"]["verifier"]["name_or_path"]

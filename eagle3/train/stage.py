@@ -25,7 +25,7 @@ from eagle3.errors import TrainError
 from eagle3.io import atomic_write_json, atomic_write_text, read_json
 from eagle3.params_file import dump_params, load_params, params_fingerprint
 from eagle3.rundir import TRAIN, RunDir
-from eagle3.stage import StageRun, Stats, check_fresh
+from eagle3.stage import StageRun, Stats, check_fresh, stage_record
 from eagle3.train.loop import Trainer, TrainingInterrupted
 
 __all__ = ["TrainStats", "TrainStopped", "run", "main"]
@@ -137,19 +137,19 @@ def _launch_torchrun(params: Params, run_dir: Path, stop_after: int | None) -> T
     rc, cmd = launch_torchrun("eagle3.train", pfile, run_dir, params.train.data_parallel, extra, omp_threads=True)
     if rc != 0:
         raise TrainError(f"torchrun exited with code {rc}: {' '.join(cmd)} (see its output above)")
-    st = read_json(sd / "stats.json") or {}
-    return TrainStats.from_dict(st) if st.get("complete") else TrainStopped.from_dict(read_json(sd / "last_call.json"))
+    rec = stage_record(run_dir, TRAIN)
+    return TrainStats.from_dict(rec.stats) if rec.complete else TrainStopped.from_dict(read_json(sd / "last_call.json"))
 
 
 def _train(params: Params, run_dir: Path, ctx: DistContext, stop_after: int | None) -> dict:
     t_setup = time.time()
-    done = read_json(RunDir(run_dir).stats(TRAIN)) or {}
-    if done.get("complete"):
+    done = stage_record(run_dir, TRAIN)
+    if done.complete:
         check_fresh(run_dir, TRAIN, params, TrainError)  # finished on other inputs: refuse, say how to redo
     tr = Trainer(params, run_dir, ctx)
     state = tr.setup()
-    if int(state["step"]) == tr.total and done.get("complete") and (RunDir(run_dir).drafter_dir / "config.json").exists():
-        return done  # finished earlier: nothing to redo
+    if int(state["step"]) == tr.total and done.complete and (RunDir(run_dir).drafter_dir / "config.json").exists():
+        return done.stats  # finished earlier: nothing to redo
     tr.clean_for_resume()
     progress = None if ctx.main else (lambda d: None)  # one progress.json: rank 0's
     with StageRun(params, run_dir, TRAIN, total=tr.total, unit="steps", done=int(state["step"]),
@@ -171,7 +171,7 @@ def _train(params: Params, run_dir: Path, ctx: DistContext, stop_after: int | No
             _figures(run_dir, st)
             out = st.finish(stats)
     ctx.barrier()
-    return out if ctx.main else (read_json(tr.sd / "stats.json") or {})
+    return out if ctx.main else stage_record(run_dir, TRAIN).stats
 
 
 def _last_record(metrics_file: Path, kind: str) -> dict | None:

@@ -1,0 +1,108 @@
+"""``eagle3 report RUN``: the executed notebooks rendered to static HTML pages that open offline,
+the stage figures beside them, and the index page (its content: :mod:`eagle3.report`)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+from eagle3.errors import RunnerError
+from eagle3.rundir import NOTEBOOKS, STAGES, RunDir
+
+__all__ = ["render_report", "static_widgets", "offline_html"]
+
+
+_REMOTE_SCRIPT = re.compile(r"<script[^>]*\bsrc=[\"']https?://[^>]*>\s*</script>", re.I)
+
+
+def offline_html(body: str) -> str:
+    """Remove ``<script src="https://...">`` tags (require.js, MathJax from a CDN) from nbconvert
+    output, so that the report renders with no network and no failed requests."""
+    return _REMOTE_SCRIPT.sub("", body)
+
+
+_WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def _final_bar_html(model_id: str, state: dict) -> str | None:
+    """The last state of a tqdm notebook bar (HBox of HTML, FloatProgress, HTML) as static HTML."""
+    box = state.get(model_id, {})
+    kids = [state.get(str(c).removeprefix("IPY_MODEL_"), {}) for c in box.get("state", {}).get("children", [])]
+    if box.get("model_name") != "HBoxModel" or [k.get("model_name") for k in kids] != [
+            "HTMLModel", "FloatProgressModel", "HTMLModel"]:
+        return None
+    pre, bar, post = (k.get("state", {}) for k in kids)
+    value, top = bar.get("value") or 0, bar.get("max") or 0
+    return (f"<div class='eagle3-progress'><code>{pre.get('value', '')}</code> "
+            f"<progress value='{value}' max='{top}'></progress> <code>{post.get('value', '')}</code></div>")
+
+
+def static_widgets(nb) -> int:
+    """Replace each widget output of an executed notebook by static HTML, in place; returns how many.
+
+    The report renders without a widget manager, where nbconvert would fall back to the widget's
+    ``text/plain`` repr (a tqdm bar's *first* state, "0%"; ``VBox(children=...)``). A progress bar
+    becomes its last state (from the notebook's saved widget state); an output that carries its own
+    ``text/html`` (the vocab explorer's static block) keeps that; any other widget says where it runs.
+    """
+    state = (nb.metadata.get("widgets") or {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+    n = 0
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data") or {}
+            if _WIDGET_VIEW not in data:
+                continue
+            html_text = data.get("text/html") or _final_bar_html(data[_WIDGET_VIEW].get("model_id", ""), state) or (
+                "<p><em>(interactive widget: open this notebook in JupyterLab)</em></p>")
+            out["data"] = {"text/html": html_text}
+            n += 1
+    return n
+
+
+def render_report(run_dir: str | Path) -> Path:
+    """Render the executed notebooks to HTML plus ``report/index.html`` (key numbers, figures, links).
+
+    Returns:
+        Path: ``<run_dir>/report/index.html``.
+
+    Raises:
+        RunnerError: the run directory has no executed notebooks.
+    """
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    from eagle3.report import index_html
+
+    run_dir = Path(run_dir)
+    nb_dir = RunDir(run_dir).executed_dir
+    executed = sorted(nb_dir.glob("*.ipynb")) if nb_dir.exists() else []
+    if not executed:
+        raise RunnerError(f"{run_dir}: no executed notebooks in {nb_dir}; run `eagle3 run` first")
+    rep = RunDir(run_dir).report_dir
+    (rep / "figures").mkdir(parents=True, exist_ok=True)
+    exporter = HTMLExporter()
+    pages = []
+    for nb_path in executed:
+        nb = nbformat.read(nb_path, as_version=4)
+        # Widget state (tqdm bars, the vocab slider) would make nbconvert load the widget manager
+        # from a CDN; the report must render offline, so widgets become static HTML first.
+        static_widgets(nb)
+        nb.metadata.pop("widgets", None)
+        # Each page gets its stage's title (nbconvert's default is "Notebook" for every page).
+        stage = next((n for n, f in NOTEBOOKS.items() if f == nb_path.name), None)
+        title = f"Stage {stage}: {STAGES[stage][3:]} ({run_dir.name})" if stage else f"{nb_path.stem} ({run_dir.name})"
+        nb.metadata["title"] = title
+        body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": title}})
+        out = rep / (nb_path.stem + ".html")
+        out.write_text(offline_html(body), encoding="utf-8")
+        pages.append(out.name)
+    figures: dict[str, list[str]] = {}
+    for name in STAGES.values():
+        for png in sorted((run_dir / name).glob("*.png")):
+            dst = rep / "figures" / f"{name}__{png.name}"
+            shutil.copy2(png, dst)
+            figures.setdefault(name, []).append(f"figures/{dst.name}")
+    index = rep / "index.html"
+    index.write_text(index_html(run_dir, pages, figures), encoding="utf-8")
+    return index

@@ -1,0 +1,74 @@
+"""``eagle3 verify RUN``: every integrity check of a run directory, as a list of problems."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eagle3.errors import RunnerError
+from eagle3.params_file import load_params
+from eagle3.rundir import EXTRACT, STAGES, TRAIN, RunDir
+from eagle3.stage import stage_record, stale_inputs
+
+__all__ = ["verify_run"]
+
+
+def verify_run(run_dir: str | Path, check_values: bool = True) -> list[str]:
+    """``eagle3 verify RUN``: every integrity check of a run directory; returns the problems found.
+
+    Checks: each complete stage's recorded inputs against the files now (stale stages); Stage 3's
+    manifest against ``meta.json``'s count and Stage 2's train split, and every hidden-state file
+    against its manifest line (size, sha256, header, shapes, token ids, loss mask, finite values:
+    :func:`eagle3.contracts.hidden_states.verify_folder`); Stage 4's checkpoints (every file loads,
+    finite weights, their ``mapping_digest`` vs Stage 2's d2t/t2d:
+    :func:`eagle3.train.checkpoint.verify_checkpoints`) and its exported drafter (loads, finite, its
+    d2t/t2d are Stage 2's: :func:`eagle3.contracts.drafter.verify_export`). Cost: one read and one
+    sha256 pass over the hidden states (~450 MiB/s per core measured on the CI machine), one read of
+    each checkpoint.
+
+    Raises:
+        RunnerError: ``run_dir`` is not a run directory (no ``params.yaml``).
+    """
+    rd = RunDir(run_dir)
+    if not rd.params_file.exists():
+        raise RunnerError(f"{rd.root}: no {rd.params_file.name}; not a run directory")
+    params = load_params(rd.params_file)
+    problems = []
+    for s in STAGES:
+        if stage_record(rd.root, s).complete:
+            problems += [f"stage {s} ({STAGES[s]}) is stale: {r}" for r in stale_inputs(rd.root, s, params)]
+    if rd.extract_meta.exists() and rd.manifest.exists() and rd.tokenized("train").exists():
+        from eagle3.contracts import hidden_states as hsc
+        from eagle3.extract.prepare import load_rows
+
+        sd = rd.stage(EXTRACT)
+        rows = load_rows(rd.root)
+        problems += hsc.check_manifest(hsc.read_manifest(sd), hsc.read_meta(sd), rows.ids, where=rd.manifest)
+        rep = hsc.verify_folder(sd, rows, check_hashes=True, check_values=check_values)
+        problems += [f"{p['file']}: row {p['row']} (id {p['id']}): {p['problem']}" for p in rep["problems"]]
+    problems += _verify_train(rd)
+    return problems
+
+
+def _verify_train(rd: RunDir) -> list[str]:
+    """Stage 4's part of :func:`verify_run`: its checkpoints and its exported drafter, each against
+    Stage 2's draft vocab mapping as it is now."""
+    if not rd.stage(TRAIN).is_dir():
+        return []
+    from eagle3.contracts.drafter import verify_export
+    from eagle3.contracts.vocab_mapping import VocabMappingError, mapping_digest, read_mapping
+    from eagle3.train.checkpoint import verify_checkpoints
+
+    problems, mapping = [], None
+    if rd.mapping_json.exists():
+        try:
+            mapping = read_mapping(rd.root)
+        except VocabMappingError as exc:
+            problems.append(f"stage 2's draft vocab mapping: {exc}")
+    problems += verify_checkpoints(rd.checkpoints_dir, mapping_digest(mapping.d2t, mapping.t2d) if mapping else None)
+    # the export's own place; stats.json's path is absolute: in a moved or copied run it names another folder
+    drafter = rd.drafter_dir
+    if stage_record(rd.root, TRAIN).complete and not drafter.is_dir():
+        problems.append(f"{drafter}: stage 4 is complete but its exported drafter is missing")
+    elif (drafter / "config.json").is_file():
+        problems += verify_export(drafter, mapping)
+    return problems
