@@ -88,7 +88,7 @@ def make_drafter(target_dir: str | Path, out_dir: str | Path, model, tok, train_
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import AutoConfig, DynamicCache
 
-    from eagle3.contracts.drafter import export_drafter
+    from eagle3.drafters.eagle3 import export_drafter
     from eagle3.hooks import CachedCapture
 
     torch.manual_seed(seed)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import eagle3.drafters as drafters
 import eagle3.train.checkpoint as ckpt
 from eagle3.config import Params, params_fingerprint
 from eagle3.contracts.hidden_states import HiddenStatesDataset, to_training_item
@@ -175,6 +176,7 @@ class Trainer:
     def __init__(self, params: Params, run_dir: Path, ctx: DistContext) -> None:
         self.params, self.run_dir, self.ctx = params, run_dir, ctx
         self.train_params = params.train
+        self.kind = drafters.get(params.train.drafter, TrainError)  # build, export and check of the drafter
         self.sd = RunDir(run_dir).stage(TRAIN, create=ctx.main)
         self.ckpt_root = RunDir(run_dir).checkpoints_dir
         self.metrics_file = RunDir(run_dir).train_metrics
@@ -231,22 +233,16 @@ class Trainer:
         self.digest = plan_digest(self.train_refs)
 
     def _model(self):
-        """The drafter (seeded), AdamW with decay on matrices only, the lr schedule, the loss config."""
+        """The drafter of ``train.drafter``'s kind (seeded), AdamW with decay on matrices only, the lr
+        schedule, the loss config."""
         import torch
 
-        from eagle3.train.model import (
-            SupervisedRows,
-            build_drafter,
-            configure_compile,
-            default_attn_implementation,
-            loss_config,
-            use_supervised_rows,
-        )
+        from eagle3.train.model import configure_compile, default_attn_implementation, loss_config, use_supervised_rows
 
         train_params, dev = self.train_params, self.ctx.device
         attn = train_params.attn_implementation if train_params.attn_implementation != "auto" else default_attn_implementation(dev.type)
         torch.manual_seed(train_params.seed)
-        model = build_drafter(self.params, self.inputs, attn).to(dev)
+        model = self.kind.build(self.params, self.inputs, attn).to(dev)
         # what torch.compile covers (train.compile, model.configure_compile): by default only flex
         # attention; 'speculators' restores speculators' whole compiled forward
         self.compile_mode = configure_compile(model, train_params.compile, attn, train_params.ttt_steps)
@@ -261,10 +257,11 @@ class Trainer:
         impl = (train_params.loss_implementation if train_params.loss_implementation != "auto"
                 else ("fused" if dev.type == "cuda" else "eager"))
         losses = loss_config(train_params.loss, impl)
-        # heads and loss on the supervised rows only (same loss and gradients; model.SupervisedRows)
-        self.supervised_rows = use_supervised_rows(train_params.supervised_rows, dev.type, self.compile_mode)
-        if self.supervised_rows:
-            losses = SupervisedRows(model).wrap_loss(losses)
+        # heads and loss on the supervised rows only, where the kind has that path (the same loss and
+        # gradients; for EAGLE-3 drafters.eagle3.SupervisedRows)
+        if use_supervised_rows(train_params.supervised_rows, dev.type, self.compile_mode):
+            wrapped = self.kind.supervise_rows(model, losses)
+            losses = losses if wrapped is None else wrapped
         self.fwd_kwargs = dict(ttt_steps=train_params.ttt_steps, ttt_step_loss_decay=train_params.ttt_step_loss_decay,
                                loss_config=losses)
         self.attn, self.loss_impl = attn, impl
