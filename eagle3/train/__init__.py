@@ -8,8 +8,9 @@ inputs, loss and compile set-up.
 """
 
 from eagle3.train.checkpoint import list_checkpoints
-from eagle3.train.loop import TrainingDiverged, TrainingInterrupted
+from eagle3.train.loop import TrainingDiverged
 from eagle3.train.metrics import tau_hat
+from eagle3.train.signals import TrainingInterrupted
 from eagle3.train.stage import TrainStats, TrainStopped, run
 
 __all__ = ["run", "TrainStats", "TrainStopped", "TrainingDiverged", "TrainingInterrupted", "list_checkpoints",

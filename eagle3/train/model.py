@@ -198,7 +198,7 @@ def _compiled_flex_attention(ttt_steps: int):
     TTT step ``k`` attends its ``T`` queries to ``k * T`` keys, in training and again under no_grad in
     validation: ``2 * ttt_steps`` graphs (plus 2 spare). With dynamo's default limit of 8 a drafter of
     TTT 5 fell back to eager flex attention at its first validation (step 500) and ran out of memory
-    with 110 GiB allocated on an H200 (token budget 16,384; benchmarks/RESULTS.md, 2026-12-01 session 5).
+    with 110 GiB allocated on an H200 (token budget 16,384; benchmarks/RESULTS.md).
     """
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -228,7 +228,7 @@ def configure_compile(model, mode: str, attn_implementation: str, ttt_steps: int
             speculators' ``flex_attention_forward`` calls, under a recompile limit that covers
             ``ttt_steps``' graphs (:func:`_compiled_flex_attention`). With sdpa/eager attention
             nothing is compiled.
-        'speculators': keep speculators' compiled forward (the behaviour before 2026-12-01).
+        'speculators': keep speculators' compiled forward (its whole forward compiled).
         'none': nothing compiled (debugging; eager flex attention is slow and memory-hungry).
 
     Raises:
@@ -282,10 +282,11 @@ def trainable_state(model) -> dict:
 
 
 def use_supervised_rows(setting: bool | str, device_type: str, compile_mode: str) -> bool:
-    """Whether stage 4 installs :class:`SupervisedRows` (``train.supervised_rows``).
+    """Whether stage 4 computes the heads and loss on the supervised rows only (``train.supervised_rows``,
+    where the kind has that path: :meth:`eagle3.drafters.DrafterKind.supervise_rows`).
 
     ``'auto'``: on CPU only. There it is measured (1.09-1.17x the step rate at the embedded default's
-    shapes, benchmarks/RESULTS.md session 5); on a GPU it is not, and its row selection (``nonzero``, one
+    shapes, benchmarks/RESULTS.md); on a GPU it is not, and its row selection (``nonzero``, one
     per head and TTT step) waits for the device, against the loop's one host sync per step. Never with
     ``train.compile: speculators`` (its Python state would recompile the compiled forward).
     """

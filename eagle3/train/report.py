@@ -90,7 +90,7 @@ def plot_validation(df):
     fig = Figure(figsize=(11, 3.8))
     ax = fig.subplots(1, 2)
     ax[0].plot(val["step"], val["val_tau_hat"], "o-", label="tau_hat (every position)")
-    if "val_tau_sim" in val and val["val_tau_sim"].notna().any():  # runs before session 8 lack it
+    if "val_tau_sim" in val and val["val_tau_sim"].notna().any():  # metrics without tau_sim (older runs) plot tau_hat only
         ax[0].plot(val["step"], val["val_tau_sim"], "s--", label="tau_sim (verification rounds)")
     best = val.loc[val["val_tau_hat"].idxmax()]
     ax[0].axvline(best["step"], color="gray", ls=":", label=f"best: step {int(best['step'])}")

@@ -25,7 +25,8 @@ from eagle3.errors import TrainError
 from eagle3.io import atomic_write_json, atomic_write_text, read_json
 from eagle3.rundir import TRAIN, RunDir
 from eagle3.stage import StageRun, Stats, check_fresh
-from eagle3.train.loop import Trainer, TrainingInterrupted
+from eagle3.train.loop import Trainer
+from eagle3.train.signals import TrainingInterrupted
 
 __all__ = ["TrainStats", "TrainStopped", "run", "main"]
 
