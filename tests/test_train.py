@@ -1226,7 +1226,7 @@ def test_supervised_rows_auto_is_cpu_only():
 
 @pytest.mark.parametrize("ttt", [2, 3])
 def test_supervised_rows_give_the_full_forwards_loss_metrics_and_gradients(ref_run, ttt):
-    """train.supervised_rows: heads and loss on the supervised rows only (model.SupervisedRows) give
+    """train.supervised_rows: heads and loss on the supervised rows only (drafters.eagle3.SupervisedRows) give
     the loss, every metric and every gradient of speculators' full forward, on a packed batch of real
     stage-3 files whose loss mask has prompt rows, document ends and padding."""
     import copy as _copy

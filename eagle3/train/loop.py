@@ -317,7 +317,7 @@ class Trainer:
                 acc[:len(keys)] += torch.stack([m[k].detach().double() for k in keys])
                 acc[len(keys)] += (batch["document_ids"] != -1).sum()
                 # the verifier's argmax, as speculators' forward computes its targets (a second call of
-                # the head after the forward is a full one under model.SupervisedRows too)
+                # the head after the forward is a full one under the kind's supervised rows too)
                 target_ids = module.verifier_lm_head(module.verifier_norm(batch["verifier_last_hidden_states"])).argmax(-1)
                 pos = draft_positions(batch["loss_mask"], batch["document_ids"])
                 chains.append((chain_lengths(drafts, target_ids, pos, batch["document_ids"]), pos,
