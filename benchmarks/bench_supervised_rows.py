@@ -1,6 +1,6 @@
 """Stage 4 on a real run: one training step (forward + backward) of the drafter with
 ``train.supervised_rows`` off (speculators' forward: both heads and the loss on every packed position)
-and on (:class:`eagle3.train.model.SupervisedRows`: only the rows the loss mask supervises), alternating
+and on (:class:`eagle3.drafters.eagle3.SupervisedRows`: only the rows the loss mask supervises), alternating
 in one process on the same packed micro-batches of the run's stage-3 files, per token budget.
 
   python benchmarks/bench_supervised_rows.py RUN_DIR [--budgets 2048,1024,512] [--steps 6] [--ttt 2]
@@ -19,9 +19,10 @@ import torch
 
 def main() -> None:
     from eagle3.contracts.hidden_states import HiddenStatesDataset
+    from eagle3.drafters.eagle3 import SupervisedRows, build_drafter
     from eagle3.params_file import load_params
     from eagle3.train.data import MicroBatches, collate_fn, epoch_plan, read_manifest
-    from eagle3.train.model import SupervisedRows, build_drafter, loss_config, resolve_inputs
+    from eagle3.train.model import loss_config, resolve_inputs
 
     ap = argparse.ArgumentParser()
     ap.add_argument("run_dir")

@@ -153,9 +153,9 @@ def run_ours_batches_on_device(params, run_dir: Path, warmup: int) -> dict:
 def run_bare(params, run_dir: Path, warmup: int) -> dict:
     """speculators' model, our batches pre-collated in memory, plain fwd/bwd/clip/AdamW loop."""
     from eagle3.contracts.hidden_states import HiddenStatesDataset
+    from eagle3.drafters.eagle3 import build_drafter
     from eagle3.train.data import MicroBatches, build_schedule, collate_fn, read_manifest
     from eagle3.train.model import (
-        build_drafter,
         configure_compile,
         default_attn_implementation,
         loss_config,

@@ -34,7 +34,8 @@ def chains(target, runner, drafter_model, seq: list[int], first: int, k: int) ->
     import torch
     from transformers import DynamicCache
 
-    from eagle3.evaluate.drafter import Eagle3Drafter, crop_cache
+    from eagle3.drafters import crop_cache
+    from eagle3.drafters.eagle3 import Eagle3Drafter
 
     _, aux = runner.forward(torch.tensor([seq]), DynamicCache())
     dr = Eagle3Drafter(drafter_model)

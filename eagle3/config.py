@@ -344,6 +344,9 @@ class ExtractParams(_Section):
 
 
 class TrainParams(_Section):
+    drafter: str = Field(
+        "eagle3", description="drafter kind (eagle3.drafters: build, export, check, offline decoding and vLLM's "
+        "speculative_config of the drafter); recorded in the export's config.json as speculators_model_type")
     num_layers: int = Field(1, ge=1)
     ttt_steps: int = Field(
         2, ge=1, description="TTT steps trained (the drafter's own outputs fed back); 2 on the CPU default: "
@@ -401,7 +404,7 @@ class TrainParams(_Section):
         "the float32 rate at the default's shapes, benchmarks/RESULTS.md); 'bfloat16'; 'none' = float32")
     supervised_rows: bool | Literal["auto"] = Field(
         "auto", description="compute the drafter's lm head, the verifier's head and the loss only on the rows the "
-        "loss mask supervises (eagle3.train.model.SupervisedRows: the same loss and gradients; 59% of the default's packed "
+        "loss mask supervises (eagle3.drafters.eagle3.SupervisedRows: the same loss and gradients; 59% of the default's packed "
         "tokens; not with compile: speculators); false = every packed position (speculators' own forward); 'auto' = "
         "on CPU (1.09-1.17x the step rate, benchmarks/RESULTS.md), off on GPU (not measured there, and each step's row "
         "selection costs host syncs: eagle3.train.model.use_supervised_rows)")
@@ -409,6 +412,14 @@ class TrainParams(_Section):
         False, description="write embed_tokens (bit-identical to the target's) into the drafter; "
         "without them vLLM shares the target's"
     )
+
+    @field_validator("drafter")
+    @classmethod
+    def _known_drafter(cls, v: str) -> str:
+        from eagle3.drafters.registry import get
+
+        get(v, ValueError)  # an unknown kind: the message lists the known ones
+        return v
 
 
 class NgramParams(_Section):

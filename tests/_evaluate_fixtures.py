@@ -3,7 +3,7 @@
 :func:`make_drafter` builds speculators' ``Eagle3DraftModel`` for the embedded SmolLM2 target
 (one Llama layer, a 2048-token draft vocab from token counts per the DESIGN rule, aux ids
 [2, 15, 27], norm_before_residual) and writes it through Stage 4's writer
-(:func:`eagle3.contracts.drafter.export_drafter`), the format vLLM loads. With ``train_steps > 0``
+(:func:`eagle3.drafters.eagle3.export_drafter`), the format vLLM loads. With ``train_steps > 0``
 it is fitted for a few dozen steps (speculators' forward with TTT and its KL loss) on the target's
 own hidden states for greedy continuations of ``TRAIN_QUESTIONS``, so that it accepts a meaningful
 share of drafts on the similar ``EVAL_QUESTIONS``.
@@ -88,7 +88,7 @@ def make_drafter(target_dir: str | Path, out_dir: str | Path, model, tok, train_
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import AutoConfig, DynamicCache
 
-    from eagle3.contracts.drafter import export_drafter
+    from eagle3.drafters.eagle3 import export_drafter
     from eagle3.hooks import CachedCapture
 
     torch.manual_seed(seed)

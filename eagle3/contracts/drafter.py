@@ -1,25 +1,24 @@
-"""Stage 4's exported drafter — the ONLY code that writes it and the ONE check of it.
+"""Stage 4's exported drafter folder: the parts every drafter kind shares.
 
-A drafter folder is what vLLM's ``speculators_model_type: eagle3`` loader reads
-(``vllm/transformers_utils/configs/speculators/algos.py`` -> ``Eagle3LlamaForCausalLM``):
+A drafter folder is what the serving engine loads (speculators' format, e.g. vLLM's
+``speculators_model_type: eagle3`` loader):
 
-* ``config.json``: speculators' ``Eagle3SpeculatorConfig`` with ``eagle_aux_hidden_state_layer_ids``,
-  the four norm flags (:data:`NORM_FLAGS`, always written: vLLM and speculators disagree on the
-  default of ``norm_before_residual``), ``draft_vocab_size``, ``target_hidden_size``, the Llama-style
-  ``transformer_layer_config`` (rope settings from the target) and the verifier's portable name;
-* ``model.safetensors``: the draft layer, ``fc`` (``[H, n_aux * H]``), ``norm``, ``lm_head`` over the
-  draft vocab, ``d2t`` (int64 ``[draft]``, target id = i + d2t[i]) and ``t2d`` (bool ``[V]``) when
-  the draft vocab is smaller, ``embed_tokens.weight`` only when exported bit-identical to the target's;
+* ``config.json``: the kind's config; ``speculators_model_type`` names the kind (the registry key,
+  :mod:`eagle3.drafters`), ``eagle_aux_hidden_state_layer_ids`` the target layers it reads and the
+  four norm flags (:data:`NORM_FLAGS`) how they are combined;
+* ``model.safetensors``: the kind's tensors (``d2t``, int64 ``[draft]`` with target id = i + d2t[i],
+  and ``t2d``, bool ``[V]``, when the draft vocab is smaller than the target's);
 * ``training_info.json``: provenance (best step, reason).
 
-:func:`export_drafter` writes it (Stage 4), :func:`settings_from_config` / :func:`settings_from_params`
-say how it is wired to the target (as vLLM reads it, or as it was trained), :func:`check_drafter`
-checks it against its target (Stage 4 after export, Stage 5 before measuring).
+Here: reading it (:func:`read_config`, :func:`kind_name`), how it is wired to the target
+(:func:`settings_from_config` as vLLM reads it, :func:`settings_from_params` as it was trained, and
+:func:`reference_problems` between the two), the one atomic writer (:func:`write_drafter_dir`) and
+``eagle3 verify``'s check without the target (:func:`verify_export`). What a kind writes and how it is
+checked against its target live in its folder, ``eagle3/drafters/<kind>/``.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -35,13 +34,12 @@ __all__ = [
     "DrafterCheckError",
     "DrafterSettings",
     "read_config",
+    "kind_name",
     "settings_from_config",
     "settings_from_params",
-    "export_drafter",
+    "write_drafter_dir",
     "clean_export_temps",
-    "check_drafter",
-    "hidden_size_problems",
-    "check_hidden_size",
+    "reference_problems",
     "verify_export",
 ]
 
@@ -51,7 +49,7 @@ NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"
 
 
 class DrafterCheckError(TrainError):
-    """``check_drafter(..., raise_on_error=True)`` found problems (listed in the message)."""
+    """:func:`eagle3.drafters.check_drafter` with ``raise_on_error`` found problems (listed in the message)."""
 
     def __init__(self, drafter_dir: str | Path, problems: list[str]) -> None:
         self.problems = list(problems)
@@ -94,6 +92,18 @@ def read_config(drafter_dir: str | Path, error: type[Exception] = Eagle3Error) -
         raise error(f"{p}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
 
 
+def kind_name(drafter_dir: str | Path, error: type[Exception] = Eagle3Error) -> str:
+    """The drafter kind recorded in a drafter's ``config.json`` (``speculators_model_type``).
+
+    Raises:
+        error: no/invalid config.json (:func:`read_config`), or no ``speculators_model_type``.
+    """
+    kind = read_config(drafter_dir, error).get("speculators_model_type")
+    if not kind:
+        raise error(f"{Path(drafter_dir) / 'config.json'}: speculators_model_type is missing (it names the drafter kind)")
+    return str(kind)
+
+
 def settings_from_config(drafter_dir: str | Path, vllm_view: bool = True,
                          error: type[Exception] = Eagle3Error) -> DrafterSettings:
     """The settings vLLM derives from a speculators config (``transformers_utils/configs/speculators``).
@@ -129,33 +139,6 @@ def settings_from_params(params, aux_layer_ids, source: str = "params.train") ->
                            source=source)
 
 
-def _export_config(model, verifier_name: str, dtype) -> dict:
-    cfg = copy.deepcopy(model.config)
-    cfg.speculators_config.verifier.name_or_path = verifier_name
-    d = json.loads(cfg.to_json_string(use_diff=False))
-    for k in ("auto_map", "_name_or_path", "_attn_implementation_autoset"):
-        d.pop(k, None)
-    tl = d.get("transformer_layer_config", {})
-    tl.pop("_attn_implementation_autoset", None)
-    d["dtype"] = str(dtype).replace("torch.", "")
-    for k in NORM_FLAGS:
-        d[k] = bool(getattr(model.config, k))
-    return d
-
-
-def _export_tensors(model, dtype, include_embed_tokens: bool) -> dict:
-    tensors = {}
-    for k, v in model.state_dict().items():
-        if k.startswith(("verifier_lm_head", "verifier_norm")) or ".rotary_emb." in k or k.startswith("rotary_emb"):
-            continue
-        if k == "embed_tokens.weight" and not include_embed_tokens:
-            continue
-        if v.is_floating_point() and dtype is not None and not k.endswith("norm.weight"):
-            v = v.to(dtype)  # RMSNorm gains stay float32: a short run's updates (~lr) survive, see export_drafter
-        tensors[k] = v.detach().cpu().contiguous().clone()
-    return tensors
-
-
 def _replace_dir(tmp: Path, out_dir: Path) -> None:
     """Rename ``tmp`` over ``out_dir`` (the old folder moved aside first, then removed)."""
     old = None
@@ -168,7 +151,7 @@ def _replace_dir(tmp: Path, out_dir: Path) -> None:
 
 
 def clean_export_temps(out_dir: str | Path) -> list[Path]:
-    """Remove what a killed :func:`export_drafter` left beside ``out_dir``: its temp folders
+    """Remove what a killed :func:`write_drafter_dir` left beside ``out_dir``: its temp folders
     (``.<name>.tmp-*``) and a previous export moved aside (``.<name>.old-*``). Returns them.
 
     Only one export of a folder runs at a time (one stage 4 per run directory), so any such folder
@@ -181,27 +164,18 @@ def clean_export_temps(out_dir: str | Path) -> list[Path]:
     return gone
 
 
-def export_drafter(model, out_dir: str | Path, verifier_name: str, dtype=None, include_embed_tokens: bool = False,
-                   info: dict | None = None) -> Path:
-    """Write a drafter in the speculators format (``config.json`` + ``model.safetensors``), atomically.
+def write_drafter_dir(out_dir: str | Path, tensors: dict, config: dict, info: dict | None = None) -> Path:
+    """Write a drafter folder (``model.safetensors``, ``config.json``, ``training_info.json``) atomically.
 
-    Tensors written: the trained draft weights and the frozen ``lm_head`` cast to ``dtype`` (except
-    the RMSNorm gains, kept in float32: they start at exactly 1.0 and move by about ``lr`` per step,
-    which bfloat16's 2^-7 spacing near 1.0 would round away in a short run; vLLM and speculators cast
-    on load), ``d2t`` (int64) and ``t2d`` (bool) when the draft vocab is smaller than the target's, and
-    ``embed_tokens.weight`` only when ``include_embed_tokens`` (then it must equal the target's bit
-    for bit: pass the target's dtype). Without it vLLM shares the target's embeddings. The
-    verifier-only tensors (``verifier_lm_head``, ``verifier_norm``) are never written.
+    The files go to a temp folder beside ``out_dir`` that is renamed over it: a killed export leaves
+    ``out_dir`` as it was (or, killed between the two renames, absent) and a temp folder that the next
+    export removes (:func:`clean_export_temps`). Every kind's export writes through here.
 
     Args:
-        model: an ``Eagle3DraftModel`` (plain, not DDP-wrapped).
         out_dir: the drafter folder (replaced as a whole).
-        verifier_name: written as ``speculators_config.verifier.name_or_path``.
-        dtype: torch dtype of the floating tensors (default: as in the model).
-        info: extra provenance written to ``training_info.json`` beside the weights.
-
-    A killed export leaves ``out_dir`` as it was (or, killed between the two renames, absent) and a
-    temp folder that the next export removes (:func:`clean_export_temps`).
+        tensors: name -> tensor, written as given (contiguous CPU tensors).
+        config: the ``config.json`` dict; its ``speculators_model_type`` names the drafter kind.
+        info: provenance written to ``training_info.json`` (none when empty).
 
     Returns:
         Path: ``out_dir``.
@@ -211,14 +185,12 @@ def export_drafter(model, out_dir: str | Path, verifier_name: str, dtype=None, i
     from eagle3.io import atomic_write_json
 
     out_dir = Path(out_dir)
-    tensors = _export_tensors(model, dtype, include_embed_tokens)
-    cfg = _export_config(model, verifier_name, dtype or next(model.parameters()).dtype)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     clean_export_temps(out_dir)  # a killed export's temp folder does not stay for good
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        atomic_write_json(tmp / "config.json", cfg)
+        atomic_write_json(tmp / "config.json", config)
         if info:
             atomic_write_json(tmp / "training_info.json", info)
         for f in tmp.iterdir():  # readable by whoever serves it (mkstemp/mkdtemp create 0600/0700)
@@ -231,156 +203,9 @@ def export_drafter(model, out_dir: str | Path, verifier_name: str, dtype=None, i
     return out_dir
 
 
-# ----------------------------------------------------------------------------------------------
-# The one check
-# ----------------------------------------------------------------------------------------------
-
-
-def _text_config(cfg):
-    return getattr(cfg, "text_config", None) or cfg
-
-
-def _load_target_embed(target_dir: Path):
-    from speculators.utils.loading import load_model_layers
-
-    w = load_model_layers(["embed_tokens.weight"], str(target_dir))
-    return w.get("embed_tokens.weight")
-
-
-def _check_shapes(cfg: dict, w: dict, tcfg) -> list[str]:
-    """Config keys, hidden size, rope settings against the target."""
-    H, V = int(tcfg.hidden_size), int(tcfg.vocab_size)
-    out: list[str] = []
-    if cfg.get("speculators_model_type") != "eagle3":
-        out.append(f"speculators_model_type is {cfg.get('speculators_model_type')!r}, expected 'eagle3'")
-    missing_flags = [k for k in NORM_FLAGS if k not in cfg]
-    if missing_flags:
-        out.append(f"norm flags absent from config.json: {missing_flags} (vLLM would apply its own defaults)")
-    tl = cfg.get("transformer_layer_config") or {}
-    out += hidden_size_problems(cfg, H)
-    if tl.get("vocab_size") not in (None, V):
-        out.append(f"transformer_layer_config.vocab_size={tl.get('vocab_size')} but the target has {V} tokens")
-    for k in ("rope_parameters", "rope_theta", "rope_scaling"):
-        t_val = getattr(tcfg, k, None)
-        if k in tl and t_val is not None and tl[k] != t_val:
-            out.append(f"transformer_layer_config.{k}={tl[k]} differs from the target's {t_val}")
-    return out
-
-
-def hidden_size_problems(cfg: dict, target_hidden_size: int) -> list[str]:
-    """The drafter config's hidden sizes against the target's, from the ``config.json`` dict alone
-    (no transformers config is built: one with a wrong hidden size fails there first with a message
-    about attention heads). ``transformer_layer_config.hidden_size`` must equal the target's (the
-    draft layer runs in the target's hidden space: ``fc`` maps ``n_aux * H -> H``, the embeddings
-    are the target's), and so must ``target_hidden_size`` when given.
-
-    Returns:
-        list[str]: e.g. ``["hidden size 512 ≠ target 576 (transformer_layer_config.hidden_size)"]``.
-    """
-    H = int(target_hidden_size)
-    tl = cfg.get("transformer_layer_config") or {}
-    out = []
-    for key, val in (("transformer_layer_config.hidden_size", tl.get("hidden_size")),
-                     ("target_hidden_size", cfg.get("target_hidden_size"))):
-        if (val is not None or key.startswith("transformer")) and val != H:
-            out.append(f"hidden size {val} ≠ target {H} ({key})")
-    return out
-
-
-def check_hidden_size(drafter_dir: str | Path, target_hidden_size: int, error: type[Exception] = Eagle3Error) -> None:
-    """Refuse a drafter whose ``config.json`` hidden sizes disagree with the target's, before any
-    model or transformers config is built from it (:func:`hidden_size_problems`).
-
-    Raises:
-        error: no/invalid config.json (:func:`read_config`), or a hidden size that disagrees, e.g.
-            ``<dir>/config.json: hidden size 512 ≠ target 576 (transformer_layer_config.hidden_size);
-            this drafter was made for another target``.
-    """
-    probs = hidden_size_problems(read_config(drafter_dir, error), target_hidden_size)
-    if probs:
-        raise error(f"{Path(drafter_dir) / 'config.json'}: {'; '.join(probs)}; this drafter was made for another "
-                    f"target (its hidden size must equal the target's)")
-
-
-def _check_layer_ids(cfg: dict, w: dict, H: int, N: int) -> list[str]:
-    """``eagle_aux_hidden_state_layer_ids``: present, in range, distinct, ascending, as many as ``fc`` takes."""
-    out: list[str] = []
-    ids = cfg.get("eagle_aux_hidden_state_layer_ids")
-    if not ids:
-        out.append("eagle_aux_hidden_state_layer_ids missing from config.json (vLLM would guess its defaults)")
-    else:
-        bad = [k for k in ids if not isinstance(k, int) or not (1 <= k < N)]
-        if bad:
-            out.append(f"eagle_aux_hidden_state_layer_ids {ids}: {bad} out of range [1, {N - 1}] for a {N}-layer target")
-        if len(set(ids)) != len(ids):
-            out.append(f"eagle_aux_hidden_state_layer_ids {ids} has duplicates")
-        elif list(ids) != sorted(ids):
-            out.append(f"eagle_aux_hidden_state_layer_ids {ids} not ascending: vLLM concatenates the aux states in "
-                       f"ascending layer order, so fc would see them in another order than in training")
-    fc = w.get("fc.weight")
-    if fc is None:
-        out.append("fc.weight missing from model.safetensors")
-    else:
-        if ids and fc.shape[1] != len(ids) * H:
-            out.append(f"fc.weight takes {fc.shape[1]} inputs but {len(ids)} aux layers x hidden {H} = {len(ids) * H}")
-        if fc.shape[0] != H:
-            out.append(f"hidden size {fc.shape[0]} ≠ target {H} (fc.weight outputs)")
-    return out
-
-
-def _check_vocab(cfg: dict, w: dict, V: int) -> list[str]:
-    """``draft_vocab_size``, ``lm_head`` rows and the d2t/t2d mapping."""
-    out: list[str] = []
-    draft = cfg.get("draft_vocab_size")
-    lm = w.get("lm_head.weight")
-    if lm is None:
-        out.append("lm_head.weight missing from model.safetensors")
-    elif draft is not None and lm.shape[0] != draft:
-        out.append(f"lm_head.weight has {lm.shape[0]} rows but draft_vocab_size={draft}")
-    if draft is None:
-        out.append("draft_vocab_size missing from config.json")
-    elif draft != V or "d2t" in w:
-        # the one mapping check (contracts.vocab_mapping), on the tensors the drafter ships
-        mapping = VocabMapping(w.get("d2t"), w.get("t2d"), int(draft), V)
-        out += [f"vocab mapping: {p}" for p in mapping.problems()]
-    return out
-
-
-def _check_weights(cfg: dict, w: dict, target_dir: Path) -> list[str]:
-    """Embeddings bit-identical to the target's, finite values, trained norms, norm flags vs weights."""
-    import torch
-
-    out: list[str] = []
-    if "embed_tokens.weight" in w:
-        emb, temb = w["embed_tokens.weight"], _load_target_embed(target_dir)
-        if temb is None:
-            out.append(f"embed_tokens present but the target {target_dir} has no embed_tokens to compare with")
-        elif emb.shape != temb.shape or emb.dtype != temb.dtype or not torch.equal(emb, temb):
-            same_shape = emb.shape == temb.shape
-            why = (f"dtype {emb.dtype} vs {temb.dtype}" if same_shape and emb.dtype != temb.dtype else
-                   f"shape {list(emb.shape)} vs {list(temb.shape)}" if not same_shape else
-                   f"{int((emb != temb).any(dim=-1).sum())} rows differ")
-            out.append(f"embed_tokens differ from the target's ({why}); export them bit-identical or omit them")
-    nonfinite = [k for k, v in w.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
-    if nonfinite:
-        out.append(f"NaN/Inf in {nonfinite}")
-    norms = {k: v for k, v in w.items() if k.endswith("norm.weight") or k.endswith("layernorm.weight")}
-    if norms and all(bool((v == 1).all()) for v in norms.values()):
-        out.append(f"weights look never trained: every RMSNorm gain ({len(norms)} tensors) is still exactly 1.0, "
-                   f"its initial value")
-    if "layers.0.hidden_norm.weight" not in w:
-        out.append("norm flags: layers.0.hidden_norm.weight missing (vLLM would leave it at 1.0)")
-    if "norm_before_fc" in cfg and bool(cfg["norm_before_fc"]) != ("input_norm.weight" in w):
-        out.append(f"norm flags: norm_before_fc={cfg['norm_before_fc']} but input_norm.weight is "
-                   f"{'present' if 'input_norm.weight' in w else 'absent'} in the weights")
-    has_fcn = any(k.startswith("fc_norm.") for k in w)
-    if "fc_norm" in cfg and bool(cfg["fc_norm"]) != has_fcn:
-        out.append(f"norm flags: fc_norm={cfg['fc_norm']} but fc_norm.* weights are {'present' if has_fcn else 'absent'}")
-    return out
-
-
-def _check_reference(cfg: dict, reference: DrafterSettings) -> list[str]:
-    """The config's layer ids and norm flags against what the drafter was trained with."""
+def reference_problems(cfg: dict, reference: DrafterSettings) -> list[str]:
+    """A drafter ``config.json``'s layer ids and norm flags against what the drafter was trained with
+    (:func:`settings_from_params`; every kind's check ends with these)."""
     out: list[str] = []
     ids = cfg.get("eagle_aux_hidden_state_layer_ids")
     if ids and list(reference.aux_layer_ids) != list(ids):
@@ -391,52 +216,6 @@ def _check_reference(cfg: dict, reference: DrafterSettings) -> list[str]:
             out.append(f"norm flags: config.json has {flag}={cfg[flag]} but the drafter was trained with "
                        f"{getattr(reference, flag)} ({reference.source})")
     return out
-
-
-def check_drafter(drafter_dir: str | Path, target_dir: str | Path, raise_on_error: bool = False,
-                  reference: DrafterSettings | None = None) -> list[str]:
-    """Check an exported drafter against its target; returns the problems found (empty = fine).
-
-    Catches: missing/duplicate/out-of-range/unordered ``eagle_aux_hidden_state_layer_ids`` (valid:
-    1 <= k < N, ascending, and as many as ``fc`` expects); a hidden size that disagrees with the
-    target; a draft vocab whose ``d2t`` has the wrong length or maps outside the target vocab, or a
-    ``t2d`` inconsistent with ``d2t``; ``embed_tokens`` that differ from the target's (bit for bit,
-    dtype included); NaN/Inf weights; never-trained weights (every RMSNorm gain still exactly 1.0,
-    its initial value); norm flags absent from ``config.json`` (vLLM would fill in its own defaults)
-    or disagreeing with the weights present; rope settings that differ from the target's; with
-    ``reference``, layer ids or norm flags other than those the drafter was trained with.
-
-    Args:
-        drafter_dir: folder with ``config.json`` and ``model.safetensors``.
-        target_dir: the target model directory (config.json and weights).
-        raise_on_error: raise :class:`DrafterCheckError` instead of returning a non-empty list.
-        reference: the settings the drafter was trained with (:func:`settings_from_params`).
-
-    Returns:
-        list[str]: one line per problem.
-
-    Raises:
-        DrafterCheckError: with ``raise_on_error``, when a problem was found.
-    """
-    from safetensors.torch import load_file
-    from transformers import AutoConfig
-
-    drafter_dir, target_dir = Path(drafter_dir), Path(target_dir)
-    cfg_file, w_file = drafter_dir / "config.json", drafter_dir / "model.safetensors"
-    if not cfg_file.exists() or not w_file.exists():
-        problems = [f"{drafter_dir}: config.json and model.safetensors are required"]
-    else:
-        cfg = json.loads(cfg_file.read_text())
-        w = load_file(str(w_file))
-        tcfg = _text_config(AutoConfig.from_pretrained(target_dir))
-        problems = [*_check_shapes(cfg, w, tcfg),
-                    *_check_layer_ids(cfg, w, int(tcfg.hidden_size), int(tcfg.num_hidden_layers)),
-                    *_check_vocab(cfg, w, int(tcfg.vocab_size)),
-                    *_check_weights(cfg, w, target_dir),
-                    *(_check_reference(cfg, reference) if reference is not None else [])]
-    if raise_on_error and problems:
-        raise DrafterCheckError(drafter_dir, problems)
-    return problems
 
 
 def verify_export(drafter_dir: str | Path, mapping: VocabMapping | None) -> list[str]:

@@ -24,7 +24,7 @@ from eagle3.evaluate.decoding import (
     speculative_generate,
 )
 from eagle3.evaluate.diagnosis import diagnose, probe_layer_ids
-from eagle3.evaluate.drafter import Eagle3Drafter, load_drafter
+from eagle3.evaluate.drafter import load_drafter, proposer
 from eagle3.evaluate.metrics import acceptance_metrics, context_bucket, summarize_rounds
 from eagle3.evaluate.mismatch import mismatch_warnings
 from eagle3.evaluate.parity import parity_check
@@ -50,7 +50,7 @@ __all__ = [
     "context_bucket",
     "speculative_accept",
     "load_drafter",
-    "Eagle3Drafter",
+    "proposer",
     "speculative_generate",
     "evaluate_offline",
     "heldout_prompts",

@@ -1,8 +1,9 @@
-"""Offline EAGLE-3 *chain* speculation in transformers, exactly as vLLM schedules it.
+"""Offline *chain* speculation in transformers, exactly as vLLM schedules it.
 
 One round (``vllm/v1/spec_decode/llm_base_proposer.py``): the drafter's first pass over the newly
 verified positions, then ``k-1`` chain steps feeding back the drafted token and the drafter's own
-state (:class:`eagle3.evaluate.drafter.Eagle3Drafter`); the target verifies ``[last token, d_1..d_k]``
+state (the kind's proposer: :func:`eagle3.evaluate.drafter.proposer`, for EAGLE-3
+:class:`eagle3.drafters.eagle3.Eagle3Drafter`); the target verifies ``[last token, d_1..d_k]``
 in one forward. At temperature 0 a draft is accepted while it equals the target's argmax; at
 temperature > 0 with the speculative-sampling rule ``min(1, p(d)/q(d))`` and a rejected position
 resampled from ``norm(max(0, p - q))`` (Leviathan et al. 2023, "Fast Inference from Transformers
@@ -21,8 +22,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from eagle3.chat import stop_token_ids
+from eagle3.drafters import Proposer, crop_cache
 from eagle3.errors import EvaluateError
-from eagle3.evaluate.drafter import Eagle3Drafter, crop_cache
+from eagle3.evaluate.drafter import proposer
 from eagle3.evaluate.metrics import summarize_rounds
 from eagle3.hooks import CachedCapture
 from eagle3.io import json_digest, read_jsonl
@@ -85,7 +87,7 @@ def _sample(logits_row, temperature: float, generator) -> int:
     return int(torch.multinomial(p, 1, generator=generator))
 
 
-def _propose(dr: Eagle3Drafter, tokens: list[int], pending_aux, k: int, temperature: float, generator, dev):
+def _propose(dr: Proposer, tokens: list[int], pending_aux, k: int, temperature: float, generator, dev):
     """One round's ``k`` drafts (target ids) and, when sampling, the draft distributions ``[k, V]``.
 
     ``pending_aux`` holds the target's aux states of positions ``dr.length .. len(tokens)-2``.
@@ -139,12 +141,12 @@ def _cut_output(gen: list[int], max_new_tokens: int, stops: set[int]) -> tuple[l
 def speculative_generate(target, drafter_model, prompt_ids: Sequence[int], k: int, max_new_tokens: int,
                          aux_layer_ids: Sequence[int], temperature: float = 0.0, stop_ids: Iterable[int] = (),
                          generator=None) -> dict:
-    """Generate with EAGLE-3 chain speculation (k drafts per round), exactly as vLLM schedules it.
+    """Generate with chain speculation (k drafts per round), exactly as vLLM schedules it.
 
     Args:
         target: transformers causal LM (the verifier), eval mode.
-        drafter_model: ``Eagle3DraftModel`` from :func:`eagle3.evaluate.drafter.load_drafter`
-            (same device/dtype).
+        drafter_model: a drafter from :func:`eagle3.evaluate.drafter.load_drafter` (same
+            device/dtype; e.g. speculators' ``Eagle3DraftModel``).
         prompt_ids: the rendered prompt's token ids.
         k: draft tokens per round (>= 1).
         max_new_tokens: output length cap.
@@ -170,7 +172,7 @@ def speculative_generate(target, drafter_model, prompt_ids: Sequence[int], k: in
     stops = set(int(s) for s in stop_ids)
     dev = next(target.parameters()).device
     runner = CachedCapture(target, aux_layer_ids, error=EvaluateError)  # aux states in vLLM's convention
-    dr = Eagle3Drafter(drafter_model)
+    dr = proposer(drafter_model)
     tcache = DynamicCache()
     try:
         with torch.no_grad():

@@ -1,6 +1,6 @@
 """Train/serve mismatches between a drafter, its target and vLLM: one line per problem found.
 
-The checkpoint is checked by :func:`eagle3.contracts.drafter.check_drafter` (the one check, shared
+The checkpoint is checked by :func:`eagle3.drafters.check_drafter` (the one check, shared
 with Stage 4); this module adds what only Stage 5 can see: the engine's dtype, rendered prompts and
 greedy outputs, the measured effect of wrong layer ids, the mapping the training data used, and the
 per-position pattern of acceptance, so that a failed parity check (:class:`eagle3.errors.ParityError`)
@@ -13,8 +13,9 @@ import json
 from pathlib import Path
 
 from eagle3.contracts import tokenized
-from eagle3.contracts.drafter import DrafterSettings, check_drafter, read_config
+from eagle3.contracts.drafter import DrafterSettings, read_config
 from eagle3.contracts.vocab_mapping import VocabMapping, load_tensors
+from eagle3.drafters import check_drafter
 from eagle3.evaluate.layer_ids import layer_fit
 from eagle3.rundir import STAGES, VOCAB, RunDir
 
@@ -181,7 +182,7 @@ def diagnose(drafter_dir: str | Path, target_dir: str | Path, reference: Drafter
 
     Checked:
 
-    * the checkpoint itself, with :func:`eagle3.contracts.drafter.check_drafter` (the one check, also
+    * the checkpoint itself, with :func:`eagle3.drafters.check_drafter` (the one check, also
       Stage 4's): layer ids, norm flags, hidden sizes, rope, the d2t/t2d mapping, embeddings, and, with
       ``reference``, the layer ids and norm flags the drafter was trained with (pass the result as
       ``drafter_problems`` when it is already known);

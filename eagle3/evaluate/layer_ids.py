@@ -28,7 +28,7 @@ import math
 from pathlib import Path
 
 from eagle3.errors import EvaluateError
-from eagle3.evaluate.drafter import Eagle3Drafter
+from eagle3.evaluate.drafter import proposer
 from eagle3.hooks import CachedCapture, default_aux_layer_ids
 
 __all__ = ["RULE", "candidate_layer_ids", "probe_sequences", "layer_fit", "layer_id_warnings", "aux_layer_id_warnings"]
@@ -108,7 +108,7 @@ def layer_fit(target, drafter_model, sequences: list[list[int]], candidates: dic
                 per_layer = aux.view(aux.shape[0], len(union), -1)  # [seq, layers, H]
                 tgt = logits[1:].argmax(-1)
                 for name, ids in candidates.items():
-                    dr = Eagle3Drafter(drafter_model)
+                    dr = proposer(drafter_model)
                     states = per_layer[:-1, [slot[int(i)] for i in ids]].flatten(1)  # config order
                     dl, _ = dr.step(torch.tensor(seq[1:], device=dev), dr.combine(states),
                                     torch.arange(len(seq) - 1, device=dev))

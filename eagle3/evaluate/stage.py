@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from eagle3.chat import stop_token_ids, template_kwargs
-from eagle3.contracts.drafter import DrafterSettings, check_drafter, read_config, settings_from_config
+from eagle3.contracts.drafter import DrafterSettings, read_config, settings_from_config
+from eagle3.drafters import check_drafter
 from eagle3.errors import EvaluateError, ParityError
 from eagle3.evaluate.decoding import backend_summary, evaluate_offline, offline_prompt_key
 from eagle3.evaluate.diagnosis import diagnose

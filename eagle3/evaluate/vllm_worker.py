@@ -5,8 +5,8 @@ engine (EAGLE-3 drafter, n-gram lookup, no speculation) in a fresh subprocess, o
 (:func:`eagle3.evaluate.vllm_jobs.run_vllm_job`). The job file (JSON) holds:
 
 ``target`` (model dir), ``dtype``, ``max_model_len``, ``seed``, ``method`` ("eagle3" | "ngram" |
-"none"), ``drafter`` (dir, eagle3), ``k``, ``prompt_lookup_min``/``prompt_lookup_max`` (ngram),
-``temperature``, ``max_new_tokens``, ``chat_template_kwargs`` (or null), optionally
+"none"), ``drafter`` (dir, with "eagle3": the trained drafter, served as its kind says), ``k``,
+``prompt_lookup_min``/``prompt_lookup_max`` (ngram), ``temperature``, ``max_new_tokens``, ``chat_template_kwargs`` (or null), optionally
 ``tensor_parallel_size`` and ``trust_remote_code``, and ``prompts``: a list of
 ``{"id", "messages", "prompt_ids"}``.
 
@@ -39,7 +39,7 @@ The worker runs in its own session (so that a timeout kills its engine's process
 also puts it out of reach of a signal sent to the stage's process group: when ``EAGLE3_PARENT_PID``
 is set (:func:`eagle3.evaluate.vllm_jobs.run_vllm_job` sets it), a watchdog thread kills the
 worker's whole process group as soon as that parent is gone (a SIGKILLed ``eagle3 run``, a kernel
-that exited), so that no orphaned engine keeps its memory or races the re-run (issue 15).
+that exited), so that no orphaned engine keeps its memory or races the re-run.
 """
 
 from __future__ import annotations
@@ -91,14 +91,19 @@ def _diff(after: dict, before: dict) -> dict:
 
 
 def _speculative_config(job: dict) -> dict | None:
-    """vLLM's ``speculative_config`` for the job's method (None for "none").
+    """vLLM's ``speculative_config`` for the job's method (None for "none"). The trained drafter
+    ("eagle3") is served as the kind recorded in its ``config.json`` says
+    (:meth:`eagle3.drafters.DrafterKind.speculative_config`).
 
     Raises:
         ValueError: an unknown method.
     """
     method = job["method"]
     if method == "eagle3":
-        return {"method": "eagle3", "model": job["drafter"], "num_speculative_tokens": int(job["k"])}
+        from eagle3.contracts.drafter import kind_name
+        from eagle3.drafters import get
+
+        return get(kind_name(job["drafter"], ValueError), ValueError).speculative_config(job["drafter"], int(job["k"]))
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": int(job["k"]),
                 "prompt_lookup_min": int(job["prompt_lookup_min"]),
@@ -146,48 +151,60 @@ def _per_prompt(prompts: list[dict], outs) -> list[dict]:
     return rows
 
 
-def run_job(job: dict) -> dict:
-    """Run one measurement (see the module docstring); returns the result dict.
-
-    Raises:
-        ValueError: an unknown method.
-    """
+def _sampling(job: dict, i: int, max_tokens: int):
+    """Prompt ``i``'s ``SamplingParams``: the job's temperature, its own seed ``seed + i``."""
     from vllm import SamplingParams
 
-    spec = _speculative_config(job)
-    t0 = time.time()
-    llm = _engine(job, spec)
-    startup_s = time.time() - t0
-    prompts = job["prompts"]
-    convs = [p["messages"] for p in prompts]
+    return SamplingParams(temperature=float(job["temperature"]), max_tokens=max_tokens, seed=int(job["seed"]) + i)
+
+
+def _acceptance_pass(llm, job: dict, convs: list) -> tuple[list[dict], dict, float]:
+    """Every prompt in one ``LLM.chat`` call: ``(per-prompt rows, counter differences, seconds)``."""
     ctk = job.get("chat_template_kwargs") or None
+    before = read_counters(llm)
+    t1 = time.time()
+    outs = llm.chat(convs, [_sampling(job, i, int(job["max_new_tokens"])) for i in range(len(convs))],
+                    use_tqdm=False, chat_template_kwargs=ctk)
+    gen_s = time.time() - t1
+    return _per_prompt(job["prompts"], outs), _diff(read_counters(llm), before), gen_s
 
-    def params(i: int, max_tokens: int) -> SamplingParams:
-        return SamplingParams(temperature=float(job["temperature"]), max_tokens=max_tokens,
-                              seed=int(job["seed"]) + i)
 
-    llm.chat(convs[:1], [params(0, 8)], use_tqdm=False, chat_template_kwargs=ctk)  # warm-up
-    per_prompt, counters, gen_s = [], None, None
-    if job.get("acceptance", True):
-        before = read_counters(llm)
-        t1 = time.time()
-        outs = llm.chat(convs, [params(i, int(job["max_new_tokens"])) for i in range(len(convs))],
-                        use_tqdm=False, chat_template_kwargs=ctk)
-        gen_s = time.time() - t1
-        counters = _diff(read_counters(llm), before)
-        per_prompt = _per_prompt(prompts, outs)
-    speed = []
+def _speed_pass(llm, job: dict, convs: list) -> list[dict]:
+    """The ``speed_ids`` prompts one ``LLM.chat`` call each: per prompt its row, output tokens and seconds."""
+    ctk = job.get("chat_template_kwargs") or None
+    prompts = job["prompts"]
     index = {p["id"]: i for i, p in enumerate(prompts)}
+    speed = []
     for pid in job.get("speed_ids") or []:
         i = index[pid]
         t1 = time.time()
-        out = llm.chat(convs[i:i + 1], [params(i, int(job["max_new_tokens"]))], use_tqdm=False,
+        out = llm.chat(convs[i:i + 1], [_sampling(job, i, int(job["max_new_tokens"]))], use_tqdm=False,
                        chat_template_kwargs=ctk)[0]
         dt = time.time() - t1
         # the timed answer itself (ids, per-step lists): at T=0 it can differ from the acceptance pass's
         # (another batch, other arithmetic), so its own tokens per forward bound its speed-up
         row = _per_prompt(prompts[i:i + 1], [out])[0]
         speed.append(row | {"output_tokens": len(row["tokens"]), "time_s": dt})
+    return speed
+
+
+def run_job(job: dict) -> dict:
+    """Run one measurement (see the module docstring); returns the result dict.
+
+    Raises:
+        ValueError: an unknown method.
+    """
+    spec = _speculative_config(job)
+    t0 = time.time()
+    llm = _engine(job, spec)
+    startup_s = time.time() - t0
+    convs = [p["messages"] for p in job["prompts"]]
+    llm.chat(convs[:1], [_sampling(job, 0, 8)], use_tqdm=False,
+             chat_template_kwargs=job.get("chat_template_kwargs") or None)  # warm-up
+    per_prompt, counters, gen_s = [], None, None
+    if job.get("acceptance", True):
+        per_prompt, counters, gen_s = _acceptance_pass(llm, job, convs)
+    speed = _speed_pass(llm, job, convs)
     n_speed = sum(r["output_tokens"] for r in speed)
     t_speed = sum(r["time_s"] for r in speed)
     return {

@@ -17,7 +17,7 @@ __all__ = ["ExtractProgress", "make_progress"]
 
 
 class ExtractProgress(Progress):
-    """:class:`eagle3.io.Progress` with a token-based ETA, bytes written, other ranks folded in and a
+    """:class:`eagle3.stage.Progress` with a token-based ETA, bytes written, other ranks folded in and a
     ``timeline.jsonl`` point per write (the notebook's throughput-over-time plot).
 
     ``bytes_on_disk`` is counted, never walked: the bytes of the files found done at the start

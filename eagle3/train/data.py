@@ -171,7 +171,7 @@ class PackedCollate:
 
     speculators' version zero-fills fresh buffers and copies the aux states twice (their flatten,
     then the packing); at a GPU token budget (8,192 tokens x 4 slots x 4,096 x bf16 = 268 MB per
-    micro-batch) that is most of the loader's time (benchmarks/RESULTS.md, issue 14). Here only the
+    micro-batch) that is most of the loader's time (benchmarks/RESULTS.md). Here only the
     padding tail is filled, and :class:`MicroBatches` reuses pinned buffers.
 
     Layout (``shift_batch``: token ``t + 1`` is paired with the states of position ``t``): item ``d``
@@ -259,7 +259,7 @@ class MicroBatches:
     on the device, token ids on the host) is called per micro-batch in the calling thread and packed
     into fresh buffers on ``device``.
 
-    Measured on the H200 (benchmarks/RESULTS.md, issue 14 §3): the DataLoader path cost 12-15% of the
+    Measured on the H200 (benchmarks/RESULTS.md): the DataLoader path cost 12-15% of the
     step rate against the same loop with the batches already on the device.
 
     Args:
@@ -314,42 +314,7 @@ class MicroBatches:
         import torch
 
         workers = max(1, self.num_workers)
-        depth = workers + 1  # batches being packed or packed; batch j packs into ring slot j % depth
-        slots: list[dict] = [{"host": None, "done": None} for _ in range(depth)]
-        copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-
-        def pack(j: int, keys) -> dict:  # a loader thread
-            items = [self.dataset[k] for k in keys]
-            if not self.ring:
-                return self.collate(items)
-            slot = slots[j % depth]
-            if slot["done"] is not None:
-                slot["done"].synchronize()  # the copy out of this buffer (batch j - depth) has finished
-            if slot["host"] is None:
-                slot["host"] = self.collate.buffers("cpu", pin_memory=self.cuda)
-            return self.collate(items, out=slot["host"])
-
-        def send(j: int, host: dict) -> tuple[dict, object]:  # the calling thread: start batch j's copy
-            if not self.ring:
-                return self._to_device(host), None
-            if not self.cuda:
-                return {k: v.clone() for k, v in host.items()}, None  # a CPU ring (tests): the buffer is reused
-            with torch.cuda.stream(copy_stream):
-                batch = {k: v.to(self.device, non_blocking=True) for k, v in host.items()}
-                done = torch.cuda.Event()
-                done.record(copy_stream)
-            slots[j % depth]["done"] = done  # before batch j + depth, which reuses the slot, is submitted
-            return batch, done
-
-        def hand_over(sent: tuple[dict, object]) -> dict:
-            batch, done = sent
-            if done is not None:  # the caller's stream waits for the copy; its allocator learns the use
-                stream = torch.cuda.current_stream(self.device)
-                stream.wait_event(done)
-                for v in batch.values():
-                    v.record_stream(stream)
-            return batch
-
+        ring = _Ring(self, workers + 1)  # batches being packed or packed; batch j packs into slot j % depth
         # each loader thread on this rank's device (its pinned memory and event waits; a thread's device is its own)
         pool = ThreadPoolExecutor(workers, thread_name_prefix="eagle3-batches",
                                   initializer=torch.cuda.set_device if self.cuda else None,
@@ -360,31 +325,85 @@ class MicroBatches:
         def submit() -> None:
             nxt = next(todo, None)
             if nxt is not None:
-                pending.append(pool.submit(pack, *nxt))
+                pending.append(pool.submit(ring.pack, *nxt))
 
         try:
-            for _ in range(depth):
+            for _ in range(ring.depth):
                 submit()
             j, ahead = 0, None
             while pending:
                 done_packing = pending.popleft()
                 if done_packing.exception() is not None:  # the batch before the bad one still goes out first
                     if ahead is not None:
-                        yield hand_over(ahead)
+                        yield ring.hand_over(ahead)
                         ahead = None
                     raise done_packing.exception()
-                sent = send(j, done_packing.result())
+                sent = ring.send(j, done_packing.result())
                 submit()
                 j += 1
                 if ahead is not None:
-                    yield hand_over(ahead)
+                    yield ring.hand_over(ahead)
                 ahead = sent
             if ahead is not None:
-                yield hand_over(ahead)
+                yield ring.hand_over(ahead)
         finally:
             for f in pending:
                 f.cancel()
             pool.shutdown(wait=True)
+
+
+class _Ring:
+    """:class:`MicroBatches`' ``depth`` host buffers (pinned on CUDA), reused round-robin: batch ``j``
+    packs into slot ``j % depth`` once the copy out of it (batch ``j - depth``) has finished; each copy
+    to the device runs on a side stream and the caller's stream waits for it before use."""
+
+    def __init__(self, loader: MicroBatches, depth: int) -> None:
+        import torch
+
+        self.loader, self.depth = loader, depth
+        self.slots: list[dict] = [{"host": None, "done": None} for _ in range(depth)]
+        self.copy_stream = torch.cuda.Stream(loader.device) if loader.cuda else None
+
+    def pack(self, j: int, keys) -> dict:
+        """Read and pack batch ``j`` (a loader thread)."""
+        ld = self.loader
+        items = [ld.dataset[k] for k in keys]
+        if not ld.ring:
+            return ld.collate(items)
+        slot = self.slots[j % self.depth]
+        if slot["done"] is not None:
+            slot["done"].synchronize()  # the copy out of this buffer (batch j - depth) has finished
+        if slot["host"] is None:
+            slot["host"] = ld.collate.buffers("cpu", pin_memory=ld.cuda)
+        return ld.collate(items, out=slot["host"])
+
+    def send(self, j: int, host: dict) -> tuple[dict, object]:
+        """Start batch ``j``'s copy to the device (the calling thread): ``(batch, its copy's event)``."""
+        import torch
+
+        ld = self.loader
+        if not ld.ring:
+            return ld._to_device(host), None
+        if not ld.cuda:
+            return {k: v.clone() for k, v in host.items()}, None  # a CPU ring (tests): the buffer is reused
+        with torch.cuda.stream(self.copy_stream):
+            batch = {k: v.to(ld.device, non_blocking=True) for k, v in host.items()}
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        self.slots[j % self.depth]["done"] = done  # before batch j + depth, which reuses the slot, is submitted
+        return batch, done
+
+    def hand_over(self, sent: tuple[dict, object]) -> dict:
+        """The batch, once the caller's stream waits for its copy (its allocator learns the use)."""
+        import torch
+
+        batch, done = sent
+        if done is not None:
+            stream = torch.cuda.current_stream(self.loader.device)
+            stream.wait_event(done)
+            for v in batch.values():
+                v.record_stream(stream)
+        return batch
 
 
 def tokens_in(batch: dict) -> int:

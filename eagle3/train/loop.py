@@ -20,12 +20,11 @@ import contextlib
 import json
 import math
 import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+import eagle3.drafters as drafters
 import eagle3.train.checkpoint as ckpt
 from eagle3.config import Params
 from eagle3.contracts.hidden_states import HiddenStatesDataset, to_training_item
@@ -34,20 +33,13 @@ from eagle3.errors import TrainError
 from eagle3.params_file import params_fingerprint
 from eagle3.rundir import TRAIN, RunDir
 from eagle3.train.metrics import StepMetrics, chain_lengths, draft_positions, metric_keys, simulate_rounds, summarize
+from eagle3.train.signals import StepAborted, StepSignals, TrainingInterrupted
 
-__all__ = ["TrainingDiverged", "TrainingInterrupted", "WarmupCosine", "Trainer", "LoopResult", "autocast_dtype"]
+__all__ = ["TrainingDiverged", "WarmupCosine", "Trainer", "LoopResult", "autocast_dtype"]
 
 
 class TrainingDiverged(TrainError):
     """The loss or the gradient became NaN/Inf; the message names the step and the samples."""
-
-
-class TrainingInterrupted(KeyboardInterrupt):
-    """SIGINT/SIGTERM arrived; a checkpoint was saved first (``.checkpoint`` names it)."""
-
-    def __init__(self, signum: int, checkpoint: Path | None) -> None:
-        self.signum, self.checkpoint = signum, checkpoint
-        super().__init__(f"{signal.Signals(signum).name}: stopped after saving {checkpoint}")
 
 
 class WarmupCosine:
@@ -65,57 +57,6 @@ class WarmupCosine:
             return (s + 1) / self.warmup
         p = min(1.0, (s - self.warmup) / max(1, self.total - self.warmup))
         return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
-
-
-class _StepAborted(BaseException):
-    """Raised by the signal handler inside the abortable part of a step (see :class:`_Signals`).
-
-    A BaseException, so that no ``except Exception`` on the way (dynamo, inductor, the loader)
-    swallows or wraps it."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(signal.Signals(signum).name)
-
-
-class _Signals:
-    """Install SIGINT/SIGTERM handlers (main thread only).
-
-    Normally the handler only records the signal and the loop stops at the end of the step, after
-    a checkpoint. While ``abortable`` is set (a step's forward/backward, which may hold the first
-    step's ``torch.compile`` for minutes, and validation) the handler raises :class:`_StepAborted`
-    at once: nothing there has touched the weights, the optimizer or the scheduler since the last
-    completed step, so the loop can save that step and exit within seconds.
-
-    ``raised`` records that the handler raised: C code on the way (torch building a tensor, safetensors
-    reading a file) may turn :class:`_StepAborted` into an ordinary exception of its own, e.g.
-    "could not determine the shape of object type 'torch.storage.UntypedStorage'", which a reader
-    would then blame on its file; once ``raised`` is set the loop treats any exception as the abort.
-    """
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self.abortable = False
-        self.raised = False
-        self._old: dict[int, Any] = {}
-
-    def _handler(self, signum, frame) -> None:
-        self.received = signum
-        if self.abortable:
-            self.abortable = False
-            self.raised = True
-            raise _StepAborted(signum)
-
-    def __enter__(self) -> _Signals:
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self._old[s] = signal.signal(s, self._handler)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
-
 
 
 def autocast_dtype(mode: str, device_type: str):
@@ -176,6 +117,7 @@ class Trainer:
     def __init__(self, params: Params, run_dir: Path, ctx: DistContext) -> None:
         self.params, self.run_dir, self.ctx = params, run_dir, ctx
         self.train_params = params.train
+        self.kind = drafters.get(params.train.drafter, TrainError)  # build, export and check of the drafter
         self.sd = RunDir(run_dir).stage(TRAIN, create=ctx.main)
         self.ckpt_root = RunDir(run_dir).checkpoints_dir
         self.metrics_file = RunDir(run_dir).train_metrics
@@ -232,22 +174,16 @@ class Trainer:
         self.digest = plan_digest(self.train_refs)
 
     def _model(self):
-        """The drafter (seeded), AdamW with decay on matrices only, the lr schedule, the loss config."""
+        """The drafter of ``train.drafter``'s kind (seeded), AdamW with decay on matrices only, the lr
+        schedule, the loss config."""
         import torch
 
-        from eagle3.train.model import (
-            SupervisedRows,
-            build_drafter,
-            configure_compile,
-            default_attn_implementation,
-            loss_config,
-            use_supervised_rows,
-        )
+        from eagle3.train.model import configure_compile, default_attn_implementation, loss_config, use_supervised_rows
 
         train_params, dev = self.train_params, self.ctx.device
         attn = train_params.attn_implementation if train_params.attn_implementation != "auto" else default_attn_implementation(dev.type)
         torch.manual_seed(train_params.seed)
-        model = build_drafter(self.params, self.inputs, attn).to(dev)
+        model = self.kind.build(self.params, self.inputs, attn).to(dev)
         # what torch.compile covers (train.compile, model.configure_compile): by default only flex
         # attention; 'speculators' restores speculators' whole compiled forward
         self.compile_mode = configure_compile(model, train_params.compile, attn, train_params.ttt_steps)
@@ -262,10 +198,11 @@ class Trainer:
         impl = (train_params.loss_implementation if train_params.loss_implementation != "auto"
                 else ("fused" if dev.type == "cuda" else "eager"))
         losses = loss_config(train_params.loss, impl)
-        # heads and loss on the supervised rows only (same loss and gradients; model.SupervisedRows)
-        self.supervised_rows = use_supervised_rows(train_params.supervised_rows, dev.type, self.compile_mode)
-        if self.supervised_rows:
-            losses = SupervisedRows(model).wrap_loss(losses)
+        # heads and loss on the supervised rows only, where the kind has that path (the same loss and
+        # gradients; for EAGLE-3 drafters.eagle3.SupervisedRows)
+        if use_supervised_rows(train_params.supervised_rows, dev.type, self.compile_mode):
+            wrapped = self.kind.supervise_rows(model, losses)
+            losses = losses if wrapped is None else wrapped
         self.fwd_kwargs = dict(ttt_steps=train_params.ttt_steps, ttt_step_loss_decay=train_params.ttt_step_loss_decay,
                                loss_config=losses)
         self.attn, self.loss_impl = attn, impl
@@ -381,7 +318,7 @@ class Trainer:
                 acc[:len(keys)] += torch.stack([m[k].detach().double() for k in keys])
                 acc[len(keys)] += (batch["document_ids"] != -1).sum()
                 # the verifier's argmax, as speculators' forward computes its targets (a second call of
-                # the head after the forward is a full one under model.SupervisedRows too)
+                # the head after the forward is a full one under the kind's supervised rows too)
                 target_ids = module.verifier_lm_head(module.verifier_norm(batch["verifier_last_hidden_states"])).argmax(-1)
                 pos = draft_positions(batch["loss_mask"], batch["document_ids"])
                 chains.append((chain_lengths(drafts, target_ids, pos, batch["document_ids"]), pos,
@@ -460,6 +397,101 @@ class Trainer:
         progress.bar.set_postfix_str(progress.extra["phase"], refresh=True)
         progress.update(0)
 
+    # -- one step's parts ------------------------------------------------------------------------
+    def _forward_backward(self, model, batches) -> StepMetrics:
+        """``grad_accum`` micro-batches forward and backward; DDP all-reduces the gradients on the last
+        one only. The metrics stay on the device (no sync)."""
+        import torch
+
+        ctx, A = self.ctx, self.train_params.grad_accum
+        keys = metric_keys(self.train_params.ttt_steps)
+        m = StepMetrics.zeros(len(keys), ctx.world * A, ctx.device)
+        for a in range(A):
+            batch = next(batches)
+            sync = model.no_sync() if (ctx.world > 1 and a < A - 1) else contextlib.nullcontext()
+            with sync:
+                with self._autocast():
+                    _, loss, out = model(**batch, **self.fwd_kwargs)
+                (loss / A).backward()
+            m.counts += torch.stack([out[k].detach().double() for k in keys])
+            m.tokens += (batch["document_ids"] != -1).sum()
+            m.bad_micro[ctx.rank * A + a] = (~torch.isfinite(loss.detach())).double()
+        return m
+
+    def _clip_and_reduce(self, m: StepMetrics, stop_received: bool) -> StepMetrics:
+        """Clip the gradients (the norm stays a device tensor: ``clip_grad_norm_`` does not sync), pack
+        the flags, then THE host sync of the step (all-reduce of the packed metrics, then ``.cpu()``)."""
+        import torch
+
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        gnorm = torch.nn.utils.clip_grad_norm_(trainable, self.train_params.grad_clip)
+        m.grad_nonfinite = (~torch.isfinite(gnorm)).double()
+        m.stop_signal.fill_(1.0 if stop_received else 0.0)
+        m.grad_norm = gnorm.double() / self.ctx.world
+        return m.reduce(self.ctx)
+
+    def _log_step(self, progress, step: int, start: int, epoch: int, lr: float, m: StepMetrics, dt: float) -> None:
+        """metrics.jsonl (+ W&B) and progress.json, from the host copy of the step's metrics."""
+        state, ttt = self.state, self.train_params.ttt_steps
+        ntok = int(m.tokens)
+        state["tokens_seen"] = int(state["tokens_seen"]) + ntok
+        state["elapsed_s"] = float(state["elapsed_s"]) + dt
+        rec = {"kind": "train", "step": step, "epoch": epoch, "lr": lr,
+               **summarize(dict(zip(metric_keys(ttt), m.counts.tolist())), ttt),
+               "grad_norm": float(m.grad_norm), "tokens": ntok, "tokens_per_s": ntok / max(dt, 1e-9),
+               "tokens_seen": state["tokens_seen"], "time_s": round(dt, 4), "t": round(time.time(), 3)}
+        self._log(rec)
+        if progress is None:
+            return
+        if step - start == 1:
+            progress.extra["phase"] = "training"
+            progress.extra["first_step_s"] = round(dt, 2)
+            progress.bar.set_postfix_str("", refresh=False)
+        # named by where they come from: this step's training batch (the TTT chain on the batch just
+        # learned from) reads higher than the last validation
+        progress.update(1, tokens=ntok, train_loss=round(rec["loss"], 4), train_batch_tau_hat=round(rec["tau_hat"], 3))
+
+    def _eval_checkpoint(self, model, step: int, epoch: int, sig, progress, stopping: bool) -> Path | None:
+        """Validation every ``eval_every`` steps and at each checkpoint (host syncs), recorded in the state
+        and progress.json; a checkpoint periodically, at a new best and when ``stopping`` (a signal, the
+        end of this call). Returns the checkpoint written, or None."""
+        train_params, state = self.train_params, self.state
+        periodic = step % train_params.checkpoint_every == 0 or step == self.total
+        ev = None
+        if step % train_params.eval_every == 0 or periodic:
+            sig.abortable = sig.received is None  # validation may compile too; `step` is complete
+            ev = self.evaluate(model, step)
+            sig.abortable = False
+        if ev:
+            state["val_history"].append({"step": step, "val_tau_hat": ev["val_tau_hat"], "val_loss": ev["val_loss"],
+                                         "val_tau_sim": ev["val_tau_sim"]})
+            if progress is not None:
+                progress.extra.update({"val_step": step, **{k: None if ev[k] is None else round(ev[k], 3)
+                                                            for k in ("val_tau_hat", "val_tau_sim")}})
+        new_best = bool(ev) and (state["best_val_tau_hat"] is None or ev["val_tau_hat"] > state["best_val_tau_hat"])
+        if new_best:
+            state["best_step"], state["best_val_tau_hat"] = step, ev["val_tau_hat"]
+        if periodic or new_best or stopping:
+            return self._checkpoint(self.model, step, epoch, ev)
+        return None
+
+    def _step_batches(self, start: int):
+        """This rank's micro-batches from step ``start`` on, on the device; the next ones are read and
+        copied meanwhile. The loop closes the iterator on its way out: an interrupted or diverged run
+        does not leave loader threads reading for its traceback."""
+        A, rank = self.train_params.grad_accum, self.ctx.rank
+        return iter(self._micro([mb for _, grp in self.schedule[start:] for mb in grp[rank * A:(rank + 1) * A]]))
+
+    def _ddp_model(self):
+        """The drafter as the loop calls it: DDP-wrapped across ranks (gradients all-reduced), else itself."""
+        ctx = self.ctx
+        if ctx.world == 1:
+            return self.model
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(self.model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
+                                       broadcast_buffers=False)
+
     # -- the loop -------------------------------------------------------------------------------
     def loop(self, progress, stop_after: int | None) -> LoopResult:
         """Train from ``state["step"]`` to the last step (or ``stop_after`` steps in this call).
@@ -468,57 +500,26 @@ class Trainer:
             TrainingDiverged: NaN/Inf loss or gradient (before that step's optimizer update).
             TrainingInterrupted: SIGINT/SIGTERM (after a checkpoint).
         """
-        import torch
-
-        train_params, ctx, state, opt, sched = self.train_params, self.ctx, self.state, self.opt, self.sched
-        A, G, keys = train_params.grad_accum, ctx.world * train_params.grad_accum, metric_keys(train_params.ttt_steps)
-        base = model = self.model
-        if ctx.world > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            model = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None,
-                                            broadcast_buffers=False)
-        step = start = int(state["step"])
-        my_lists = [mb for _, grp in self.schedule[start:] for mb in grp[ctx.rank * A:(ctx.rank + 1) * A]]
-        # on the device; the next ones are read and copied meanwhile. Closed on the way out (the finally
-        # below): an interrupted or diverged run does not leave loader threads reading for its traceback
-        batches = iter(self._micro(my_lists))
-        trainable = [p for p in base.parameters() if p.requires_grad]
+        ctx, opt, sched, A = self.ctx, self.opt, self.sched, self.train_params.grad_accum
+        base, model = self.model, self._ddp_model()
+        step = start = int(self.state["step"])
+        batches = self._step_batches(start)  # closed in the finally below
         path = None
         self._first_step_status(progress, start)
-        with _Signals() as sig:
+        with StepSignals() as sig:
             try:
                 while step < self.total:
-                    t0 = time.time()
-                    epoch = self.schedule[step][0]
-                    # lr: LambdaLR set it for this step at the previous sched.step() (WarmupCosine)
-                    lr = opt.param_groups[0]["lr"]
+                    t0, epoch = time.time(), self.schedule[step][0]
+                    lr = opt.param_groups[0]["lr"]  # LambdaLR set it for this step at the previous sched.step()
 
-                    # forward/backward: A micro-batches; DDP all-reduces the gradients on the last one only.
-                    # The metrics stay on the device (no sync) until the one reduce below.
-                    m = StepMetrics.zeros(len(keys), G, ctx.device)
-                    sig.abortable = True  # until the optimizer step: a signal aborts the step (_Signals)
-                    for a in range(A):
-                        batch = next(batches)
-                        sync = model.no_sync() if (ctx.world > 1 and a < A - 1) else contextlib.nullcontext()
-                        with sync:
-                            with self._autocast():
-                                _, loss, out = model(**batch, **self.fwd_kwargs)
-                            (loss / A).backward()
-                        m.counts += torch.stack([out[k].detach().double() for k in keys])
-                        m.tokens += (batch["document_ids"] != -1).sum()
-                        m.bad_micro[ctx.rank * A + a] = (~torch.isfinite(loss.detach())).double()
-
+                    # forward/backward: a signal aborts the step until the optimizer step (StepSignals)
+                    sig.abortable = True
+                    m = self._forward_backward(model, batches)
                     sig.abortable = False
 
-                    # clip: the norm stays a device tensor (clip_grad_norm_ does not sync)
-                    gnorm = torch.nn.utils.clip_grad_norm_(trainable, train_params.grad_clip)
-                    m.grad_nonfinite = (~torch.isfinite(gnorm)).double()
-                    m.stop_signal.fill_(1.0 if sig.received is not None else 0.0)
-                    m.grad_norm = gnorm.double() / ctx.world
-                    # host sync: THE one per step (all-reduce of the packed metrics, then .cpu())
-                    m = m.reduce(ctx)
-                    bad_mb = [i for i in range(G) if m.bad_micro[i] > 0]
+                    # clip, then host sync: THE one per step
+                    m = self._clip_and_reduce(m, sig.received is not None)
+                    bad_mb = [i for i in range(ctx.world * A) if m.bad_micro[i] > 0]
                     if bad_mb or m.grad_nonfinite > 0:
                         self._diverged(step + 1, epoch, bad_mb, float(m.grad_norm))
 
@@ -528,57 +529,24 @@ class Trainer:
                     opt.zero_grad(set_to_none=True)
                     step += 1
 
-                    # log: metrics.jsonl (+ W&B) and progress.json, from the host copy
-                    dt = time.time() - t0
-                    ntok = int(m.tokens)
-                    state["tokens_seen"] = int(state["tokens_seen"]) + ntok
-                    state["elapsed_s"] = float(state["elapsed_s"]) + dt
-                    rec = {"kind": "train", "step": step, "epoch": epoch, "lr": lr,
-                           **summarize(dict(zip(keys, m.counts.tolist())), train_params.ttt_steps),
-                           "grad_norm": float(m.grad_norm), "tokens": ntok, "tokens_per_s": ntok / max(dt, 1e-9),
-                           "tokens_seen": state["tokens_seen"], "time_s": round(dt, 4), "t": round(time.time(), 3)}
-                    self._log(rec)
-                    if progress is not None:
-                        if step - start == 1:
-                            progress.extra["phase"] = "training"
-                            progress.extra["first_step_s"] = round(dt, 2)
-                            progress.bar.set_postfix_str("", refresh=False)
-                        # named by where they come from: this step's training batch (the TTT chain on the
-                        # batch just learned from) vs the last validation, which reads lower (session-12 trial)
-                        progress.update(1, tokens=ntok, train_loss=round(rec["loss"], 4),
-                                        train_batch_tau_hat=round(rec["tau_hat"], 3))
+                    # log: metrics.jsonl (+ W&B) and progress.json
+                    self._log_step(progress, step, start, epoch, lr, m, time.time() - t0)
 
-                    # eval/checkpoint: validation every eval_every steps and at each checkpoint (host sync);
-                    # a checkpoint periodically, at a new best, on a signal and when this call stops
+                    # eval/checkpoint: validation (host syncs); a checkpoint periodically, at a new best, on
+                    # a signal and when this call stops
                     stop_sig = m.stop_signal > 0
                     stop_call = stop_after is not None and step - start >= stop_after and step < self.total
-                    periodic = step % train_params.checkpoint_every == 0 or step == self.total
-                    ev = None
-                    if step % train_params.eval_every == 0 or periodic:
-                        sig.abortable = sig.received is None  # validation may compile too; `step` is complete
-                        ev = self.evaluate(model, step)
-                        sig.abortable = False
-                    if ev:
-                        state["val_history"].append({"step": step, "val_tau_hat": ev["val_tau_hat"], "val_loss": ev["val_loss"],
-                                                     "val_tau_sim": ev["val_tau_sim"]})
-                        if progress is not None:
-                            progress.extra.update({"val_step": step, **{k: None if ev[k] is None else round(ev[k], 3)
-                                                                        for k in ("val_tau_hat", "val_tau_sim")}})
-                    new_best = bool(ev) and (state["best_val_tau_hat"] is None or ev["val_tau_hat"] > state["best_val_tau_hat"])
-                    if new_best:
-                        state["best_step"], state["best_val_tau_hat"] = step, ev["val_tau_hat"]
-                    if periodic or new_best or stop_sig or stop_call:
-                        path = self._checkpoint(base, step, epoch, ev)
+                    path = self._eval_checkpoint(model, step, epoch, sig, progress, stop_sig or stop_call) or path
                     if stop_sig:
                         raise TrainingInterrupted(sig.received or signal.SIGTERM, path)
                     if stop_call:
                         return LoopResult("stopped", step, path)
-            except _StepAborted as exc:
+            except StepAborted as exc:
                 raise self._aborted(base, step, start, exc.signum) from None
             except Exception:
                 if not sig.raised:
                     raise
-                # the handler's _StepAborted, turned into another exception by C code on its way out
+                # the handler's StepAborted, turned into another exception by C code on its way out
                 raise self._aborted(base, step, start, sig.received) from None
             finally:
                 sig.abortable = False  # a signal while the loader threads end is handled after, not inside, this

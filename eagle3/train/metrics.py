@@ -103,7 +103,7 @@ def simulate_rounds(chain, positions, document_ids, k: int) -> tuple[int, int]:
     rounds start where decoding starts them, more often right after a rejection, i.e. at harder
     positions: on real text this is lower than ``tau_hat``. On the target's own greedy text it is the
     tau the engine measures (first-draft acceptance at the rounds' starts equalled vLLM's over 9,169
-    rounds: benchmarks/RESULTS.md, session 8).
+    rounds: benchmarks/RESULTS.md).
 
     Args:
         chain: ``[T]`` ints, :func:`chain_lengths` (numpy or a CPU tensor).

@@ -1,11 +1,6 @@
-"""The drafter: speculators' ``Eagle3DraftModel`` built from the run's params and stage folders
-(the export and its check are :mod:`eagle3.contracts.drafter`).
-
-The drafter is exactly what vLLM's ``speculators_model_type: eagle3`` loader reads
-(``vllm/transformers_utils/configs/speculators/algos.py`` -> ``Eagle3LlamaForCausalLM``): a
-Llama-style decoder layer whose first layer takes ``cat(embed, hidden)``, an ``fc`` that fuses the
-aux hidden states ``[n_aux * H] -> [H]``, the target's embeddings (frozen) and an ``lm_head`` over the
-draft vocab, mapped back to target ids by ``d2t`` (target id = i + d2t[i], DESIGN.md).
+"""Stage 4's kind-agnostic drafter set-up: the inputs a drafter is built from (target, Stage 2's
+mapping, Stage 3's aux layer ids), the loss config, what ``torch.compile`` covers, and which rows the
+heads compute. The drafter itself comes from its kind (:mod:`eagle3.drafters`, ``train.drafter``).
 """
 
 from __future__ import annotations
@@ -25,14 +20,12 @@ __all__ = [
     "DrafterInputs",
     "resolve_inputs",
     "load_vocab_mapping",
-    "build_drafter",
     "loss_config",
     "COMPILE_MODES",
     "configure_compile",
     "compile_static",
     "trainable_state",
     "default_attn_implementation",
-    "SupervisedRows",
     "use_supervised_rows",
 ]
 
@@ -159,54 +152,6 @@ def default_attn_implementation(device: str) -> str:
     return "simple_flex_attention" if str(device).startswith("cuda") else "sdpa"
 
 
-def build_drafter(params: Params, inputs: DrafterInputs, attn_implementation: str = "sdpa"):
-    """A fresh ``Eagle3DraftModel`` for the target: draft layers initialised from the current torch
-    seed, embeddings / lm_head / verifier head loaded from the target (frozen).
-
-    The decoder-layer config is speculators' ``create_transformer_layer_config`` (head geometry,
-    rope settings, rms eps from the target), with every draft layer on full attention.
-
-    Args:
-        params: ``train`` gives num_layers, norm flags and TTT steps.
-        inputs: from :func:`resolve_inputs`.
-        attn_implementation: 'sdpa' / 'eager' (CPU) or 'simple_flex_attention' (GPU).
-
-    Returns:
-        speculators.models.eagle3.Eagle3DraftModel (float32, on CPU).
-
-    Raises:
-        TrainError: speculators refuses the configuration (message included).
-    """
-    from loguru import logger as _loguru
-    from speculators.models.eagle3 import Eagle3DraftModel
-    from speculators.train.cli import create_transformer_layer_config
-
-    train_params = params.train
-    # speculators logs every verifier file it opens (and warns about tied lm_heads); quiet here
-    _loguru.disable("speculators")
-    try:
-        layer_cfg = create_transformer_layer_config(
-            verifier_name_or_path=str(inputs.target_path), num_layers=train_params.num_layers, draft_arch="llama",
-            hidden_act=None, sliding_window=0, full_attention_indices=list(range(train_params.num_layers)),
-            trust_remote_code=params.target.trust_remote_code,
-        )
-        layer_cfg.sliding_window = None
-        layer_cfg.use_sliding_window = False
-        model = Eagle3DraftModel.from_training_args(
-            layer_cfg, t2d=inputs.t2d, d2t=inputs.d2t, verifier_name_or_path=str(inputs.target_path),
-            draft_vocab_size=inputs.draft_vocab_size, norm_before_residual=train_params.norm_before_residual,
-            norm_before_fc=train_params.norm_before_fc, fc_norm=train_params.fc_norm, norm_output=train_params.norm_output,
-            ttt_steps=train_params.ttt_steps, target_layer_ids=list(inputs.aux_layer_ids), draft_attn_impl=attn_implementation,
-            trust_remote_code=params.target.trust_remote_code,
-        )
-    except (ValueError, TypeError) as exc:
-        raise TrainError(f"speculators refused the drafter configuration: {exc}") from None
-    finally:
-        _loguru.enable("speculators")
-    model.config.target_hidden_size = inputs.hidden_size
-    return model
-
-
 COMPILE_MODES = ("attention", "speculators", "none")
 
 
@@ -253,7 +198,7 @@ def _compiled_flex_attention(ttt_steps: int):
     TTT step ``k`` attends its ``T`` queries to ``k * T`` keys, in training and again under no_grad in
     validation: ``2 * ttt_steps`` graphs (plus 2 spare). With dynamo's default limit of 8 a drafter of
     TTT 5 fell back to eager flex attention at its first validation (step 500) and ran out of memory
-    with 110 GiB allocated on an H200 (token budget 16,384; benchmarks/RESULTS.md, 2026-12-01 session 5).
+    with 110 GiB allocated on an H200 (token budget 16,384; benchmarks/RESULTS.md).
     """
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -266,7 +211,7 @@ def _compiled_flex_attention(ttt_steps: int):
 _FLEX_COMPILED: dict[int, object] = {}
 
 
-def configure_compile(model, mode: str, attn_implementation: str, ttt_steps: int = 3) -> str:
+def configure_compile(model, mode: str, attn_implementation: str, ttt_steps: int) -> str:
     """Choose what ``torch.compile`` covers in a drafter; returns the mode applied.
 
     speculators wraps ``Eagle3DraftModel.forward`` in ``torch.compile`` whenever CUDA is visible
@@ -283,7 +228,7 @@ def configure_compile(model, mode: str, attn_implementation: str, ttt_steps: int
             speculators' ``flex_attention_forward`` calls, under a recompile limit that covers
             ``ttt_steps``' graphs (:func:`_compiled_flex_attention`). With sdpa/eager attention
             nothing is compiled.
-        'speculators': keep speculators' compiled forward (the behaviour before 2026-12-01).
+        'speculators': keep speculators' compiled forward (its whole forward compiled).
         'none': nothing compiled (debugging; eager flex attention is slow and memory-hungry).
 
     Raises:
@@ -337,111 +282,14 @@ def trainable_state(model) -> dict:
 
 
 def use_supervised_rows(setting: bool | str, device_type: str, compile_mode: str) -> bool:
-    """Whether stage 4 installs :class:`SupervisedRows` (``train.supervised_rows``).
+    """Whether stage 4 computes the heads and loss on the supervised rows only (``train.supervised_rows``,
+    where the kind has that path: :meth:`eagle3.drafters.DrafterKind.supervise_rows`).
 
     ``'auto'``: on CPU only. There it is measured (1.09-1.17x the step rate at the embedded default's
-    shapes, benchmarks/RESULTS.md session 5); on a GPU it is not, and its row selection (``nonzero``, one
+    shapes, benchmarks/RESULTS.md); on a GPU it is not, and its row selection (``nonzero``, one
     per head and TTT step) waits for the device, against the loop's one host sync per step. Never with
     ``train.compile: speculators`` (its Python state would recompile the compiled forward).
     """
     if compile_mode == "speculators":
         return False
     return device_type == "cpu" if setting == "auto" else bool(setting)
-
-
-class SupervisedRows:
-    """Compute the drafter's lm head, the verifier's head and the loss only on the rows that the
-    loss and the metrics of speculators' ``Eagle3DraftModel.forward`` read (``train.supervised_rows``).
-
-    The forward runs both heads (``[1, T, H] -> [1, T, draft_vocab]``, H x draft_vocab MACs a row)
-    and the per-position loss over every packed position, then multiplies by the loss mask; about
-    59 % of the embedded default's packed tokens are supervised (the rest are prompts and template
-    boilerplate). Installed once on a drafter, a forward pre-hook reads ``loss_mask`` ``[1, T]`` and
-    ``ttt_steps`` of each call and builds, per TTT step ``s`` (speculators' ``align_for_step``: the
-    logits of draft start ``p`` are scored against target position ``p + s``):
-
-    * drafter rows ``R_s``: ``p < T - s`` with ``mask[p + s]`` (the loss and the accuracy) or
-      ``mask[p]`` (``prev_correct``, which only masked draft starts carry, feeds the later steps);
-    * verifier rows: ``q`` with ``mask[q - j]`` for some ``j < ttt_steps`` (every target a computed
-      drafter row is compared with);
-    * loss rows: ``p`` with ``mask[p + s]``.
-
-    Every other row of the heads' outputs is zero (and of the per-position loss): the loss, its
-    gradients, the accuracies and ``prev_correct`` equal the full computation (tests/test_train.py);
-    only the returned draft tokens differ, on the rows outside ``R_s`` (argmax over zeros): validation's
-    ``chain_lengths`` reads draft ``s`` only at starts ``p`` with ``mask[p + s]``, which are in ``R_s``.
-    A call without ``loss_mask`` or ``verifier_last_hidden_states`` computes every row.
-
-    Not with ``train.compile: speculators`` (the hooks' Python state would recompile the graph).
-
-    Args:
-        model: an ``Eagle3DraftModel`` (patched in place: ``lm_head`` / ``verifier_lm_head``
-            instance ``forward``; the state dict is unchanged, so checkpoints and the export are).
-        loss_config: speculators' ``{name: (fn, weight)}``; :meth:`wrap_loss` returns it with each
-            per-position fn computing only the loss rows.
-    """
-
-    def __init__(self, model) -> None:
-        self.plan: dict | None = None
-        model.register_forward_pre_hook(self._pre, with_kwargs=True)
-        for name in ("lm_head", "verifier_lm_head"):
-            head = getattr(model, name)
-            head.forward = self._head_forward(head.forward, name)
-
-    def _pre(self, module, args, kwargs):
-        import torch
-
-        mask = kwargs.get("loss_mask")
-        if mask is None or kwargs.get("verifier_last_hidden_states") is None:
-            self.plan = None
-            return None
-        m = mask.reshape(-1).to(torch.bool)
-        T, ttt = m.numel(), int(kwargs.get("ttt_steps", 3))
-        drafter, losses = [], []
-        for s in range(ttt):
-            shifted = torch.zeros_like(m)
-            shifted[: T - s] = m[s:]
-            rows = shifted.clone()
-            rows[: T - s] |= m[: T - s]
-            drafter.append(rows.nonzero().squeeze(1))
-            losses.append(m[s:].nonzero().squeeze(1))
-        verifier = m.clone()
-        for j in range(1, ttt):
-            verifier[j:] |= m[: T - j]
-        self.plan = {"lm_head": drafter, "verifier_lm_head": [verifier.nonzero().squeeze(1)], "loss": losses,
-                     "calls": {}}
-        return None
-
-    def _next(self, key: str):
-        """The rows of this call of ``key`` (the n-th call of a forward uses the n-th step's rows)."""
-        if self.plan is None:
-            return None
-        n = self.plan["calls"].get(key, 0)
-        self.plan["calls"][key] = n + 1
-        rows = self.plan["lm_head" if key == "lm_head" else key.split(":")[0]]
-        return rows[n] if n < len(rows) else None
-
-    def _head_forward(self, forward, name: str):
-        def rows_forward(x):  # x: [1, T, H] -> [1, T, out]
-            rows = self._next(name)
-            if rows is None:
-                return forward(x)
-            y = forward(x.index_select(1, rows))
-            return y.new_zeros(x.shape[0], x.shape[1], y.shape[-1]).index_copy(1, rows, y)
-
-        return rows_forward
-
-    def wrap_loss(self, loss_config: dict) -> dict:
-        """``loss_config`` with each per-position loss fn ``(logits [1, S, V], targets [1, S, V]) ->
-        [1, S]`` evaluated on the loss rows only (zeros elsewhere; they are masked out anyway)."""
-        out = {}
-        for name, (fn, weight) in loss_config.items():
-            def rows_fn(logits, targets, _fn=fn, _key=f"loss:{name}"):
-                rows = self._next(_key)
-                if rows is None:
-                    return _fn(logits, targets)
-                y = _fn(logits.index_select(1, rows), targets.index_select(1, rows))
-                return y.new_zeros(logits.shape[0], logits.shape[1]).index_copy(1, rows, y)
-
-            out[name] = (rows_fn, weight)
-        return out

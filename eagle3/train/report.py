@@ -91,7 +91,7 @@ def plot_validation(df):
     fig = Figure(figsize=(11, 3.8))
     ax = fig.subplots(1, 2)
     ax[0].plot(val["step"], val["val_tau_hat"], "o-", label="tau_hat (every position)")
-    if "val_tau_sim" in val and val["val_tau_sim"].notna().any():  # runs before session 8 lack it
+    if "val_tau_sim" in val and val["val_tau_sim"].notna().any():  # metrics without tau_sim (older runs) plot tau_hat only
         ax[0].plot(val["step"], val["val_tau_sim"], "s--", label="tau_sim (verification rounds)")
     best = val.loc[val["val_tau_hat"].idxmax()]
     ax[0].axvline(best["step"], color="gray", ls=":", label=f"best: step {int(best['step'])}")
@@ -133,7 +133,8 @@ def inputs_table(params, run_dir: str | Path) -> dict:
 
 def export_summary(run_dir: str | Path) -> dict:
     """The exported drafter: which checkpoint and why, its check against the target, how to serve it."""
-    from eagle3.contracts.drafter import check_drafter
+    from eagle3.contracts.drafter import kind_name
+    from eagle3.drafters import check_drafter, get
 
     rd = RunDir(run_dir)
     rec = stage_record(run_dir, TRAIN)
@@ -144,7 +145,7 @@ def export_summary(run_dir: str | Path) -> dict:
     verifier = cfg["speculators_config"]["verifier"]["name_or_path"]
     problems = check_drafter(d, _target_dir(run_dir) if rd.params_file.exists() else verifier)
     k = cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-    spec = json.dumps({"method": "eagle3", "model": str(d), "num_speculative_tokens": k})
+    spec = json.dumps(get(kind_name(d)).speculative_config(d, k))
     return {"drafter": str(d), "exported checkpoint": f"step_{stats['best_step']:06d}", "why": stats.get("export_reason"),
             "best validation tau_hat": stats.get("best_val_tau_hat"), "final validation tau_hat": stats.get("final_val_tau_hat"),
             "final validation tau_sim (rounds)": stats.get("final_val_tau_sim"),

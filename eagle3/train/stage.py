@@ -1,8 +1,8 @@
 """Stage 4: train the drafter, checkpoint, export the best checkpoint (``run(params, run_dir)``).
 
 Writes the Stage 4 folder: ``metrics.jsonl``, ``checkpoints/step_NNNNNN/``
-(:mod:`eagle3.train.checkpoint`), ``drafter/`` (:func:`eagle3.contracts.drafter.export_drafter`, the
-checkpoint with the best validation tau_hat), ``progress.json``, ``stats.json``
+(:mod:`eagle3.train.checkpoint`), ``drafter/`` (the checkpoint with the best validation tau_hat,
+exported by the drafter's kind: :meth:`eagle3.drafters.DrafterKind.export`), ``progress.json``, ``stats.json``
 (:class:`TrainStats`) and figures. ``python -m eagle3.train PARAMS.yaml --run-dir DIR`` runs it
 (also under ``torchrun``).
 """
@@ -19,14 +19,15 @@ from typing import ClassVar
 
 import eagle3.train.checkpoint as ckpt
 from eagle3.config import Params
-from eagle3.contracts.drafter import check_drafter, export_drafter
 from eagle3.distributed import DistContext, in_torchrun, launch_torchrun
+from eagle3.drafters import check_drafter
 from eagle3.errors import TrainError
 from eagle3.io import atomic_write_json, atomic_write_text, read_json
 from eagle3.params_file import dump_params, load_params, params_fingerprint
 from eagle3.rundir import TRAIN, RunDir
 from eagle3.stage import StageRun, Stats, check_fresh, stage_record
-from eagle3.train.loop import Trainer, TrainingInterrupted
+from eagle3.train.loop import Trainer
+from eagle3.train.signals import TrainingInterrupted
 
 __all__ = ["TrainStats", "TrainStopped", "run", "main"]
 
@@ -99,7 +100,7 @@ def run(params: Params, run_dir: str | Path, *, stop_after: int | None = None) -
         params: the run's params (``train`` section; ``target``; ``extract.aux_layer_ids`` online).
         run_dir: the run directory (reads Stages 2 and 3; writes Stage 4's folder).
         stop_after: stop (checkpoint, stage left incomplete) after this many optimizer steps in this
-            call; a later call resumes. For time-boxed sessions and tests.
+            call; a later call resumes (a time-boxed call, a test).
 
     Returns:
         TrainStats: what ``stats.json`` holds; :class:`TrainStopped` when ``stop_after`` ended the call.
@@ -189,7 +190,7 @@ def _export(tr: Trainer, info: dict) -> TrainStats:
     """Load the best checkpoint into the drafter, export it, check it against the target (rank 0).
 
     Raises:
-        DrafterCheckError: the export fails :func:`eagle3.contracts.drafter.check_drafter`.
+        DrafterCheckError: the export fails :func:`eagle3.drafters.check_drafter`.
     """
     import torch
     from safetensors.torch import load_file
@@ -212,7 +213,7 @@ def _export(tr: Trainer, info: dict) -> TrainStats:
                 p.copy_(weights[n].to(p.dtype))
     drafter = RunDir(tr.run_dir).drafter_dir
     last_train = _last_record(tr.metrics_file, "train")
-    export_drafter(
+    tr.kind.export(
         model.to("cpu"), drafter, tr.inputs.target_name, dtype=torch_dtype("auto", tr.inputs.target_path),
         include_embed_tokens=tr.train_params.export_embed_tokens,
         info={"best_step": best, "best_val_tau_hat": state.get("best_val_tau_hat"), "total_steps": total,
