@@ -314,3 +314,68 @@ def test_readme_command_table_names_every_cli_command_and_option():
             for flag in action.option_strings:
                 if flag.startswith("--") and flag != "--help":
                     assert flag in row.split("|")[1], f"docs/USAGE.md: `eagle3 {name}` row lacks {flag}"
+
+
+# ----------------------------------------------------------------------------- the product speaks of itself
+
+# Words that narrate how the project was made rather than what the product does: history belongs in
+# commit messages. Tests may quote them (they describe the failures they guard against).
+PROCESS_WORDS = re.compile(
+    r"\bsession[ -]?\d+|\bsessions? \d+|\bissue[ -]?#?\d+|\bissue\d+_|\btracker numbers?\b|"
+    r"\ba new user(?!\s+(message|turn|prompt))|\bnew user's|\breviewer|\.devwork|/tmp/\w+/|\bstop \d+\b",
+    re.I,
+)
+PRODUCT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".toml", ".sh", ".ipynb", ".cfg", ".txt", ""}
+
+
+def _product_files() -> list[Path]:
+    """Tracked files outside tests/ (a fresh clone's view; run folders and the venv are ignored)."""
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [ROOT / p for p in listed.splitlines()
+            if not p.startswith("tests/") and Path(p).suffix in PRODUCT_SUFFIXES and (ROOT / p).is_file()]
+
+
+def test_the_product_speaks_of_itself_not_of_its_making():
+    bad = []
+    for path in _product_files():
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            hit = PROCESS_WORDS.search(line)
+            if hit:
+                bad.append(f"{path.relative_to(ROOT)}:{n}: {hit.group(0)!r}: {line.strip()[:100]}")
+    assert not bad, "development history in the product (keep the why, drop the when and who):\n" + "\n".join(bad[:40])
+
+
+def test_process_word_rule_catches_what_it_should():
+    for text in ["# measured in session 12", "see issue 16", "issue13_gpu", "a new user noticed", "the reviewer's note",
+                 "cd .devwork/x", "(stop 35)", "tracker number 4"]:
+        assert PROCESS_WORDS.search(text), text
+    for text in ["the session's device time", "sessions of W&B", "a user's prompts", "stop the server", "issue a request",
+                 "the W&B tracker", "the start of a new user message"]:
+        assert not PROCESS_WORDS.search(text), text
+
+
+@pytest.mark.parametrize(("name", "limit"), [("README.md", 250), ("benchmarks/RESULTS.md", 800)])
+def test_documents_stay_short(name, limit):
+    lines = len((ROOT / name).read_text(encoding="utf-8").splitlines())
+    assert lines <= limit, f"{name} has {lines} lines (at most {limit}): reference material goes to docs/"
+
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 60
+
+
+def test_every_package_module_is_small_enough_to_change():
+    big = [f"{f.relative_to(ROOT)}: {n} lines" for f in MODULES.values()
+           if (n := len(f.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES]
+    assert not big, f"modules over {MAX_MODULE_LINES} lines:\n" + "\n".join(big)
+
+
+def test_every_package_function_fits_on_a_screen():
+    long = []
+    for f in MODULES.values():
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{f.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
