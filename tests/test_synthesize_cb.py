@@ -77,7 +77,7 @@ def test_continuous_sampling_is_seeded_and_stops_at_the_end_of_turn(target_model
 
 
 @pytest.mark.slow
-def test_self_prompt_driver_continuous(target_model):
+def test_self_prompt_sampling_continuous(target_model):
     from eagle3.config import Params, SelfPromptParams
     from eagle3.synthesize.local import TransformersBackend
     from eagle3.synthesize.self_prompt import plan_requests
