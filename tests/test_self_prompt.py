@@ -17,8 +17,8 @@ from eagle3.synthesize.self_prompt import (
     settings_record,
     user_turn_format,
 )
+from eagle3.synthesize.self_prompt.template import UserTurn as Candidate
 from eagle3.synthesize.server import ServerBackend
-from eagle3.synthesize.turns import UserTurn as Candidate
 
 SMOL_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 

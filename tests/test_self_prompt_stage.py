@@ -15,7 +15,7 @@ import pytest
 from eagle3.config import Params, PromptSource
 from eagle3.errors import SynthesisError
 from eagle3.rundir import SELF_PROMPTS_DIR
-from eagle3.synthesize.self_prompt import prepare_self_sources
+from eagle3.synthesize import prepare_self_sources
 
 SELF = {"count": 2, "max_new_tokens": 40, "top_p": 0.95, "seed": 3, "seed_topics": ["cooking", "maths"]}
 
@@ -106,7 +106,7 @@ _CHILD = r"""
 import sys, torch
 torch.set_num_threads(1)
 from eagle3.config import Params
-from eagle3.synthesize.self_prompt import prepare_self_sources
+from eagle3.synthesize import prepare_self_sources
 p = Params.model_validate_json(open(sys.argv[1]).read())
 prepare_self_sources(p, p.run_dir())
 """

@@ -24,7 +24,7 @@ Backends import transformers / vLLM / httpx where used (only the chosen one's lo
 from eagle3.errors import SynthesisError
 from eagle3.synthesize.backends import make_backend
 from eagle3.synthesize.report import make_figures, preview_rows, saved_figures, summary_table
-from eagle3.synthesize.stage import SynthesizeStats, run
+from eagle3.synthesize.stage import SynthesizeStats, prepare_self_sources, run
 from eagle3.synthesize.summary import overall_rate, summarize_samples, throughput_series
 from eagle3.synthesize.turns import TurnRequest, TurnResult, parse_chat_completion, split_reasoning
 
@@ -33,6 +33,7 @@ __all__ = [
     "SynthesizeStats",
     "SynthesisError",
     "make_backend",
+    "prepare_self_sources",
     "TurnRequest",
     "TurnResult",
     "split_reasoning",

@@ -18,7 +18,8 @@ from typing import Any
 from eagle3.chat import ChatRenderer, eos_ids, pad_token_id, stop_token_ids, template_kwargs
 from eagle3.config import Params, SelfPromptParams
 from eagle3.errors import SynthesisError
-from eagle3.synthesize.turns import TurnRequest, TurnResult, UserTurn, UserTurnRequest, text_result, user_turn_finish
+from eagle3.synthesize.self_prompt.template import UserTurn, UserTurnRequest, user_turn_finish
+from eagle3.synthesize.turns import TurnRequest, TurnResult, text_result
 
 __all__ = ["TransformersBackend", "VllmBackend", "left_pad", "generate_padded", "generate_continuous",
            "use_continuous_batching"]

@@ -28,14 +28,8 @@ from eagle3.errors import SelfPromptError, SynthesisError
 from eagle3.prompts import Prompt
 from eagle3.synthesize.conversation import Conversation, Session, prepare
 from eagle3.synthesize.retry import Rejected, RetryPolicy, SampleFailed, Stopped
-from eagle3.synthesize.turns import (
-    TurnRequest,
-    TurnResult,
-    UserTurn,
-    UserTurnRequest,
-    parse_chat_completion,
-    user_turn_finish,
-)
+from eagle3.synthesize.self_prompt.template import UserTurn, UserTurnRequest, user_turn_finish
+from eagle3.synthesize.turns import TurnRequest, TurnResult, parse_chat_completion
 
 __all__ = ["ServerBackend", "PromptTooLong", "run_server", "run_async", "server_renderer"]
 

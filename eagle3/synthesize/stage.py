@@ -15,17 +15,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from eagle3.config import Params, SynthesizeParams
+from eagle3.config import Params, PromptSource, SynthesizeParams
 from eagle3.contracts.samples import SampleStore, read_samples, samples_path
 from eagle3.errors import SynthesisError
 from eagle3.io import Progress, atomic_write_json
 from eagle3.prompts import LoadReport, Prompt, load_prompts
 from eagle3.rundir import SYNTHESIZE, stage_dir
 from eagle3.stage import StageRun, Stats, completed_stats
-from eagle3.synthesize.backends import make_backend
+from eagle3.synthesize.backends import Backend, make_backend, sampling_variant, user_turn_backend
 from eagle3.synthesize.conversation import Session, run_batched
 from eagle3.synthesize.report import make_figures
-from eagle3.synthesize.self_prompt import prepare_self_sources, self_prompt_figures, self_sources_pending
+from eagle3.synthesize.self_prompt import self_prompt_figures, self_sources_pending, write_self_prompts
 from eagle3.synthesize.server import run_server, server_renderer
 from eagle3.synthesize.summary import (
     errors_path,
@@ -37,7 +37,7 @@ from eagle3.synthesize.summary import (
 )
 from eagle3.vllm_utils import engine_logs_to
 
-__all__ = ["SynthesizeStats", "run"]
+__all__ = ["SynthesizeStats", "run", "prepare_self_sources"]
 
 _MAX_LISTED = 50
 ENGINE_LOG = "vllm_engine.log"  # backend vllm: what the in-process engine prints (eagle3.vllm_utils.engine_logs_to)
@@ -224,6 +224,39 @@ def _run(params: Params, run_dir: Path) -> SynthesizeStats:
         return _run_stage(params, Path(run_dir), shared)
     finally:
         for be in shared:
+            be.close()
+
+
+def prepare_self_sources(params: Params, run_dir: str | Path, progress: Progress | None = None,
+                         backend: Backend | None = None) -> tuple[list[PromptSource], list[dict]]:
+    """Write the prompts of every ``kind: self`` source with the target and return the sources with
+    each replaced by a ``kind: file`` source of them, and one stats dict per self source
+    (:func:`eagle3.synthesize.self_prompt.run.write_self_prompts`, files in ``self_prompts/``).
+
+    Args:
+        params: run params.
+        run_dir: the run directory.
+        progress: stage 1's ``progress.json`` while the target writes prompts (None: none).
+        backend: an open backend to sample with (the vLLM engine that answers the prompts afterwards:
+            one engine start instead of two), left open. None: the backend of ``synthesize.backend``
+            is opened on first need and closed at the end.
+
+    Raises:
+        SynthesisError, SelfPromptError: see :func:`~eagle3.synthesize.self_prompt.run.write_self_prompts`.
+        TargetError: the target cannot be loaded.
+    """
+    opened: list[Backend] = []
+
+    def open_backend() -> Backend:
+        if backend is not None:
+            return backend
+        opened.append(user_turn_backend(params))
+        return opened[-1]
+
+    try:
+        return write_self_prompts(params, run_dir, open_backend, progress, sampling_variant(params))
+    finally:
+        for be in opened:
             be.close()
 
 

@@ -1,20 +1,17 @@
-"""One turn: the request, the result, and reasoning capture (``synthesize.reasoning``).
+"""One assistant turn: the request, the result, and reasoning capture (``synthesize.reasoning``).
+(A self-written user turn is an :class:`eagle3.synthesize.self_prompt.template.UserTurnRequest`.)
 
-An assistant turn is a :class:`TurnRequest` answered by a :class:`TurnResult`; a self-written user
-turn (``kind: self`` sources) is a :class:`UserTurnRequest` continued by the backend into a
-:class:`UserTurn`. Reasoning comes from a server's ``reasoning_content`` (older vLLM) or ``reasoning`` (vLLM >= 0.10)
+Reasoning comes from a server's ``reasoning_content`` (older vLLM) or ``reasoning`` (vLLM >= 0.10)
 message field, else a ``think_tags`` span in the text (:func:`split_reasoning`); it is stored as the
 message's ``reasoning``, apart from ``content``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TurnRequest", "TurnResult", "UserTurnRequest", "UserTurn", "user_turn_finish", "split_reasoning",
-           "parse_chat_completion", "text_result"]
+__all__ = ["TurnRequest", "TurnResult", "split_reasoning", "parse_chat_completion", "text_result"]
 
 
 @dataclass
@@ -51,69 +48,6 @@ class TurnResult:
     finish_reason: str
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-
-
-@dataclass
-class UserTurnRequest:
-    """One rendered prefix for the backend to continue with a user turn (self-prompting).
-
-    Attributes:
-        index: request number (0, 1, ...; follow-ups share their first turn's index).
-        kind: ``"first"`` or ``"followup"``.
-        system: the system prompt rendered (None = the template's default).
-        topic: the seed topic steering it (or None).
-        history: the messages before the new user turn (follow-ups: system?, user, assistant).
-        prefix_text: rendered prefix ending with the user-turn header.
-        prefix_ids: ``prefix_text`` tokenized without extra special tokens (list[int]).
-        stop_ids: end-of-turn ids (:attr:`eagle3.synthesize.self_prompt.template.UserTurnFormat.eot_ids`).
-        end_text: what the template writes after a user message (a stop string for servers).
-        seed: the sampling seed of this request (int < 2**31).
-    """
-
-    index: int
-    kind: str
-    system: str | None
-    topic: str | None
-    history: list[dict]
-    prefix_text: str
-    prefix_ids: list[int]
-    stop_ids: tuple[int, ...]
-    end_text: str
-    seed: int
-
-
-@dataclass
-class UserTurn:
-    """What a backend sampled for one :class:`UserTurnRequest` (a candidate user prompt).
-
-    Attributes:
-        text: the user message (decoded without special tokens, the end-of-turn token excluded).
-        finish_reason: ``"stop"`` when an id of ``stop_ids`` ended it, ``"length"`` at
-            ``max_new_tokens``, ``"eos"`` when another EOS id ended it.
-        num_tokens: generated tokens including the end-of-turn token.
-        token_ids: the generated ids (None where the backend does not return them: the server).
-    """
-
-    text: str
-    finish_reason: str
-    num_tokens: int = 0
-    token_ids: list[int] | None = None
-
-
-def user_turn_finish(finish_reason: str | None, last_id: int | None, stop_reason, stop_ids: Sequence[int],
-                     eos_ids: Sequence[int]) -> str:
-    """``"stop"`` / ``"length"`` / ``"eos"`` of a sampled user turn from vLLM's (or a vLLM server's)
-    ``finish_reason`` and ``stop_reason`` (the stop token id or string, None for an EOS stop) or the
-    last generated id; ``stop_ids`` end a user turn, ``eos_ids`` are the tokenizer's EOS ids."""
-    if finish_reason == "length":
-        return "length"
-    if last_id is not None and last_id in stop_ids:
-        return "stop"
-    if isinstance(stop_reason, int):
-        return "stop" if stop_reason in stop_ids else "eos"
-    if stop_reason is None and finish_reason == "stop":  # EOS: a turn end when an eos id is the end of turn
-        return "stop" if set(eos_ids) & set(stop_ids) else "eos"
-    return "stop" if finish_reason == "stop" else "length"
 
 
 def split_reasoning(text: str, tags: tuple[str, str] = ("<think>", "</think>")) -> tuple[str | None, str]:

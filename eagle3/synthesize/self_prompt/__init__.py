@@ -2,25 +2,29 @@
 
 The target's chat template is cut at a new user message, the target samples the user message at a
 high temperature until the template's end of turn, and the candidates are filtered and
-de-duplicated; stage 1 then answers the kept prompts like those of any other source.
+de-duplicated; stage 1 then answers the kept prompts like those of any other source. Nothing here
+imports the rest of :mod:`eagle3.synthesize`: the backends are handed in (``sample_user_turns``).
 
-* :mod:`~eagle3.synthesize.self_prompt.template` - the user-turn prefix and the requests;
+* :mod:`~eagle3.synthesize.self_prompt.template` - the user-turn prefix, the requests and what comes back;
 * :mod:`~eagle3.synthesize.self_prompt.filters` - acceptance filters, near duplicates, distinct-n;
 * :mod:`~eagle3.synthesize.self_prompt.sampling` - the loop over a backend's
   ``sample_user_turns`` (:mod:`eagle3.synthesize.local`, :mod:`eagle3.synthesize.server`);
-* :mod:`~eagle3.synthesize.self_prompt.run` - stage 1's driver, writes ``01_synthesize/self_prompts/``;
+* :mod:`~eagle3.synthesize.self_prompt.run` - writes ``01_synthesize/self_prompts/`` with the backend
+  stage 1 gives it (:func:`eagle3.synthesize.stage.prepare_self_sources`);
 * :mod:`~eagle3.synthesize.self_prompt.report` - the prompts and figures notebook 01 shows.
 """
 
 from eagle3.errors import SelfPromptError
 from eagle3.synthesize.self_prompt.filters import FILTER_REASONS, NearDuplicateIndex, PromptFilter, distinct_n
 from eagle3.synthesize.self_prompt.report import read_self_prompts, self_prompt_figures
-from eagle3.synthesize.self_prompt.run import prepare_self_sources, self_prompts_dir, self_sources_pending
+from eagle3.synthesize.self_prompt.run import self_prompts_dir, self_sources_pending, write_self_prompts
 from eagle3.synthesize.self_prompt.sampling import SelfPromptResult, max_attempts, run_self_prompting, settings_record
 from eagle3.synthesize.self_prompt.template import (
     SENTINEL,
     SelfPrompt,
+    UserTurn,
     UserTurnFormat,
+    UserTurnRequest,
     followup_request,
     plan_requests,
     user_turn_format,
@@ -32,6 +36,8 @@ __all__ = [
     "FILTER_REASONS",
     "UserTurnFormat",
     "user_turn_format",
+    "UserTurnRequest",
+    "UserTurn",
     "SelfPrompt",
     "SelfPromptResult",
     "NearDuplicateIndex",
@@ -42,7 +48,7 @@ __all__ = [
     "max_attempts",
     "settings_record",
     "distinct_n",
-    "prepare_self_sources",
+    "write_self_prompts",
     "self_prompts_dir",
     "self_sources_pending",
     "read_self_prompts",

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 
 from eagle3.config import SelfPromptParams
 from eagle3.errors import SelfPromptError
-from eagle3.synthesize.turns import UserTurn
+from eagle3.synthesize.self_prompt.template import UserTurn
 
 __all__ = ["FILTER_REASONS", "NGRAM", "normalise", "NearDuplicateIndex", "PromptFilter", "distinct_n"]
 

@@ -1,5 +1,7 @@
 """Stage 1's ``kind: self`` sources: the target writes their prompts into ``01_synthesize/self_prompts/``
-(resumable), and each such source is replaced by a ``kind: file`` source of them.
+(resumable), and each such source is replaced by a ``kind: file`` source of them. The one writer
+(:func:`write_self_prompts`) and reader (:func:`self_prompts_dir`, :func:`self_sources_pending`,
+:mod:`~eagle3.synthesize.self_prompt.report`) of that folder.
 
 Files (``N`` = the source's position in ``synthesize.sources``):
 
@@ -21,7 +23,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from eagle3.chat import template_kwargs
@@ -29,13 +32,17 @@ from eagle3.config import Params, PromptSource, SelfPromptParams
 from eagle3.errors import SynthesisError
 from eagle3.io import Progress, atomic_write_json, atomic_write_text, read_json, read_jsonl
 from eagle3.rundir import SELF_PROMPTS_DIR, RunDir
-from eagle3.synthesize.backends import Backend, make_backend
-from eagle3.synthesize.local import use_continuous_batching
-from eagle3.synthesize.self_prompt.sampling import SelfPromptResult, max_attempts, run_self_prompting, settings_record
-from eagle3.synthesize.turns import UserTurn, UserTurnRequest
-from eagle3.target import load_tokenizer, pick_device, resolve_target, target_dtype
+from eagle3.synthesize.self_prompt.sampling import (
+    SelfPromptResult,
+    UserTurnSampler,
+    max_attempts,
+    run_self_prompting,
+    settings_record,
+)
+from eagle3.synthesize.self_prompt.template import UserTurn, UserTurnRequest
+from eagle3.target import target_dtype
 
-__all__ = ["self_prompts_dir", "self_sources_pending", "prepare_self_sources"]
+__all__ = ["self_prompts_dir", "self_sources_pending", "write_self_prompts"]
 
 
 def self_prompts_dir(run_dir, create: bool = False) -> Path:
@@ -85,17 +92,12 @@ def _fingerprint(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _meta(params: Params, settings: SelfPromptParams) -> dict:
+def _meta(params: Params, settings: SelfPromptParams, variant: dict) -> dict:
     """What the prompts of a self source depend on, with its fingerprint."""
     syn = params.synthesize
     meta = {"settings": settings_record(settings), "backend": syn.backend, "target": params.target.model,
             "dtype": target_dtype(params.target), "template_kwargs": template_kwargs(params),
-            "batch_size": syn.batch_size, "answer_max_new_tokens": syn.max_new_tokens}
-    if syn.backend == "transformers" and syn.transformers_batching != "padded":
-        # continuous batching samples other numbers than the padded generate (the key is left
-        # out for padded batching, so padded run dirs keep their fingerprint)
-        if use_continuous_batching(syn.transformers_batching, pick_device(params.target.device)):
-            meta["transformers_batching"] = "continuous"
+            "batch_size": syn.batch_size, "answer_max_new_tokens": syn.max_new_tokens, **variant}
     meta["fingerprint"] = _fingerprint(meta)
     return meta
 
@@ -134,23 +136,17 @@ class _Writer:
     stage 1's ``progress.json`` counting prompts kept and tokens sampled over all of them."""
 
     params: Params
+    open_backend: Callable[[], UserTurnSampler]
     progress: Progress | None
-    backend: Backend | None = None
-    owned: bool = False
+    variant: dict = field(default_factory=dict)
+    backend: UserTurnSampler | None = None
     kept_before: int = 0  # earlier self sources' share of the progress counts
     tokens_before: int = 0
 
-    def open(self) -> Backend:
+    def open(self) -> UserTurnSampler:
         if self.backend is None:
-            tok = None
-            if self.params.synthesize.backend == "server":  # the prefixes are rendered here, not by the server
-                tok = load_tokenizer(resolve_target(self.params.target), self.params.target.trust_remote_code)
-            self.backend, self.owned = make_backend(self.params, tok), True
+            self.backend = self.open_backend()
         return self.backend
-
-    def close(self) -> None:
-        if self.owned and self.backend is not None:
-            self.backend.close()
 
     def report(self, index: int, kept: int, sampled: int, tokens: int) -> None:
         if self.progress is not None:
@@ -158,7 +154,7 @@ class _Writer:
                                  self.tokens_before + tokens - self.progress.tokens,
                                  phase="self-prompting", self_source=index, candidates=sampled)
 
-    def sample(self, files: _Files, settings: SelfPromptParams, meta: dict, label: str) -> dict:
+    def sample(self, files: _Files, settings: SelfPromptParams, meta: dict, label: str) -> None:
         """Sample one self source (resuming from its whole batches); write its prompts and stats."""
         syn = self.params.synthesize
         atomic_write_json(files.meta, meta)
@@ -186,12 +182,11 @@ class _Writer:
               "settings": settings_record(settings), "resumed_candidates": len(done)}
         atomic_write_json(files.stats, st)
         atomic_write_text(files.prompts, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs))
-        return st
 
     def source(self, index: int, src: PromptSource, d: Path) -> tuple[PromptSource, dict]:
         """The file source replacing self source ``index`` and its stats (sampled now or read back)."""
         files, settings = _Files(d, index), src.self_prompt
-        meta = _meta(self.params, settings)
+        meta = _meta(self.params, settings, self.variant)
         old = read_json(files.meta)
         if old is not None and old.get("fingerprint") != meta["fingerprint"]:
             raise SynthesisError(
@@ -214,8 +209,9 @@ class _Writer:
                             limit=src.limit), stats
 
 
-def prepare_self_sources(params: Params, run_dir, progress: Progress | None = None,
-                         backend: Backend | None = None) -> tuple[list[PromptSource], list[dict]]:
+def write_self_prompts(params: Params, run_dir, open_backend: Callable[[], UserTurnSampler],
+                       progress: Progress | None = None, variant: dict | None = None,
+                       ) -> tuple[list[PromptSource], list[dict]]:
     """Write the prompts of every ``kind: self`` source of ``synthesize.sources`` with the target
     (files: see the module docstring), and return the sources with each such source replaced by a
     ``kind: file`` source of them.
@@ -226,12 +222,13 @@ def prepare_self_sources(params: Params, run_dir, progress: Progress | None = No
     Args:
         params: run params (``target``, ``synthesize``).
         run_dir: the run directory.
+        open_backend: returns the stage 1 backend to sample with; called once, on first need (not
+            at all when every self source is written already); the caller closes it.
         progress: stage 1's ``progress.json`` while the target writes prompts: ``done`` = prompts
             kept over all self sources, ``total`` = their ``count`` sum, ``tokens`` = tokens sampled,
             ``extra`` = ``{"phase": "self-prompting", "self_source", "candidates"}``. None: no progress file.
-        backend: an open stage 1 backend (the vLLM engine that answers the prompts afterwards: one
-            engine start instead of two) to sample with; left open. None: the backend of
-            ``synthesize.backend`` is opened on first need and closed at the end.
+        variant: what about the backend changes the sampled numbers beyond the params (e.g.
+            ``{"transformers_batching": "continuous"}``); part of the fingerprint.
 
     Returns:
         ``(sources, stats)``: the new source list and one stats dict per self source (with
@@ -242,16 +239,13 @@ def prepare_self_sources(params: Params, run_dir, progress: Progress | None = No
             filters. SelfPromptError: the chat template cannot be cut into a user-turn prefix, or
             the server refused a request or kept failing.
     """
-    writer = _Writer(params, progress, backend)
+    writer = _Writer(params, open_backend, progress, dict(variant or {}))
     out_sources, all_stats = [], []
-    try:
-        for i, src in enumerate(params.synthesize.sources):
-            if src.kind != "self":
-                out_sources.append(src)
-                continue
-            source, stats = writer.source(i, src, self_prompts_dir(run_dir, create=True))
-            out_sources.append(source)
-            all_stats.append(stats)
-    finally:
-        writer.close()
+    for i, src in enumerate(params.synthesize.sources):
+        if src.kind != "self":
+            out_sources.append(src)
+            continue
+        source, stats = writer.source(i, src, self_prompts_dir(run_dir, create=True))
+        out_sources.append(source)
+        all_stats.append(stats)
     return out_sources, all_stats

@@ -15,8 +15,13 @@ from typing import Any, Protocol
 from eagle3.config import SelfPromptParams
 from eagle3.errors import SelfPromptError
 from eagle3.synthesize.self_prompt.filters import NGRAM, PromptFilter, distinct_n
-from eagle3.synthesize.self_prompt.template import SelfPrompt, followup_request, plan_requests
-from eagle3.synthesize.turns import UserTurn, UserTurnRequest
+from eagle3.synthesize.self_prompt.template import (
+    SelfPrompt,
+    UserTurn,
+    UserTurnRequest,
+    followup_request,
+    plan_requests,
+)
 
 __all__ = ["UserTurnSampler", "SelfPromptResult", "max_attempts", "settings_record", "run_self_prompting"]
 

@@ -3,6 +3,9 @@
 The chat template is rendered up to and including the user-turn header (derived from the target's
 own template: a conversation whose last user message is a sentinel is rendered and cut before the
 sentinel), and the target continues it with a user message until the template's end-of-turn token.
+
+Every stage 1 backend continues a :class:`UserTurnRequest` into a :class:`UserTurn`
+(``sample_user_turns`` of :mod:`eagle3.synthesize.local` and :mod:`eagle3.synthesize.server`).
 """
 
 from __future__ import annotations
@@ -14,10 +17,9 @@ from dataclasses import dataclass
 from eagle3.chat import eos_ids
 from eagle3.config import SelfPromptParams
 from eagle3.errors import SelfPromptError
-from eagle3.synthesize.turns import UserTurnRequest
 
-__all__ = ["SENTINEL", "UserTurnFormat", "user_turn_format", "SelfPrompt", "request_seed", "plan_requests",
-           "followup_request"]
+__all__ = ["SENTINEL", "UserTurnFormat", "user_turn_format", "UserTurnRequest", "UserTurn", "user_turn_finish",
+           "SelfPrompt", "request_seed", "plan_requests", "followup_request"]
 
 # A user message no template rewrites (no leading/trailing whitespace, no markup); it must appear
 # exactly once in the render, which is checked.
@@ -88,12 +90,75 @@ def user_turn_format(tokenizer, system: str | None = None, history: Sequence[dic
 
 
 @dataclass
+class UserTurnRequest:
+    """One rendered prefix for the backend to continue with a user turn (self-prompting).
+
+    Attributes:
+        index: request number (0, 1, ...; follow-ups share their first turn's index).
+        kind: ``"first"`` or ``"followup"``.
+        system: the system prompt rendered (None = the template's default).
+        topic: the seed topic steering it (or None).
+        history: the messages before the new user turn (follow-ups: system?, user, assistant).
+        prefix_text: rendered prefix ending with the user-turn header.
+        prefix_ids: ``prefix_text`` tokenized without extra special tokens (list[int]).
+        stop_ids: end-of-turn ids (:attr:`UserTurnFormat.eot_ids`).
+        end_text: what the template writes after a user message (a stop string for servers).
+        seed: the sampling seed of this request (int < 2**31).
+    """
+
+    index: int
+    kind: str
+    system: str | None
+    topic: str | None
+    history: list[dict]
+    prefix_text: str
+    prefix_ids: list[int]
+    stop_ids: tuple[int, ...]
+    end_text: str
+    seed: int
+
+
+@dataclass
+class UserTurn:
+    """What a backend sampled for one :class:`UserTurnRequest` (a candidate user prompt).
+
+    Attributes:
+        text: the user message (decoded without special tokens, the end-of-turn token excluded).
+        finish_reason: ``"stop"`` when an id of ``stop_ids`` ended it, ``"length"`` at
+            ``max_new_tokens``, ``"eos"`` when another EOS id ended it.
+        num_tokens: generated tokens including the end-of-turn token.
+        token_ids: the generated ids (None where the backend does not return them: the server).
+    """
+
+    text: str
+    finish_reason: str
+    num_tokens: int = 0
+    token_ids: list[int] | None = None
+
+
+def user_turn_finish(finish_reason: str | None, last_id: int | None, stop_reason, stop_ids: Sequence[int],
+                     eos_ids: Sequence[int]) -> str:
+    """``"stop"`` / ``"length"`` / ``"eos"`` of a sampled user turn from vLLM's (or a vLLM server's)
+    ``finish_reason`` and ``stop_reason`` (the stop token id or string, None for an EOS stop) or the
+    last generated id; ``stop_ids`` end a user turn, ``eos_ids`` are the tokenizer's EOS ids."""
+    if finish_reason == "length":
+        return "length"
+    if last_id is not None and last_id in stop_ids:
+        return "stop"
+    if isinstance(stop_reason, int):
+        return "stop" if stop_reason in stop_ids else "eos"
+    if stop_reason is None and finish_reason == "stop":  # EOS: a turn end when an eos id is the end of turn
+        return "stop" if set(eos_ids) & set(stop_ids) else "eos"
+    return "stop" if finish_reason == "stop" else "length"
+
+
+@dataclass
 class SelfPrompt:
     """One kept self-written conversation start.
 
     Attributes:
         index: the request number it came from.
-        system, topic: as in :class:`eagle3.synthesize.turns.UserTurnRequest`.
+        system, topic: as in :class:`UserTurnRequest`.
         user: the self-written first user message.
         followup: the self-written second user message (multi-turn), or None.
         answer: the target's first answer used to write ``followup`` (not a training target:
