@@ -4,6 +4,9 @@ Resume: ``samples.jsonl`` is append-only while the stage runs (:class:`eagle3.co
 on start a torn last line is cut off and the ids already present are skipped, and at the end the
 file is rewritten atomically in prompt order, so that an interrupted-and-resumed run and an
 uninterrupted one give the same file (given deterministic generation).
+
+``kind: self`` sources are written first (:func:`prepare_self_sources`, resumable too) and then
+loaded as file sources; with ``synthesize.backend: vllm`` one engine writes and answers them.
 """
 
 from __future__ import annotations
@@ -261,9 +264,9 @@ def prepare_self_sources(params: Params, run_dir: str | Path, progress: Progress
 
 
 def _self_sources(params: Params, run_dir: Path, shared: list) -> tuple[SynthesizeParams, list[dict]]:
-    """``params.synthesize`` with its ``kind: self`` sources are replaced by the file sources of the prompts the target
-    wrote (resumable, ``self_prompts/``; loaded with the label ``self``), and their stats; the settings
-    unchanged and no stats when there is no self source.
+    """``params.synthesize`` with each ``kind: self`` source replaced by the file source of the prompts
+    the target wrote (resumable, ``self_prompts/``; loaded with the label ``self``), and their stats;
+    the settings unchanged and no stats when there is no self source.
 
     ``progress.json`` counts the prompts kept meanwhile (the stage's :class:`StageRun` replaces it);
     it is not opened when every self source is written already (a finished stage rewrites nothing).
