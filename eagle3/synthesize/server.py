@@ -86,6 +86,8 @@ class ServerBackend:
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     def client(self):
+        """An ``httpx.AsyncClient`` on ``server.base_url`` with the API key header and at most
+        ``server.concurrency`` connections (open it inside the event loop that uses it)."""
         import httpx
 
         limits = httpx.Limits(max_connections=self.sp.concurrency, max_keepalive_connections=self.sp.concurrency)
