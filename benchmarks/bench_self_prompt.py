@@ -1,8 +1,8 @@
 """Self-prompting throughput in vLLM (stage 1, ``kind: self``): where the tokens/s go, side by side.
 
-One in-process engine (the stage's own :class:`eagle3.synthesize.local.VllmBackend` and
-:class:`eagle3.self_prompt.VllmDriver`); the first-turn requests of the params file's first
-``kind: self`` source (:func:`eagle3.self_prompt.plan_requests`, request numbers 0..N-1), sampled
+One in-process engine (the stage's own :class:`eagle3.synthesize.local.VllmBackend` and its
+``sample_user_turns``); the first-turn requests of the params file's first
+``kind: self`` source (:func:`eagle3.synthesize.self_prompt.plan_requests`, request numbers 0..N-1), sampled
 in variants that each change one thing against the stage's way (``stage``: ``synthesize.batch_size``
 requests per ``generate`` call, per-request seeds, the source's top-p and max tokens):
 
@@ -34,12 +34,12 @@ def main() -> None:
     args = ap.parse_args()
 
     from eagle3.params_file import load_params
-    from eagle3.self_prompt import VllmDriver, plan_requests, settings_from_params
     from eagle3.synthesize.local import VllmBackend
+    from eagle3.synthesize.self_prompt import plan_requests
 
     params = load_params(args.params)
     src = next(s for s in params.synthesize.sources if s.kind == "self")
-    settings = settings_from_params(src.self_prompt)
+    settings = src.self_prompt
     bs = params.synthesize.batch_size
     t0 = time.perf_counter()
     be = VllmBackend(params)
@@ -49,22 +49,21 @@ def main() -> None:
         "stage": (settings, bs, True),
         "one call": (settings, len(reqs), True),
         "no seeds": (settings, bs, False),
-        "top-p 1": (dataclasses.replace(settings, top_p=1.0), bs, True),
-        "top-k 50": (dataclasses.replace(settings, top_p=1.0, top_k=50), bs, True),
-        "top-k 100": (dataclasses.replace(settings, top_p=1.0, top_k=100), bs, True),
-        "top-k 50 one call": (dataclasses.replace(settings, top_p=1.0, top_k=50), len(reqs), True),
+        "top-p 1": (settings.model_copy(update=dict(top_p=1.0)), bs, True),
+        "top-k 50": (settings.model_copy(update=dict(top_p=1.0, top_k=50)), bs, True),
+        "top-k 100": (settings.model_copy(update=dict(top_p=1.0, top_k=100)), bs, True),
+        "top-k 50 one call": (settings.model_copy(update=dict(top_p=1.0, top_k=50)), len(reqs), True),
     }
     names = [v.strip() for v in args.variants.split(",")]
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
         for name in names:
             s, size, seeded = variants[name]
-            drv = VllmDriver(be.llm, be.tok, s)
             rs = reqs if seeded else [dataclasses.replace(r, seed=None) for r in reqs]
             toks = steps = unended = 0
             t = time.perf_counter()
             for i in range(0, len(rs), size):
-                cands = drv.sample(rs[i:i + size])
+                cands = be.sample_user_turns(rs[i:i + size], s)
                 toks += sum(c.num_tokens for c in cands)
                 steps += max(c.num_tokens for c in cands)
                 unended += sum(c.finish_reason != "stop" for c in cands)

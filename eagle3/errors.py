@@ -16,6 +16,7 @@ __all__ = [
     "ParamsError",
     "TargetError",
     "PromptsError",
+    "SelfPromptError",
     "SynthesisError",
     "VocabError",
     "ExtractError",
@@ -43,6 +44,11 @@ class TargetError(Eagle3Error, RuntimeError):
 
 class PromptsError(Eagle3Error, ValueError):
     """A prompt source cannot be read; the message names the file (and line) or dataset and the field."""
+
+
+class SelfPromptError(Eagle3Error, ValueError):
+    """Self-prompting (``kind: self`` sources) cannot run: the target's chat template cannot be cut
+    into a user-turn prefix, a setting is invalid, or the server refused a request; the message says which."""
 
 
 class SynthesisError(Eagle3Error, RuntimeError):

@@ -82,7 +82,7 @@ EXECUTED_DIR = "notebooks"  # the stage notebooks as `eagle3 run` executed them
 
 # Stage 1
 SAMPLES_FILE = "samples.jsonl"
-SELF_PROMPTS_DIR = "self_prompts"  # the target's self-written prompts (eagle3.self_prompt)
+SELF_PROMPTS_DIR = "self_prompts"  # the target's self-written prompts (eagle3.synthesize.self_prompt)
 # Stage 2
 TOKENIZED_FILE = "{split}.parquet"  # split: "train" | "heldout"
 VOCAB_MAPPING_FILE = "vocab_mapping.safetensors"

@@ -84,8 +84,8 @@ def test_prompt_field_dotted_mapping_and_template(tmp_path):
 
 
 def test_a_mapped_optional_field_that_no_record_has_is_an_error_not_silent_text_loss(tmp_path):
-    """A new user wrote input: instances[0].input (the loader's paths are dotted): every prompt lost
-    its input with no count and no warning. A mapped input/system found in no record now stops the
+    """``input: instances[0].input`` (the loader's paths are dotted) would drop every prompt's input
+    with no count and no warning. A mapped input/system found in no record stops the
     load; one found in some records is read as empty where it is missing."""
     rows = [{"instruction": "Classify the pair.", "instances": [{"input": "Night : Day"}]},
             {"instruction": "Say hello.", "instances": [{}]}]

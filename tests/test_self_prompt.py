@@ -1,26 +1,40 @@
-"""Self-prompting (eagle3.self_prompt): template cut, filters, and real sampling on the embedded target."""
+"""Self-prompting (eagle3.synthesize.self_prompt): template cut, filters, and real sampling on the embedded target."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from eagle3.self_prompt import (
+from eagle3.config import Params, SelfPromptParams
+from eagle3.synthesize.local import TransformersBackend, VllmBackend
+from eagle3.synthesize.self_prompt import (
     FILTER_REASONS,
     SENTINEL,
-    Candidate,
     NearDuplicateIndex,
     PromptFilter,
-    SelfPromptSettings,
-    TransformersDriver,
     distinct_n,
     plan_requests,
     run_self_prompting,
+    settings_record,
     user_turn_format,
 )
+from eagle3.synthesize.self_prompt.template import UserTurn as Candidate
+from eagle3.synthesize.server import ServerBackend
 
 SMOL_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+def _params(answer_max_new_tokens: int = 16, **syn) -> Params:
+    """Stage 1 params on the embedded target: ``synthesize.max_new_tokens`` limits the target's
+    answers before a follow-up user turn."""
+    return Params.model_validate({
+        "target": {"model": "embedded:smollm2-135m", "dtype": "float32", "device": "cpu"},
+        "synthesize": {"max_new_tokens": answer_max_new_tokens, **syn},
+    })
+
+
+def _server(base_url: str, answer_max_new_tokens: int, tok, **server) -> ServerBackend:
+    return ServerBackend(_params(answer_max_new_tokens, backend="server",
+                                 server={"base_url": base_url, "model": "m", "backoff_s": 0.0, **server}), tok)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +65,7 @@ def test_near_duplicate_index_finds_rewordings_only():
 
 
 def test_filter_reasons_and_counts_add_up():
-    s = SelfPromptSettings(min_chars=12, max_chars=200, min_words=3)
+    s = SelfPromptParams(min_chars=12, max_chars=200, min_words=3)
     f = PromptFilter(s)
     cases = [
         (Candidate("What is a good name for a goldfish?", "length"), "not_terminated"),
@@ -89,7 +103,7 @@ class _Tok:
 
 
 def test_plan_requests_cycles_systems_and_topics():
-    s = SelfPromptSettings(system_prompts=["S1", "S2"], seed_topics=["cooking", "tax law"], seed=3)
+    s = SelfPromptParams(system_prompts=["S1", "S2"], seed_topics=["cooking", "tax law"], seed=3)
     reqs = plan_requests(_Tok(), s, range(5))
     assert [(r.system, r.topic) for r in reqs] == [
         ("S1 The user will ask you about cooking.", "cooking"), ("S2 The user will ask you about cooking.", "cooking"),
@@ -119,11 +133,10 @@ def test_user_turn_format_smollm2(smol):
 
 def _run(smol, done=(), **kw):
     model, tok = smol
-    s = SelfPromptSettings(**{"count": 2, "temperature": 1.0, "top_p": 0.95, "max_new_tokens": 48, **kw})
-    drv = TransformersDriver(model, tok, s, answer_max_new_tokens=16)
+    s = SelfPromptParams(**{"count": 2, "temperature": 1.0, "top_p": 0.95, "max_new_tokens": 48, **kw})
+    be = TransformersBackend(_params(16), model, tok)
     batches = []
-    res = run_self_prompting(tok, s, drv.sample, batch_size=4, answer=drv.answer, done=done,
-                             on_batch=lambda reqs, cands: batches.append((reqs, cands)))
+    res = run_self_prompting(be, s, batch_size=4, done=done, on_batch=lambda reqs, cands: batches.append((reqs, cands)))
     return s, res, batches
 
 
@@ -165,11 +178,10 @@ def test_same_seed_same_prompts_and_resume(smol, multi_turn_run):
     _, again, _ = _run(smol, seed=11, seed_topics=["gardening", "travel"])
     assert [p.user for p in again.prompts] == [p.user for p in res.prompts]
     assert again.counts == res.counts
-    single = dataclasses.replace(s, multi_turn=False)
-    resumed = run_self_prompting(tok, single, TransformersDriver(model, tok, single).sample, batch_size=4,
-                                 done=batches[0][1])
+    single = s.model_copy(update={"multi_turn": False})
+    resumed = run_self_prompting(TransformersBackend(_params(), model, tok), single, batch_size=4, done=batches[0][1])
     assert [p.user for p in resumed.prompts] == [p.user for p in res.prompts]
-    other = plan_requests(tok, SelfPromptSettings(seed=12), range(4))
+    other = plan_requests(tok, SelfPromptParams(seed=12), range(4))
     assert [r.seed for r in other] != [r.seed for r in batches[0][0]]
 
 
@@ -199,7 +211,7 @@ def test_multi_turn_target_writes_the_followup(multi_turn_run):
             assert turns[1] == [{"role": "user", "content": p.followup}] and p.answer
 
 
-# ----------------------------------------------------------------------------- server driver (completions endpoint)
+# ----------------------------------------------------------------------------- server backend (completions endpoint)
 
 
 class _FakeCompletions:
@@ -249,15 +261,13 @@ class _FakeCompletions:
         self.srv.server_close()
 
 
-def test_server_driver_posts_the_raw_prefix_to_completions(embedded_target):
-    from eagle3.self_prompt import ServerDriver
+def test_server_backend_posts_the_raw_prefix_to_completions(embedded_target):
     from eagle3.target import load_tokenizer
 
     tok = load_tokenizer(embedded_target)
-    s = SelfPromptSettings(count=3, temperature=1.0, max_new_tokens=20, seed=2, multi_turn=True)
+    s = SelfPromptParams(count=3, temperature=1.0, max_new_tokens=20, seed=2, multi_turn=True)
     with _FakeCompletions() as srv:
-        drv = ServerDriver(srv.base_url, "m", tok, s, answer_max_new_tokens=8, backoff_s=0.0, concurrency=2)
-        res = run_self_prompting(tok, s, drv.sample, batch_size=2, answer=drv.answer)
+        res = run_self_prompting(_server(srv.base_url, 8, tok, concurrency=2), s, batch_size=2)
     comp = [b for b in srv.bodies if "prompt" in b]
     fmt = user_turn_format(tok)
     assert comp[0]["prompt"] == fmt.prefix_text and comp[0]["stop_token_ids"] == [2]
@@ -276,23 +286,22 @@ def test_server_driver_posts_the_raw_prefix_to_completions(embedded_target):
 
 def test_top_k_reaches_every_backend(smol, embedded_target):
     """``top_k``: top-k 1 sampling at T=1 is the greedy output (transformers' padded generate);
-    the vLLM driver and the server body carry it; the settings record omits it when off (self-prompts
-    written before it existed keep their fingerprint)."""
-    from eagle3.self_prompt import ServerDriver, VllmDriver
+    the vLLM backend's sampling params and the server body carry it; the settings record omits it when off (self-prompts
+    written without it keep their fingerprint)."""
     from eagle3.synthesize.local import generate_padded
 
     model, tok = smol
-    rows = [r.prefix_ids for r in plan_requests(tok, SelfPromptSettings(seed_topics=["tea", "maths"]), range(2))]
+    rows = [r.prefix_ids for r in plan_requests(tok, SelfPromptParams(seed_topics=["tea", "maths"]), range(2))]
     kw = dict(pad_id=2, eos_ids=[2], max_new_tokens=12)
     greedy = generate_padded(model, rows, **kw)
     assert generate_padded(model, rows, temperature=1.0, top_k=1, seed=7, **kw) == greedy
     assert generate_padded(model, rows, temperature=1.0, seed=7, **kw) != greedy  # T=1 without top-k: sampled
 
-    assert "top_k" not in SelfPromptSettings().to_dict() and SelfPromptSettings(top_k=50).to_dict()["top_k"] == 50
-    s = SelfPromptSettings(count=1, temperature=1.0, top_k=50, max_new_tokens=5)
+    assert "top_k" not in settings_record(SelfPromptParams()) and settings_record(SelfPromptParams(top_k=50))["top_k"] == 50
+    s = SelfPromptParams(count=1, temperature=1.0, top_k=50, max_new_tokens=5)
     req = plan_requests(tok, s, range(1))
 
-    class _LLM:  # records the SamplingParams VllmDriver builds
+    class _LLM:  # records the SamplingParams VllmBackend builds
         def generate(self, prompts, sampling_params, use_tqdm):
             self.sps = sampling_params
             out = type("O", (), {"outputs": [type("C", (), {"text": "Hi there you", "token_ids": [5, 2],
@@ -300,10 +309,8 @@ def test_top_k_reaches_every_backend(smol, embedded_target):
             return [out() for _ in prompts]
 
     llm = _LLM()
-    VllmDriver(llm, tok, s).sample(req)
+    VllmBackend(_params(), llm=llm, tokenizer=tok).sample_user_turns(req, s)
     assert [(sp.top_k, sp.top_p, sp.temperature) for sp in llm.sps] == [(50, 1.0, 1.0)]
     with _FakeCompletions() as srv:
-        drv = ServerDriver(srv.base_url, "m", tok, s, answer_max_new_tokens=4, backoff_s=0.0)
-        drv.sample(req)
-        drv.close()
+        _server(srv.base_url, 4, tok).sample_user_turns(req, s)
     assert srv.bodies[0]["top_k"] == 50

@@ -14,7 +14,8 @@ import pytest
 
 from eagle3.config import Params, PromptSource
 from eagle3.errors import SynthesisError
-from eagle3.self_prompt import SELF_PROMPTS_DIR, prepare_self_sources
+from eagle3.rundir import SELF_PROMPTS_DIR
+from eagle3.synthesize import prepare_self_sources
 
 SELF = {"count": 2, "max_new_tokens": 40, "top_p": 0.95, "seed": 3, "seed_topics": ["cooking", "maths"]}
 
@@ -77,7 +78,7 @@ def test_prepare_self_sources_writes_reuses_and_refuses_other_settings(tmp_path,
     assert all(p.id.startswith("self-") for p in mine)
 
     # what notebook 01 shows: the prompts and one figure (lengths, filter counts, distinct-1/2)
-    from eagle3.self_prompt import read_self_prompts, self_prompt_figures
+    from eagle3.synthesize.self_prompt import read_self_prompts, self_prompt_figures
 
     shown = read_self_prompts(run_dir)
     assert [p["user"] for p in shown] == [r["messages"][0]["content"] for r in recs]
@@ -105,7 +106,7 @@ _CHILD = r"""
 import sys, torch
 torch.set_num_threads(1)
 from eagle3.config import Params
-from eagle3.self_prompt import prepare_self_sources
+from eagle3.synthesize import prepare_self_sources
 p = Params.model_validate_json(open(sys.argv[1]).read())
 prepare_self_sources(p, p.run_dir())
 """
@@ -208,7 +209,7 @@ def test_stage1_with_a_self_source(tmp_path, embedded_target):
     # target wrote, but it is no user file)
     assert [(row["kind"], row["selected"]) for row in on_disk["prompts"]["sources"]] == [("embedded", 1), ("self", 2)]
     progress = (run_dir / "01_synthesize" / "progress.json").read_bytes()
-    again = synthesize_run(params, run_dir)  # finished: returned as it is, nothing rewritten (issue 16)
+    again = synthesize_run(params, run_dir)  # finished: returned as it is, nothing rewritten
     assert again == stats and (run_dir / "01_synthesize" / "progress.json").read_bytes() == progress
     assert [json.loads(x) for x in (run_dir / "01_synthesize" / "samples.jsonl").read_text().splitlines()] == samples
 

@@ -327,7 +327,7 @@ def test_skip_summary_names_every_kind_of_loss():
         "1 sample(s) failed")
     assert skip_summary({"samples": 1, "prompts": {"records": 1, "kept": 1}}) == (
         "1 samples from 1 prompts selected of 1 records; nothing skipped or truncated")
-    # the default's sources (a new user asked what "1008 prompts selected of 1124 records" left out)
+    # the default's sources ("1008 prompts selected of 1124 records" alone does not say what was left out)
     sources = [{"label": "self", "records": 960, "usable": 960, "selected": 960},
                {"label": "human-eval", "records": 164, "usable": 164, "selected": 48}]
     assert skip_summary({"samples": 1008, "prompts": {"records": 1124, "kept": 1008, "sources": sources}}) == (
@@ -350,7 +350,7 @@ def test_torn_last_line_dropped_and_regenerated(tmp_path):
     assert stats2["torn_lines_dropped"] == 1 and stats2["resumed_from"] == 3 and stats2["generated_this_session"] == 1
     assert path.read_bytes() == good
     assert stats2["tokens_per_s"] > 0  # over both sessions
-    # a complete run re-run does no work at all and rewrites nothing (issue 16: a notebook opened on a
+    # a complete run re-run does no work at all and rewrites nothing (a notebook opened on a
     # finished run leaves its records as they were)
     sd = RunDir(rd).stage(SYNTHESIZE)
     before = {f.name: f.read_bytes() for f in sorted(sd.iterdir()) if f.is_file()}

@@ -158,7 +158,7 @@ def test_chat_template_error_names_the_sample(target_model):
 
 
 def _gguf_517_tokenizer(tok):
-    """The embedded tokenizer as transformers 5.17 converts the GGUF (issue 13): no pad token and
+    """The embedded tokenizer as transformers 5.17 converts the GGUF: no pad token and
     eos ``<|im_start|>``."""
     import copy
 
@@ -170,7 +170,7 @@ def _gguf_517_tokenizer(tok):
 
 
 def test_transformers_backend_without_pad_token_and_a_wrong_eos(target_model, tmp_path):
-    """Issue 13 failure 1: batched generation works without a pad token, and turns still stop at the
+    """A GGUF-converted tokenizer: batched generation works without a pad token, and turns still stop at the
     template's end of turn (<|im_end|>, id 2), never at the mis-named eos <|im_start|>."""
     model, tok = target_model
     params = _params(tmp_path, "transformers", [{"kind": "embedded"}], max_new_tokens=12)

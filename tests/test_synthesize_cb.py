@@ -1,5 +1,5 @@
 """Continuous batching (transformers ``generate_batch``) in stage 1 and self-prompting, on CPU with
-the embedded target: the path the H200 recipe uses (params/smollm2-135m-h200.yaml, issue 13)."""
+the embedded target: the path the H200 recipe uses (params/smollm2-135m-h200.yaml)."""
 
 from __future__ import annotations
 
@@ -77,16 +77,20 @@ def test_continuous_sampling_is_seeded_and_stops_at_the_end_of_turn(target_model
 
 
 @pytest.mark.slow
-def test_self_prompt_driver_continuous(target_model):
-    from eagle3.self_prompt import SelfPromptSettings, TransformersDriver, plan_requests
+def test_self_prompt_sampling_continuous(target_model):
+    from eagle3.config import Params, SelfPromptParams
+    from eagle3.synthesize.local import TransformersBackend
+    from eagle3.synthesize.self_prompt import plan_requests
 
     model, tok = target_model
-    s = SelfPromptSettings(count=4, max_new_tokens=24, seed=1)
-    drv = TransformersDriver(model, tok, s, answer_max_new_tokens=8, batching="continuous")
+    s = SelfPromptParams(count=4, max_new_tokens=24, seed=1)
+    params = Params.model_validate({"target": {"model": "embedded:smollm2-135m", "dtype": "float32", "device": "cpu"},
+                                    "synthesize": {"max_new_tokens": 8, "transformers_batching": "continuous"}})
+    drv = TransformersBackend(params, model, tok)
     assert drv.continuous
     reqs = plan_requests(tok, s, range(4))
-    c1, c2 = drv.sample(reqs), drv.sample(reqs)
+    c1, c2 = drv.sample_user_turns(reqs, s), drv.sample_user_turns(reqs, s)
     assert [c.text for c in c1] == [c.text for c in c2]  # seeded by the first request
     for c in c1:
         assert c.finish_reason in ("stop", "eos", "length") and 1 <= c.num_tokens <= 24
-    assert [len(a) > 0 for a in drv.answer([CHATS[2]])] == [True]
+    assert [len(a) > 0 for a in drv.answer_user_turns([CHATS[2]])] == [True]

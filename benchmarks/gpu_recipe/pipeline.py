@@ -82,8 +82,7 @@ def restore(src: Path) -> None:
     """Stage 1 files of run dir `full` from an earlier run's samples (same params), without the target."""
     import shutil
 
-    from eagle3.rundir import SYNTHESIZE, RunDir, prepare_run_dir
-    from eagle3.self_prompt import SELF_PROMPTS_DIR
+    from eagle3.rundir import SELF_PROMPTS_DIR, SYNTHESIZE, RunDir, prepare_run_dir
 
     rd = prepare_run_dir(params_for("full"), ROOT / "full")
     d = RunDir(rd).stage(SYNTHESIZE, create=True)

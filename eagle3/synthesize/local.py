@@ -3,6 +3,10 @@ batching through ``generate_batch``) and vLLM offline.
 
 Both render prompts with :class:`eagle3.chat.ChatRenderer` and stop on the target's stop ids from
 :func:`eagle3.chat.stop_token_ids` (the chat template's end of turn, never the tokenizer's eos alone).
+For ``kind: self`` sources both also sample user turns after a rendered user-turn header
+(``sample_user_turns``) and answer them greedily (``answer_user_turns``), see
+:mod:`eagle3.synthesize.self_prompt`; those stop on the template's end of a user turn or the
+tokenizer's and generation config's EOS ids (:func:`eagle3.chat.eos_ids`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import hashlib
 from typing import Any
 
 from eagle3.chat import ChatRenderer, eos_ids, pad_token_id, stop_token_ids, template_kwargs
-from eagle3.config import Params
+from eagle3.config import Params, SelfPromptParams
+from eagle3.errors import SynthesisError
+from eagle3.synthesize.self_prompt.template import UserTurn, UserTurnRequest, user_turn_finish
 from eagle3.synthesize.turns import TurnRequest, TurnResult, text_result
 
 __all__ = ["TransformersBackend", "VllmBackend", "left_pad", "generate_padded", "generate_continuous",
@@ -75,7 +81,7 @@ def use_continuous_batching(mode: str, device) -> bool:
     ``auto`` is the padded ``generate`` on every device: on an H200 without flash-attn (no
     ``flash_attn`` package, no hub for ``kernels``) transformers 5.17 runs continuous batching through
     ``paged|sdpa`` at 2.9K tokens/s against 6.2K for the padded batches of 1,024 on the same kind of
-    prompts (benchmarks/RESULTS.md, issue 13). ``continuous`` is there for machines with flash
+    prompts (benchmarks/RESULTS.md). ``continuous`` is there for machines with flash
     attention, where transformers' varlen/paged decode path applies (not measured here).
     """
     del device  # kept in the signature: the choice may depend on the device once measured there
@@ -114,8 +120,6 @@ def _cb_config(rows: list[list[int]], max_new_tokens: int, device, seed: int | N
         kw["page_size"] = kw.pop("block_size")
     unknown = sorted(set(kw) - names)
     if unknown:
-        from eagle3.errors import SynthesisError
-
         raise SynthesisError(f"synthesize.transformers_kwargs: unknown ContinuousBatchingConfig field(s) {unknown} "
                              f"(this transformers has: {sorted(names)})")
     return ContinuousBatchingConfig(**kw)
@@ -151,8 +155,6 @@ def generate_continuous(model, rows: list[list[int]], *, max_new_tokens: int, eo
     """
     from transformers import GenerationConfig
 
-    from eagle3.errors import SynthesisError
-
     if not rows:
         return []
     sample = temperature > 0
@@ -184,6 +186,9 @@ class TransformersBackend:
     Attributes:
         eos_ids: sorted stop ids (:func:`eagle3.chat.stop_token_ids` of the tokenizer, the model's
             generation config and its directory). pad_id: :func:`eagle3.chat.pad_token_id`.
+        user_turn_eos: sorted EOS ids of the tokenizer and the model's generation config
+            (:func:`eagle3.chat.eos_ids`), where a self-written user turn also stops; user_turn_pad:
+            the pad id beside them.
     """
 
     name = "transformers"
@@ -205,6 +210,8 @@ class TransformersBackend:
         self.pad_id = pad_token_id(tokenizer, self.eos_ids)
         self.device = next(model.parameters()).device
         self.continuous = use_continuous_batching(self.syn.transformers_batching, self.device)
+        self.user_turn_eos = sorted(set(eos_ids(tokenizer, None, model.generation_config)))
+        self.user_turn_pad = pad_token_id(tokenizer, self.user_turn_eos)
 
     def _seed(self, reqs: list[TurnRequest]) -> int:
         """The batch's sampling seed: ``synthesize.seed`` and the first request's id, so a resumed run
@@ -245,6 +252,53 @@ class TransformersBackend:
     def close(self) -> None:
         pass
 
+    # ------------------------------------------------------------------ self-prompting (kind: self sources)
+
+    def _user_turn_rows(self, rows: list[list[int]], stop_ids: list[int], max_new: int, seed: int | None,
+                        settings: SelfPromptParams | None) -> list[list[int]]:
+        """New ids per row: sampled with ``settings`` and ``seed``, greedy when ``seed`` is None."""
+        temperature = settings.temperature if settings is not None else 0.0
+        top_p, top_k = (settings.top_p, settings.top_k) if settings is not None else (1.0, 0)
+        if self.continuous:
+            return generate_continuous(self.model, rows, max_new_tokens=max_new, eos_ids=stop_ids,
+                                       pad_id=self.user_turn_pad, temperature=temperature if seed is not None else 0.0,
+                                       top_p=top_p, top_k=top_k, seed=seed, config_kwargs=self.syn.transformers_kwargs)
+        return generate_padded(self.model, rows, pad_id=self.user_turn_pad, eos_ids=stop_ids, max_new_tokens=max_new,
+                               temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+
+    def sample_user_turns(self, reqs: list[UserTurnRequest], settings: SelfPromptParams) -> list[UserTurn]:
+        """One sampled user turn per request (stops at the end-of-turn ids or any EOS id).
+
+        The batch is seeded with the first request's seed (``torch.manual_seed``, or the continuous
+        batching manager's seed), so a batch's samples depend on its requests and the batch size;
+        :func:`eagle3.synthesize.self_prompt.sampling.run_self_prompting` keeps batches fixed.
+        """
+        stops = sorted(set(reqs[0].stop_ids) | set(self.user_turn_eos))
+        outs = self._user_turn_rows([r.prefix_ids for r in reqs], stops, settings.max_new_tokens, reqs[0].seed, settings)
+        turns = []
+        for r, toks in zip(reqs, outs):
+            end = next((i for i, t in enumerate(toks) if t in stops), None)
+            if end is None:
+                body, finish = toks, "length"
+            else:
+                body, finish = toks[:end], ("stop" if toks[end] in r.stop_ids else "eos")
+                toks = toks[: end + 1]
+            turns.append(UserTurn(self.tok.decode(body, skip_special_tokens=True), finish, len(toks), toks))
+        return turns
+
+    def answer_user_turns(self, convs: list[list[dict]]) -> list[str]:
+        """The target's greedy answers (``synthesize.max_new_tokens`` at most) to conversations ending
+        with a user turn (the answer a multi-turn self-prompt's follow-up continues)."""
+        ids = [self.tok(self.tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True,
+                                                     **self.renderer.kwargs),
+                        add_special_tokens=False)["input_ids"] for c in convs]
+        outs = self._user_turn_rows(ids, self.user_turn_eos, self.syn.max_new_tokens, None, None)
+        res = []
+        for toks in outs:
+            end = next((i for i, t in enumerate(toks) if t in self.user_turn_eos), len(toks))
+            res.append(self.tok.decode(toks[:end], skip_special_tokens=True).strip())
+        return res
+
 
 class VllmBackend:
     """In-process vLLM (``vllm.LLM.chat``); engine settings from :func:`eagle3.vllm_utils.engine_kwargs`
@@ -254,13 +308,16 @@ class VllmBackend:
     its fast mode; stage 5's measurements run the engine core in process instead, see
     :mod:`eagle3.evaluate.vllm_worker`). When the
     template's end of turn is not among the engine's eos ids (a mis-converted tokenizer) it is passed
-    as ``stop_token_ids``."""
+    as ``stop_token_ids``.
+
+    Args:
+        params: run params (``target`` for the engine, ``synthesize`` for the settings).
+        llm, tokenizer: an already started ``vllm.LLM`` and its tokenizer (else started here).
+    """
 
     name = "vllm"
 
-    def __init__(self, params: Params) -> None:
-        from vllm import LLM
-
+    def __init__(self, params: Params, llm=None, tokenizer=None) -> None:
         from eagle3.target import load_tokenizer, resolve_target, target_dtype
         from eagle3.vllm_utils import engine_kwargs
 
@@ -268,12 +325,18 @@ class VllmBackend:
         self.model_name = resolved.name
         self.syn = params.synthesize
         self.context_len = params.target.max_model_len
-        self.tok = load_tokenizer(resolved, params.target.trust_remote_code)
+        self.tok = tokenizer if tokenizer is not None else load_tokenizer(resolved, params.target.trust_remote_code)
+        self.user_turn_eos = sorted(set(eos_ids(self.tok)))
         self.renderer = ChatRenderer(self.tok, template_kwargs(params))
         self.template_kwargs = self.renderer.kwargs or None
         eot = self.renderer.end_of_turn_id()
         # vLLM stops on the eos ids by itself; only a missing end of turn is added (outputs unchanged otherwise)
         self.extra_stop = [eot] if eot is not None and eot not in eos_ids(self.tok, resolved.path) else []
+        if llm is not None:
+            self.llm = llm
+            return
+        from vllm import LLM
+
         kw = engine_kwargs(resolved.path, dtype=target_dtype(params.target), max_model_len=params.target.max_model_len,
                            seed=self.syn.seed, tensor_parallel_size=params.target.tensor_parallel_size,
                            trust_remote_code=params.target.trust_remote_code, **self.syn.vllm_kwargs)
@@ -294,6 +357,36 @@ class VllmBackend:
             results.append(text_result(c.text, str(c.finish_reason or "unknown"), len(o.prompt_token_ids or []),
                                        len(c.token_ids), self.syn.reasoning, self.syn.think_tags))
         return results
+
+    def sample_user_turns(self, reqs: list[UserTurnRequest], settings: SelfPromptParams) -> list[UserTurn]:
+        """One sampled user turn per request: ``LLM.generate`` on the prefix token ids (``TokensPrompt``),
+        each request seeded with its own seed (vLLM's per-request generator: outputs do not depend on
+        batch composition), ``stop_token_ids`` = the end-of-turn ids."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sps = [SamplingParams(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k or 0,
+                              max_tokens=settings.max_new_tokens, seed=r.seed, stop_token_ids=list(r.stop_ids),
+                              skip_special_tokens=True) for r in reqs]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=r.prefix_ids) for r in reqs], sampling_params=sps,
+                                 use_tqdm=False)
+        turns = []
+        for r, o in zip(reqs, outs):
+            c = o.outputs[0]
+            ids = [int(t) for t in c.token_ids]
+            fin = user_turn_finish(c.finish_reason, ids[-1] if ids else None, getattr(c, "stop_reason", None),
+                                   r.stop_ids, self.user_turn_eos)
+            turns.append(UserTurn(c.text, fin, len(ids), ids))
+        return turns
+
+    def answer_user_turns(self, convs: list[list[dict]]) -> list[str]:
+        """The target's greedy answers (``synthesize.max_new_tokens`` at most) through ``LLM.chat``
+        (the answer a multi-turn self-prompt's follow-up continues)."""
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=self.syn.max_new_tokens, skip_special_tokens=True)
+        outs = self.llm.chat(convs, sampling_params=sp, use_tqdm=False, chat_template_kwargs=self.template_kwargs)
+        return [o.outputs[0].text.strip() for o in outs]
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)

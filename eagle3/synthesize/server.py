@@ -1,12 +1,13 @@
 """The ``server`` backend of stage 1: any OpenAI-compatible ``/v1/chat/completions`` endpoint
 (``vllm serve`` on GPUs), driven with httpx (async, at most ``server.concurrency`` conversations in
-flight).
+flight); for ``kind: self`` sources it also samples user turns on ``/v1/completions``.
 
-Timeouts, connection errors, HTTP 5xx/408/429, bodies that are not JSON and responses without
-``choices`` are retried ``server.max_retries`` times with exponential backoff (``backoff_s * 2**attempt``,
-capped at 60 s); a sample that still fails counts towards the circuit breaker, which stops the stage
-after ``server.breaker_failures`` consecutive failed samples. Other 4xx answers are not retried. The
-API key is read from the environment variable named by ``server.api_key_env`` (never stored).
+Every request is retried by :class:`eagle3.synthesize.retry.RetryPolicy` (timeouts, connection
+errors, HTTP 5xx/408/429, bodies that are not JSON or have no ``choices``; exponential backoff capped
+at :data:`~eagle3.synthesize.retry.BACKOFF_CAP_S`); a sample that still fails counts towards the
+circuit breaker, which stops the stage after ``server.breaker_failures`` consecutive failed samples.
+Other 4xx answers are not retried. The API key is read from the environment variable named by
+``server.api_key_env`` (never stored).
 """
 
 from __future__ import annotations
@@ -21,34 +22,37 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3.chat import ChatRenderer, template_kwargs
-from eagle3.config import Params
-from eagle3.errors import SynthesisError
+from eagle3.chat import ChatRenderer, eos_ids, template_kwargs
+from eagle3.config import Params, SelfPromptParams
+from eagle3.errors import SelfPromptError, SynthesisError
 from eagle3.prompts import Prompt
 from eagle3.synthesize.conversation import Conversation, Session, prepare
+from eagle3.synthesize.retry import Rejected, RetryPolicy, SampleFailed, Stopped
+from eagle3.synthesize.self_prompt.template import UserTurn, UserTurnRequest, user_turn_finish
 from eagle3.synthesize.turns import TurnRequest, TurnResult, parse_chat_completion
 
-__all__ = ["ServerBackend", "SampleFailed", "PromptTooLong", "Stopped", "run_server", "run_async", "server_renderer"]
+__all__ = ["ServerBackend", "PromptTooLong", "run_server", "run_async", "server_renderer"]
 
 log = logging.getLogger(__name__)
 
 _CONTEXT_RE = re.compile(r"maximum context length|context length|max_model_len|too long|exceeds", re.I)
 
 
-class SampleFailed(Exception):
-    """A sample still failing after its retries (or a non-retryable 4xx)."""
+def _first_model(body: Any) -> str:
+    data = body.get("data") if isinstance(body, dict) else None
+    if not data:
+        raise ValueError("the server lists no model")
+    return data[0]["id"]
 
-    def __init__(self, kind: str, message: str, attempts: int) -> None:
-        super().__init__(message)
-        self.kind, self.message, self.attempts = kind, message, attempts
+
+def _first_choice(body: Any) -> dict:
+    if not isinstance(body, dict) or not isinstance(body.get("choices"), list) or not body["choices"]:
+        raise ValueError("response has no choices")
+    return body["choices"][0]
 
 
 class PromptTooLong(Exception):
     """The server says the prompt does not fit its context."""
-
-
-class Stopped(Exception):
-    """The stage is stopping (circuit breaker)."""
 
 
 class ServerBackend:
@@ -56,6 +60,8 @@ class ServerBackend:
 
     Args:
         params: run params (``synthesize.server`` and the generation settings).
+        tokenizer: the target's tokenizer, for self-prompting only (its EOS ids tell a user turn
+            ended by EOS from one ended by the template's end of turn); None otherwise.
 
     Attributes:
         errors: failed attempts by kind (``timeout``, ``connection``, ``http_5xx``, ``http_429``,
@@ -65,9 +71,12 @@ class ServerBackend:
 
     name = "server"
 
-    def __init__(self, params: Params) -> None:
+    def __init__(self, params: Params, tokenizer=None) -> None:
         self.syn = params.synthesize
         self.sp = params.synthesize.server
+        self.policy = RetryPolicy.of(self.sp)
+        self.tok = tokenizer
+        self.user_turn_eos = sorted(set(eos_ids(tokenizer))) if tokenizer is not None else []
         self.template_kwargs = template_kwargs(params)
         self.model_name = self.sp.model
         self.errors: Counter = Counter()
@@ -77,6 +86,8 @@ class ServerBackend:
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     def client(self):
+        """An ``httpx.AsyncClient`` on ``server.base_url`` with the API key header and at most
+        ``server.concurrency`` connections (open it inside the event loop that uses it)."""
         import httpx
 
         limits = httpx.Limits(max_connections=self.sp.concurrency, max_keepalive_connections=self.sp.concurrency)
@@ -91,86 +102,111 @@ class ServerBackend:
         """
         if self.model_name:
             return self.model_name
-        last = ""
-        for attempt in range(self.sp.max_retries + 1):
-            try:
-                r = await client.get("/models")
-                if r.status_code == 200:
-                    data = r.json().get("data") or []
-                    if data:
-                        self.model_name = data[0]["id"]
-                        return self.model_name
-                    last = "the server lists no model"
-                else:
-                    last = f"HTTP {r.status_code}: {r.text[:200]}"
-            except Exception as exc:  # noqa: BLE001 - any failure to reach it is reported below
-                last = f"{type(exc).__name__}: {exc}"
-            if attempt < self.sp.max_retries:
-                await asyncio.sleep(min(self.sp.backoff_s * 2**attempt, 60.0))
-        raise SynthesisError(
-            f"synthesize.server: cannot list models at {self.sp.base_url}/models ({last}). Start the server "
-            f"(e.g. `vllm serve MODEL --port 8000`) or set synthesize.server.model."
-        )
+        try:
+            self.model_name = await self.policy.request(lambda: client.get("/models"), _first_model, what="GET /models")
+        except (SampleFailed, Rejected) as exc:
+            raise SynthesisError(
+                f"synthesize.server: cannot list models at {self.sp.base_url}/models ({exc}). Start the server "
+                f"(e.g. `vllm serve MODEL --port 8000`) or set synthesize.server.model."
+            ) from None
+        return self.model_name
+
+    def _count(self, kind: str, attempt: int) -> None:
+        self.errors[kind] += 1
+        if attempt < self.sp.max_retries:
+            self.retries += 1
 
     async def chat(self, client, req: TurnRequest) -> TurnResult:
-        """POST one chat completion with retries (see the module docstring).
+        """POST one chat completion with :class:`~eagle3.synthesize.retry.RetryPolicy`'s retries.
 
         Raises:
             SampleFailed: still failing after ``max_retries`` (or a non-retryable 4xx).
             PromptTooLong: the server says the prompt does not fit its context.
             Stopped: the stage is stopping (circuit breaker).
         """
-        import httpx
-
         payload: dict[str, Any] = {"model": self.model_name, "messages": req.messages,
                                    "max_tokens": req.max_new_tokens, "temperature": self.syn.temperature,
                                    "top_p": self.syn.top_p, "seed": self.syn.seed}
         if self.template_kwargs:
             payload["chat_template_kwargs"] = self.template_kwargs
-        kind, msg = "unknown", ""
-        for attempt in range(self.sp.max_retries + 1):
-            if self.stop is not None and self.stop.is_set():
-                raise Stopped()
-            try:
-                r = await client.post("/chat/completions", json=payload)
-            except httpx.TimeoutException as exc:
-                kind, msg = "timeout", f"no response within {self.sp.timeout_s:g} s ({type(exc).__name__})"
-            except httpx.TransportError as exc:
-                kind, msg = "connection", f"{type(exc).__name__}: {exc or 'connection closed'}"
-            else:
-                code = r.status_code
-                if code >= 500 or code in (408, 429):
-                    kind, msg = ("http_5xx" if code >= 500 else f"http_{code}"), f"HTTP {code}: {r.text[:200]}"
-                elif code >= 400:
-                    text = r.text[:500]
-                    if code == 400 and _CONTEXT_RE.search(text):
-                        raise PromptTooLong(text)
-                    self.errors["http_4xx"] += 1
-                    raise SampleFailed("http_4xx", f"HTTP {code}: {text[:300]}", attempt + 1)
-                else:
-                    try:
-                        body = r.json()
-                    except ValueError:
-                        kind, msg = "bad_json", f"HTTP {code} body is not JSON: {r.text[:120]!r}"
-                    else:
-                        try:
-                            return parse_chat_completion(body, self.syn.reasoning, self.syn.think_tags)
-                        except ValueError as exc:
-                            kind, msg = "bad_response", str(exc)
-            self.errors[kind] += 1
-            log.warning("sample %s: attempt %d failed (%s: %s)", req.key, attempt + 1, kind, msg)
-            if attempt < self.sp.max_retries:
-                self.retries += 1
-                delay = min(self.sp.backoff_s * 2**attempt, 60.0)
-                if self.stop is not None:
-                    try:
-                        await asyncio.wait_for(self.stop.wait(), timeout=delay)
-                        raise Stopped()
-                    except TimeoutError:
-                        pass
-                else:
-                    await asyncio.sleep(delay)
-        raise SampleFailed(kind, msg, self.sp.max_retries + 1)
+        try:
+            return await self.policy.request(
+                lambda: client.post("/chat/completions", json=payload),
+                lambda body: parse_chat_completion(body, self.syn.reasoning, self.syn.think_tags),
+                what=f"sample {req.key}", on_failure=self._count, stop=self.stop)
+        except Rejected as exc:
+            if exc.status == 400 and _CONTEXT_RE.search(exc.text):
+                raise PromptTooLong(exc.text) from None
+            self.errors["http_4xx"] += 1
+            raise SampleFailed("http_4xx", f"HTTP {exc.status}: {exc.text[:300]}", exc.attempts) from None
+
+    # ------------------------------------------------------------------ self-prompting (kind: self sources)
+
+    def sample_user_turns(self, reqs: list[UserTurnRequest], settings: SelfPromptParams) -> list[UserTurn]:
+        """One sampled user turn per request: ``POST /completions`` on the raw rendered prefix (no chat
+        endpoint: it would add its own user-turn header), with vLLM's ``stop_token_ids`` /
+        ``skip_special_tokens`` / ``top_k`` extensions and ``stop=[end_text]`` for servers without them.
+
+        Raises:
+            SelfPromptError: a request still fails after the retries, or the server refused it.
+        """
+        async def one(client, r: UserTurnRequest) -> UserTurn:
+            body = {"model": self.model_name, "prompt": r.prefix_text, "max_tokens": settings.max_new_tokens,
+                    "temperature": settings.temperature, "top_p": settings.top_p, "seed": r.seed,
+                    "stop_token_ids": list(r.stop_ids), "skip_special_tokens": True}
+            if settings.top_k:  # vLLM's extra sampling parameter (OpenAI's completions have none)
+                body["top_k"] = settings.top_k
+            if r.end_text.strip():
+                body["stop"] = [r.end_text.strip()]
+            return await self._post(client, "/completions", body, lambda resp: self._user_turn(r, resp))
+
+        return self._map(one, reqs)
+
+    def _user_turn(self, r: UserTurnRequest, resp: Any) -> UserTurn:
+        ch = _first_choice(resp)
+        stop_reason = ch.get("stop_reason")
+        if isinstance(stop_reason, str):  # the end text itself stopped it
+            stop_reason = r.stop_ids[0] if stop_reason == r.end_text.strip() else stop_reason
+        fin = user_turn_finish(ch.get("finish_reason"), None, stop_reason, r.stop_ids, self.user_turn_eos)
+        usage = resp.get("usage") or {}
+        return UserTurn(ch.get("text") or "", fin, int(usage.get("completion_tokens", 0) or 0))
+
+    def answer_user_turns(self, convs: list[list[dict]]) -> list[str]:
+        """The target's greedy answers (``synthesize.max_new_tokens`` at most) to conversations ending
+        with a user turn, through ``POST /chat/completions`` (the follow-up of a multi-turn self-prompt).
+
+        Raises:
+            SelfPromptError: see :meth:`sample_user_turns`.
+        """
+        async def one(client, msgs: list[dict]) -> str:
+            body = {"model": self.model_name, "messages": msgs, "temperature": 0.0, "max_tokens": self.syn.max_new_tokens}
+            return await self._post(client, "/chat/completions", body,
+                                    lambda resp: (_first_choice(resp)["message"].get("content") or "").strip())
+
+        return self._map(one, convs)
+
+    async def _post(self, client, path: str, body: dict, parse: Callable[[Any], Any]) -> Any:
+        try:
+            return await self.policy.request(lambda: client.post(path, json=body), parse, what=f"POST {path}")
+        except Rejected as exc:
+            raise SelfPromptError(f"POST {path}: HTTP {exc.status}: {exc.text[:300]}") from None
+        except SampleFailed as exc:
+            raise SelfPromptError(f"POST {path} failed after {exc.attempts} attempts: {exc.message}") from None
+
+    def _map(self, fn: Callable, items: list) -> list:
+        """``fn(client, item)`` for every item, ``server.concurrency`` at a time, results in order."""
+        async def main() -> list:
+            gate = asyncio.Semaphore(self.sp.concurrency)
+            async with self.client() as client:
+                await self.resolve_model(client)
+
+                async def one(x):
+                    async with gate:
+                        return await fn(client, x)
+
+                return list(await asyncio.gather(*(one(x) for x in items)))
+
+        return run_async(main)
 
     def close(self) -> None:
         pass

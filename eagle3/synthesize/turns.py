@@ -1,4 +1,5 @@
 """One assistant turn: the request, the result, and reasoning capture (``synthesize.reasoning``).
+(A self-written user turn is an :class:`eagle3.synthesize.self_prompt.template.UserTurnRequest`.)
 
 Reasoning comes from a server's ``reasoning_content`` (older vLLM) or ``reasoning`` (vLLM >= 0.10)
 message field, else a ``think_tags`` span in the text (:func:`split_reasoning`); it is stored as the
@@ -101,8 +102,6 @@ def parse_chat_completion(body: Any, reasoning: str = "auto", tags: tuple[str, s
     return TurnResult(content=content, reasoning=(r.strip() if isinstance(r, str) and r.strip() else None),
                       finish_reason=str(ch.get("finish_reason") or "unknown"),
                       prompt_tokens=usage.get("prompt_tokens"), completion_tokens=usage.get("completion_tokens"))
-
-
 
 
 def text_result(text: str, finish: str, ptoks: int | None, ctoks: int | None, mode: str,
