@@ -39,6 +39,8 @@ from eagle3.evaluate import (
     summarize_rounds,
     vllm_serve_command,
 )
+from eagle3.evaluate.methods import OFFLINE_EAGLE3, VLLM_EAGLE3, VLLM_NGRAM, VLLM_NONE
+from eagle3.evaluate.stats import SetStats, value_at
 from eagle3.io import Progress
 from eagle3.rundir import RunDir
 
@@ -93,7 +95,7 @@ def _results_of(records: list[dict], k: int) -> dict:
     from eagle3.evaluate.decoding import backend_summary
 
     return {"settings": {"k": k, "temperature": 0.0},
-            "backends": {"offline/eagle3": backend_summary(records, k, 0.0, "transformers", "eagle3")}}
+            "backends": {OFFLINE_EAGLE3: backend_summary(records, k, 0.0, "transformers", "eagle3")}}
 
 
 def test_figures_are_plain_figures_and_leave_the_backend_alone():
@@ -135,18 +137,18 @@ def test_per_set_tables_and_figures_put_out_of_domain_first():
 
     results = _results_of([{"source": "a", "rounds": [[100, 3, 3], [104, 3, 1]], "tokens": list(range(7)),
                             "time_s": 0.5}], 3)
-    m = {"vllm/eagle3": {"tau": 1.7, "tokens_per_forward": 1.7, "per_position_conditional": [0.5, 0.3, 0.1],
+    m = {VLLM_EAGLE3: {"tau": 1.7, "tokens_per_forward": 1.7, "per_position_conditional": [0.5, 0.3, 0.1],
                          "prompts": 2, "tokens_per_s": 24.0},
-         "vllm/ngram": {"tau": 2.5, "tokens_per_forward": 1.5, "prompts": 2, "tokens_per_s": 20.0},
-         "vllm/none": {"tau": None, "tokens_per_forward": 1.0, "tokens_per_s": 16.0, "speed_prompts": 1}}
+         VLLM_NGRAM: {"tau": 2.5, "tokens_per_forward": 1.5, "prompts": 2, "tokens_per_s": 20.0},
+         VLLM_NONE: {"tau": None, "tokens_per_forward": 1.0, "tokens_per_s": 16.0, "speed_prompts": 1}}
     results["sets"] = {
         "heldout": {"domain": "in-distribution", "info": {"count": 2, "by_category": {"human-eval": 2}}, "methods": m,
-                    "by_category": {"human-eval": {"vllm/eagle3": {"tau": 1.7, "tokens_per_forward": 1.7}}}},
+                    "by_category": {"human-eval": {VLLM_EAGLE3: {"tau": 1.7, "tokens_per_forward": 1.7}}}},
         "general-chat": {"domain": "out-of-domain", "info": {"count": 2, "by_category": {"math": 1, "writing": 1}},
-                         "methods": {"vllm/eagle3": m["vllm/eagle3"] | {"tau": 1.1, "tokens_per_forward": 1.1}},
-                         "by_category": {"math": {"vllm/eagle3": {"tau": 1.2, "tokens_per_forward": 1.2},
-                                                  "vllm/ngram": {"tau": 3.0, "tokens_per_forward": 1.9}},
-                                         "writing": {"vllm/eagle3": {"tau": 1.0, "tokens_per_forward": 1.0}}}}}
+                         "methods": {VLLM_EAGLE3: m[VLLM_EAGLE3] | {"tau": 1.1, "tokens_per_forward": 1.1}},
+                         "by_category": {"math": {VLLM_EAGLE3: {"tau": 1.2, "tokens_per_forward": 1.2},
+                                                  VLLM_NGRAM: {"tau": 3.0, "tokens_per_forward": 1.9}},
+                                         "writing": {VLLM_EAGLE3: {"tau": 1.0, "tokens_per_forward": 1.0}}}}}
     results["warnings"] = [{"rule": "drafter_below_ngram", "message": "m", "numbers": {}, "fix": "f"}]
     t = set_table(results)
     assert t["set"].tolist() == ["general-chat", "heldout", "heldout", "heldout"]
@@ -161,7 +163,7 @@ def test_per_set_tables_and_figures_put_out_of_domain_first():
                                                      ["heldout", "human-eval"]]
     assert c.loc[0, "tau_ngram"] == 3.0 and c.loc[0, "tokens_per_forward_drafter"] == 1.2
     assert warnings_table(results)["rule"].tolist() == ["drafter_below_ngram"]
-    m["offline/eagle3"] = {"tau": 1.6, "tokens_per_forward": 1.6, "prompts": 1}  # heldout's, on 1 of its 2 prompts
+    m[OFFLINE_EAGLE3] = {"tau": 1.6, "tokens_per_forward": 1.6, "prompts": 1}  # heldout's, on 1 of its 2 prompts
     figs = figures(results)
     assert isinstance(figs["by_set"], Figure) and isinstance(figs["by_category"], Figure)
     assert figs["speed"].axes[0].get_title() == "Decoding speed, all sets pooled (1 prompt)"  # heldout's vllm/none
@@ -561,10 +563,16 @@ def test_mismatch_warnings_rules_on_synthetic_stats():
     from eagle3.evaluate import mismatch_warnings
 
     ev = EvaluateParams()
-    sets = {"general-chat": {"domain": "out-of-domain", "tau_vllm": 1.08, "tokens_per_forward_vllm": 1.08,
-                             "tokens_per_forward_ngram": 1.19},
-            "heldout": {"domain": "in-distribution", "tau_vllm": 1.70, "tokens_per_forward_vllm": 1.70,
-                        "tokens_per_forward_ngram": 1.49}}
+
+    def one(domain: str, vllm=None, ngram=None, offline=None, **counts) -> SetStats:
+        """A set's stats: the drafter's (τ, tokens per forward) in vLLM and offline, n-gram's tokens per forward."""
+        methods = {m: {"tau": v[0], "tokens_per_forward": v[1]} for m, v in ((VLLM_EAGLE3, vllm), (OFFLINE_EAGLE3, offline))
+                   if v is not None}
+        return SetStats(domain=domain, methods=methods | ({VLLM_NGRAM: {"tokens_per_forward": ngram}} if ngram else {}),
+                        **counts)
+
+    sets = {"general-chat": one("out-of-domain", vllm=(1.08, 1.08), ngram=1.19),
+            "heldout": one("in-distribution", vllm=(1.70, 1.70), ngram=1.49)}
     small = {"known": True, "conversations": 146, "completion_tokens": 30_000, "sources": {"human-eval": 146},
              "categories": {"human-eval": 146}}
     w = mismatch_warnings(sets, small, ev)
@@ -574,8 +582,8 @@ def test_mismatch_warnings_rules_on_synthetic_stats():
                                "tokens_per_forward_ngram": 1.19}
     assert w[0]["message"].startswith("on general-chat (out-of-domain) the drafter gives 1.080")  # no count recorded
     # the count of prompts behind it (a new user's 2-prompt set warned like the 96-prompt one)
-    counted = {"mine": {**sets["general-chat"], "domain": "user", "prompts": 2, "offline_prompts": 2},
-               "general-chat": {**sets["general-chat"], "prompts": 96}}
+    counted = {"mine": one("user", vllm=(1.08, 1.08), ngram=1.19, prompts=2),
+               "general-chat": one("out-of-domain", vllm=(1.08, 1.08), ngram=1.19, prompts=96)}
     msgs = [x["message"] for x in mismatch_warnings(counted, {"known": False}, ev)]
     assert msgs[0].startswith("on mine (user, 2 prompts: few, a noisy measurement) the drafter gives 1.080")
     assert msgs[1].startswith("on general-chat (out-of-domain, 96 prompts) the drafter gives 1.080")
@@ -585,14 +593,12 @@ def test_mismatch_warnings_rules_on_synthetic_stats():
     big = {"known": True, "conversations": 5000, "completion_tokens": 2_000_000,
            "sources": {"self": 4000, "human-eval": 1000}, "categories": {"self": 4000, "human-eval": 1000}}
     # boundary of the OOD rule: 0.35 accepted per round vs 0.5 x 0.70 is not "far below"
-    ok = {"general-chat": {"domain": "out-of-domain", "tau_vllm": 1.35, "tokens_per_forward_vllm": 1.35,
-                           "tokens_per_forward_ngram": 1.19}, "heldout": sets["heldout"]}
+    ok = {"general-chat": one("out-of-domain", vllm=(1.35, 1.35), ngram=1.19), "heldout": sets["heldout"]}
     assert mismatch_warnings(ok, big, ev) == []
-    ok["general-chat"]["tau_vllm"] = 1.34
+    ok["general-chat"].methods[VLLM_EAGLE3]["tau"] = 1.34
     assert [x["rule"] for x in mismatch_warnings(ok, big, ev)] == ["ood_far_below_id"]
     # without vLLM the offline numbers stand in; n-gram is vLLM-only, so there is nothing to compare
-    off = {"general-chat": {"domain": "out-of-domain", "tau_offline": 1.1, "tokens_per_forward_offline": 1.1},
-           "heldout": {"domain": "in-distribution", "tau_offline": 2.0, "tokens_per_forward_offline": 2.0}}
+    off = {"general-chat": one("out-of-domain", offline=(1.1, 1.1)), "heldout": one("in-distribution", offline=(2.0, 2.0))}
     w = mismatch_warnings(off, {"known": False}, ev)
     assert [x["rule"] for x in w] == ["ood_far_below_id"] and "(offline)" in w[0]["message"]
     # one category of several sources is narrow too
@@ -806,7 +812,7 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
     stats = run(params, run_dir)
     sd = RunDir(run_dir).stage(5)
     res = json.loads((sd / "results.json").read_text())
-    v = res["backends"]["vllm/eagle3"]
+    v = res["backends"][VLLM_EAGLE3]
     c = v["counters"]
     assert c["vllm:spec_decode_num_drafts"] > 0
     assert c["vllm:spec_decode_num_draft_tokens"] == 3 * c["vllm:spec_decode_num_drafts"]
@@ -818,15 +824,20 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
     # over the first steps: 25 steps here, one more than this)
     assert c["engine_steps"] == 1 + max(len(r["per_step_accepted"]) for r in per_prompt)
     assert v["prompts"] == 5 and v["speed_prompts"] == 2 and v["max_num_seqs"] == 16
-    assert stats.parity_ok is True and stats.parity_prompts == 4 and stats.parity_gap <= 0.15
+    par = stats.parity
+    assert par.ok is True and par.prompts == 4 and par.gap <= 0.15
     # the parity's two sides on its 4 prompts (not the pooled vLLM tau over all 5): the gap is theirs
-    assert stats.parity_tau_vllm == res["parity"]["tau_vllm"] and stats.parity_tau_offline == res["parity"]["tau_offline"]
-    assert abs(stats.parity_tau_offline - stats.parity_tau_vllm) / stats.parity_tau_offline == pytest.approx(stats.parity_gap)
+    assert par.tau_vllm == res["parity"]["tau_vllm"] and par.tau_offline == res["parity"]["tau_offline"]
+    assert abs(par.tau_offline - par.tau_vllm) / par.tau_offline == pytest.approx(par.gap)
     assert list(stats.sets) == list(stats.measured["prompts"]) == ["general-chat", "heldout"]
     held, gc = stats.sets["heldout"], stats.sets["general-chat"]
-    assert (held["prompts"], held["offline_prompts"], gc["prompts"], gc["offline_prompts"]) == (2, 2, 3, 2)
-    assert gc["categories"] == 3 and held["speed_prompts"] == gc["speed_prompts"] == 1
-    assert held["tau_offline"] > 1.2 and held["tau_vllm"] > 1.2  # fitted on questions like the held-out ones
+    assert (held.prompts, held.get(OFFLINE_EAGLE3, "prompts"), gc.prompts, gc.get(OFFLINE_EAGLE3, "prompts")) == (2, 2, 3, 2)
+    assert gc.categories == 3 and held.speed_prompts == gc.speed_prompts == 1
+    # fitted on questions like the held-out ones
+    assert held.get(OFFLINE_EAGLE3, "tau") > 1.2 and held.get(VLLM_EAGLE3, "tau") > 1.2
+    # the grid holds what results.json's sets measured, each number in its place
+    assert held.get(VLLM_EAGLE3, "tokens_per_forward") == res["sets"]["heldout"]["methods"][VLLM_EAGLE3]["tokens_per_forward"]
+    assert stats.pooled.get(VLLM_EAGLE3, "tau") == v["tau"] and stats.pooled.prompts == 5
     assert set(res["sets"]["general-chat"]["by_category"]) == {"writing", "roleplay", "reasoning"}
     assert res["diagnosis"] == [] and stats.measured["vllm_tokens_per_s"].startswith("2 of 5 prompts")
     assert 'vllm serve "$TARGET" ' in stats.vllm_serve_command and "04_train/drafter" in stats.vllm_serve_command
@@ -841,7 +852,8 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
     assert on_disk == json.loads(json.dumps(dataclasses.asdict(stats)))  # the returned stats are stats.json
     from eagle3.report import headline_keys
 
-    assert stats.headline() == {k: on_disk[k] for k in headline_keys()[5]}  # what the report's index shows
+    assert stats.headline() == {k: value_at(on_disk, k) for k in headline_keys()[5]}  # what the report's index shows
+    assert None not in [value_at(on_disk, k) for k in headline_keys()[5] if k != "pooled.methods.vllm/eagle3.speedup"]
     assert (sd / "per_position.png").exists() and (sd / "by_set.png").exists()
     # lossless with a drafter that accepts: offline output == transformers greedy == vLLM greedy (held-out)
     model, tok = target_model
@@ -867,11 +879,12 @@ def test_stage_parity_fails_on_a_vocab_mapping_changed_after_training(fitted_dra
         run(params, run_dir)
     assert any(p.startswith("vocab mapping: d2t differs from") for p in ei.value.diagnosis)
     st = json.loads(RunDir(run_dir).stats(5).read_text())
-    assert st["parity_ok"] is False and st["complete"] is False
+    assert st["parity"]["ok"] is False and st["complete"] is False
     # vLLM's drafts now name the wrong target tokens: next to nothing is accepted (measured 1.00),
     # while the offline decoder, which uses the mapping the drafter was trained with, keeps its τ
     # (measured 1.26 on the 2 offline prompts; the gap is relative to a weak fitted drafter).
-    assert st["tau_vllm"] < 1.05 < 1.15 < st["tau_offline"]
+    tau = {m: st["pooled"]["methods"][m]["tau"] for m in (VLLM_EAGLE3, OFFLINE_EAGLE3)}
+    assert tau[VLLM_EAGLE3] < 1.05 < 1.15 < tau[OFFLINE_EAGLE3]
 
 
 # ------------------------------------------------------------------------------- kill and resume
@@ -1036,9 +1049,14 @@ def test_sigkill_of_eagle3_run_during_a_vllm_job_then_resume_is_identical(fitted
         assert not _differences(_deterministic(got), _deterministic(want)), (f, _differences(
             _deterministic(got), _deterministic(want)))
     st = read_json(sd / "stats.json")
-    assert st["complete"] and st["tau_vllm"] == ref["stats.json"]["tau_vllm"] > 1.1  # measured 1.196 (pooled)
-    assert st["sets"]["heldout"]["tau_vllm"] == ref["stats.json"]["sets"]["heldout"]["tau_vllm"] > 1.5  # 1.679
-    assert st["tau_offline"] == ref["stats.json"]["tau_offline"] and st["parity_ok"] is True
+    def at(d: dict, path: str):
+        return value_at(d, path, "<missing>")
+
+    vl, off = f"pooled.methods.{VLLM_EAGLE3}.tau", f"pooled.methods.{OFFLINE_EAGLE3}.tau"
+    assert st["complete"] and at(st, vl) == at(ref["stats.json"], vl) > 1.1  # measured 1.196 (pooled)
+    held = f"sets.heldout.methods.{VLLM_EAGLE3}.tau"
+    assert at(st, held) == at(ref["stats.json"], held) > 1.5  # 1.679
+    assert at(st, off) == at(ref["stats.json"], off) and st["parity"]["ok"] is True
     assert not list(sd.glob(".*.tmp"))
 
 

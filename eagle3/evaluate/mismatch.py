@@ -39,9 +39,10 @@ _MORE_DATA = ("add prompts like your traffic to synthesize.sources (your own log
 
 def _prompts(s: SetStats, where: str) -> str:
     """``", 96 prompts"`` (``", 2 prompts: few, a noisy measurement"`` under 8) of a set for the
-    measurement ``where`` (offline: the offline prompts); empty when not recorded."""
+    measurement ``where`` (offline: the offline prompts); empty when not recorded (0: a set with no
+    prompts has no numbers to warn about)."""
     n = s.get(OFFLINE_EAGLE3, "prompts") if where == "offline" else s.prompts
-    if n is None:
+    if not n:
         return ""
     return f", {n} prompt{'s' if n != 1 else ''}" + (": few, a noisy measurement" if n < 8 else "")
 
