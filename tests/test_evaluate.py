@@ -556,6 +556,33 @@ def test_a_capped_set_is_spread_over_its_categories():
     assert spread(ps, None) == ps and spread(ps, 10) == ps
 
 
+def test_stats_are_a_grid_that_round_trips_and_refuses_the_flat_layout():
+    """stats.json holds sets[set].methods[method][metric] and the pooled grid; what it holds reads back
+    equal; speed-ups are vLLM's (offline decoding's rate is not a serving speed)."""
+    from eagle3.evaluate import pooled_table
+    from eagle3.evaluate.stats import EvaluateStats, PooledStats, Settings, grid
+
+    pooled = grid({OFFLINE_EAGLE3: {"tau": 1.4, "prompts": 2, "tokens_per_s": 3.0, "rounds": 9},
+                   VLLM_NONE: {"tau": None, "tokens_per_forward": 1.0, "tokens_per_s": 20.0},
+                   VLLM_EAGLE3: {"tau": 1.5, "tokens_per_forward": 1.45, "prompts": 4, "tokens_per_s": 30.0}})
+    assert list(pooled) == [VLLM_EAGLE3, VLLM_NONE, OFFLINE_EAGLE3]  # the order of the tables
+    assert pooled[OFFLINE_EAGLE3] == {"tau": 1.4, "prompts": 2}  # no rounds (results.json's), no offline rate
+    assert pooled[VLLM_EAGLE3]["speedup"] == 1.5 and pooled[VLLM_NONE]["speedup"] == 1.0
+    st = EvaluateStats(settings=Settings(k=3, temperature=0.0), pooled=PooledStats(prompts=4, methods=pooled),
+                       sets={"a": SetStats(domain="out-of-domain", prompts=2, methods={VLLM_EAGLE3: {"tau": 1.2}})})
+    on_disk = json.loads(json.dumps(st.to_dict()))
+    assert on_disk["sets"]["a"]["methods"]["vllm/eagle3"]["tau"] == 1.2 and on_disk["pooled"]["prompts"] == 4
+    assert EvaluateStats.from_dict(on_disk | {"complete": True}) == st
+    assert st.headline()["pooled.methods.vllm/eagle3.tau"] == 1.5 and st.headline()["settings.k"] == 3
+    assert st.numbers()["sets.a.methods.vllm/eagle3.tau"] == 1.2  # what W&B logs, by the same paths
+    assert st.sets["a"].get(VLLM_NGRAM, "tau") is None
+    with pytest.raises(ValueError, match="earlier layout"):
+        EvaluateStats.from_dict({"num_prompts": 4, "k": 3, "tau_vllm": 1.5})
+    t = pooled_table(st)
+    assert t["method"].tolist() == ["EAGLE-3 in vLLM", "no speculation (vLLM)", "EAGLE-3 offline (transformers)"]
+    assert t.loc[0, "speedup"] == 1.5 and str(t["prompts"].dtype) == "Int64"
+
+
 def test_mismatch_warnings_rules_on_synthetic_stats():
     """The numbers of issue 12's report (general chat τ 1.08 vs held-out 1.70; drafter 1.08 vs n-gram 1.19
     tokens per forward; 146 training conversations from one source) raise every rule; a healthy run none."""

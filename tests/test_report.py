@@ -299,3 +299,10 @@ def test_the_banner_names_the_rules_in_the_lists_order_with_their_counts(tmp_pat
             "ood_far_below_id, small_training_data, narrow_training_data)") in page
     listed = [page.index(f"<strong>{w['rule']}</strong>: m ") for w in warnings[1:]]
     assert listed == sorted(listed)
+
+
+def test_a_stats_json_of_the_flat_layout_is_named_with_the_command_that_rewrites_it(tmp_path):
+    write_stats(stage_dir(tmp_path, 5), {"num_prompts": 4, "k": 3, "temperature": 0.0, "tau_vllm": 1.5})
+    page = index_html(tmp_path, [], {})
+    assert "stats.json of an earlier layout" in page and "--stages 5 --redo 5" in page
+    assert "<th>EAGLE-3 drafter</th>" not in page  # its numbers are not read as the grid's

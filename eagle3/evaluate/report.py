@@ -11,10 +11,11 @@ from pathlib import Path
 
 from eagle3.evaluate.methods import LABELS, METHODS, OFFLINE_EAGLE3, VLLM_EAGLE3, VLLM_NGRAM, VLLM_NONE, is_vllm
 from eagle3.evaluate.prompts import out_of_domain_first
+from eagle3.evaluate.stats import METRICS, SPEED_METRICS, EvaluateStats
 from eagle3.io import read_json
 from eagle3.rundir import RunDir
 
-__all__ = ["read_results", "comparison_table", "parity_table", "set_table", "category_table",
+__all__ = ["read_results", "comparison_table", "pooled_table", "parity_table", "set_table", "category_table",
            "warnings_table", "figures"]
 
 _SIZE = (6.5, 3.6)  # inches
@@ -51,6 +52,14 @@ def comparison_table(results: dict):
                      "draft_acceptance_rate": b.get("draft_acceptance_rate"), "rounds": b.get("rounds"),
                      "tokens_per_s": b.get("tokens_per_s") if b["backend"] == "vllm" else None})
     return _frame(rows, counts=("k", "rounds"))
+
+
+def pooled_table(stats: EvaluateStats):
+    """Every set pooled, from ``stats.json``: a row per measurement, a column per metric (stats.json's
+    acceptance metrics, vLLM's speed pass and the speed-up over no speculation) (pandas DataFrame)."""
+    cols = [*METRICS, *SPEED_METRICS, "speedup"]
+    rows = [{"method": LABELS.get(m, m), **{c: cell.get(c) for c in cols}} for m, cell in stats.pooled.methods.items()]
+    return _frame(rows, counts=("prompts",), columns=["method", *cols])
 
 
 def _ordered_sets(results: dict) -> list[tuple[str, dict]]:
