@@ -221,8 +221,9 @@ def test_report_pages_read_as_a_person_reads_them(ci_run):
         assert len(labels) == len(sets) and "out-of-domain" in labels[0], head["rows"]
         for name, e in sets.items():
             assert any(lab.startswith(name) for lab in labels), (name, labels)
-            for key in ("tokens_per_s_vllm_eagle3", "tokens_per_s_vllm_ngram", "tokens_per_s_vllm_none"):
-                assert isinstance(e.get(key), (int, float)) and f"{e[key]:.1f}" in head["text"], (name, key, e.get(key))
+            for m in (VLLM_EAGLE3, VLLM_NGRAM, VLLM_NONE):
+                tps = e["methods"].get(m, {}).get("tokens_per_s")
+                assert isinstance(tps, (int, float)) and f"{tps:.1f}" in head["text"], (name, m, tps)
         wide = [(i["src"], i["natural"], i["shown"]) for i in index.imgs if i["shown"] < min(i["natural"], 1000) - 2]
         assert index.imgs and wide == [], wide
         assert [p for p in page_problems(index)] == []
