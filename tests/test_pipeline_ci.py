@@ -142,9 +142,9 @@ def test_stage5_parity_and_methods(ci_run):
     assert abs(tau_offline - tau_vllm) <= 0.25 * tau_offline
     assert pooled[VLLM_NGRAM]["tau"] >= 1.0 and pooled[VLLM_NGRAM]["tokens_per_forward"] >= 1.0
     assert "--speculative-config" in st["vllm_serve_command"] and "eagle3" in st["vllm_serve_command"]
-    assert str(ci_run.resolve()) not in st["vllm_serve_command"]  # relative to the run dir (issue 16)
+    assert str(ci_run.resolve()) not in st["vllm_serve_command"]  # relative to the run dir: the run can move
     assert (ci_run / "05_evaluate" / "results.json").exists()
-    # issue 12: the held-out split and the general set, out-of-domain first, never a training prompt
+    # the held-out split and the general set, out-of-domain first, never a training prompt
     assert list(st["sets"]) == ["general-chat", "heldout"]
     gc, held = st["sets"]["general-chat"], st["sets"]["heldout"]
     assert gc["domain"] == "out-of-domain" and held["domain"] == "in-distribution"
@@ -187,7 +187,7 @@ def test_report_in_a_real_browser(ci_run):
 
 
 def test_report_pages_read_as_a_person_reads_them(ci_run):
-    """issue 16's report, in Chromium: the answer first (the vLLM comparison), then the stages; every
+    """The report, in Chromium: the answer first (the vLLM comparison), then the stages; every
     figure cell of every stage page shows its image; no engine log line, no `<Figure size` repr, no
     progress bar at "0%", no widget repr, no raw LaTeX, no table twice; every page has its stage title;
     the index figures at their natural width (not shrunk)."""

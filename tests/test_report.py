@@ -79,7 +79,7 @@ def test_index_shows_every_headline_number(tmp_path):
 
 
 def test_a_copied_run_shows_its_own_drafter_not_the_one_of_the_run_it_was_copied_from(tmp_path):
-    """A new user copied a run to try other stage-5 settings: its index named the first run's drafter."""
+    """A run copied to try other stage-5 settings names its own drafter, not the first run's."""
     write_stats(stage_dir(tmp_path, 4), {"drafter_dir": "/home/me/outputs/first/04_train/drafter", "best_step": 5})
     nums = key_numbers(tmp_path)[STAGES[4]]
     assert nums["drafter_dir"] == "04_train/drafter" and nums["best_step"] == 5
@@ -87,7 +87,7 @@ def test_a_copied_run_shows_its_own_drafter_not_the_one_of_the_run_it_was_copied
 
 
 def test_the_index_says_what_stage_1_left_out(tmp_path):
-    """A new user's training file had a malformed line: the terminal said so, the report did not."""
+    """A training file with a malformed line: the report says so, as the terminal does."""
     write_stats(stage_dir(tmp_path, 1), {"samples": 5, "turns": 5, "finish_reasons": {"length": 2},
                                          "prompts": {"records": 7, "kept": 5, "bad_input": {"malformed_json": 1},
                                                      "bad_input_examples": [{"where": "mine.jsonl:4:1",
@@ -177,36 +177,36 @@ def test_the_headline_states_every_set_out_of_domain_first_and_the_warnings_on_t
 
 
 def test_the_parity_line_shows_the_parity_prompts_vllm_tau_not_the_pooled_one(tmp_path):
-    """New-user report: the index said "Offline τ 1.596 vs vLLM τ 1.477: parity agrees (relative gap
-    0.023)", 1.477 being vLLM over all 129 prompts while the gap was computed on the 16 parity ones."""
+    """The parity line must not read "Offline τ 1.596 vs vLLM τ 1.477: parity agrees (relative gap
+    0.023)", 1.477 being vLLM over all 129 prompts while the gap is computed on the 16 parity ones."""
     parity = {"ok": True, "gap": 0.0232, "tolerance": 0.15, "prompts": 16, "tau_offline": 1.596, "tau_vllm": 1.559}
     stats = _evaluate(129, _methods(offline={"tau": 1.596}, eagle3={"tau": 1.477}), parity=parity)
     write_stats(stage_dir(tmp_path, 5), stats)
     page = index_html(tmp_path, [], {})
     assert "Offline τ 1.596 vs vLLM τ 1.559 on the same 16 prompts: parity agrees (relative gap 0.023" in page
     assert "vs vLLM τ 1.477" not in page
-    # both sides with three decimals (a new user read "Offline τ 1.66 vs vLLM τ 1.742", the console 1.660)
+    # both sides with three decimals (not "Offline τ 1.66 vs vLLM τ 1.742"; the console says 1.660)
     write_stats(stage_dir(tmp_path, 5), stats | {"parity": parity | {"tau_offline": 1.66, "tau_vllm": 1.742}})
     assert "Offline τ 1.660 vs vLLM τ 1.742 on the same 16 prompts" in index_html(tmp_path, [], {})
 
 
 def test_a_data_size_warning_alone_does_not_say_the_drafter_may_not_help(tmp_path):
-    """New-user check: "this drafter may not help on the traffic you will serve (small_training_data)"
-    stood above a table where the drafter beat n-gram and no speculation on both sets."""
+    """"this drafter may not help on the traffic you will serve (small_training_data)" must not stand
+    above a table where the drafter beat n-gram and no speculation on both sets."""
     sets = {"general-chat": {"domain": "out-of-domain", "prompts": 96, "methods": _methods(
         eagle3={"tokens_per_forward": 1.669}, ngram={"tokens_per_forward": 1.304})}}
     warn = {"rule": "small_training_data", "message": "m", "numbers": {}, "fix": "f"}
     write_stats(stage_dir(tmp_path, 5), _evaluate(96, sets=sets, warnings=[warn]))
     page = index_html(tmp_path, [], {})
     assert "1 mismatch warning: the training data is small or narrow" in page and "may not help" not in page
-    # and the rules that did not fire are named (a new user could only infer them from the ratios)
+    # and the rules that did not fire are named (not left to be inferred from the ratios)
     assert ("Checked and not fired: drafter_below_ngram (the drafter's tokens per target forward below n-gram's "
             "on a set); ood_far_below_id (out-of-domain τ far below in-distribution τ); narrow_training_data") in html.unescape(page)
 
 
 def test_a_set_label_says_why_it_has_fewer_prompts_than_its_source(tmp_path):
-    """A new user's 12-prompt file showed as '8 prompts' with no reason (the cap was evaluate.num_prompts,
-    in results.json only); a malformed line of it was skipped without a word."""
+    """A 12-prompt file shown as '8 prompts' says why (the cap is evaluate.num_prompts, otherwise in
+    results.json only), and that a malformed line of it was skipped."""
     one = {"methods": _methods(eagle3={"tokens_per_forward": 1.1, "tau": 1.1}, ngram={"tokens_per_forward": 1.2, "tau": 2.0})}
     sets = {"selfinstruct-seed": {"domain": "out-of-domain", "prompts": 8, "candidates": 12, "capped": 4,
                                   "excluded_training": 0, "duplicates": 0, "skipped_too_long": 0, "bad_records": 1,
@@ -223,8 +223,8 @@ def test_a_set_label_says_why_it_has_fewer_prompts_than_its_source(tmp_path):
 
 
 def test_a_speed_up_above_the_tokens_per_forward_is_flagged_as_a_disturbed_timing(tmp_path):
-    """A new user's run beside a CI job: no speculation timed at 1.2 tokens/s, so n-gram showed a 23x
-    speed-up with 1.198 tokens per target forward, unflagged. Above 1.25x the tokens per forward the
+    """A run beside a CI job: no speculation timed at 1.2 tokens/s, so n-gram shows a 23x speed-up
+    with 1.198 tokens per target forward. Above 1.25x the tokens per forward the
     report now marks the cell and says the timing was disturbed."""
     def stats(none_tps: float) -> dict:
         return _evaluate(8, _methods(eagle3={"tokens_per_forward": 1.042, "tokens_per_s": 1.3},
@@ -242,9 +242,9 @@ def test_a_speed_up_above_the_tokens_per_forward_is_flagged_as_a_disturbed_timin
 
 
 def test_a_speed_up_is_bounded_by_the_timed_answers_own_tokens_per_forward(tmp_path):
-    """New-user check: n-gram's 1.56x over no speculation on a user's set was flagged "disturbed" against
-    the acceptance pass's 1.084 tokens per forward, and the advice (measure again on a quiet machine) gave
-    the same: the timed answers were other texts (128 tokens where the acceptance pass stopped at 29)."""
+    """n-gram's 1.56x over no speculation on a user's set, against the acceptance pass's 1.084 tokens
+    per forward, is not a disturbed timing when a quiet re-measurement gives the same: the timed answers
+    were other texts (128 tokens where the acceptance pass stopped at 29)."""
     def mine(timed: bool, none_tps: float = 40.5) -> dict:
         speed = lambda tpf: {"speed_tokens_per_forward": tpf} if timed else {}  # noqa: E731
         return {"mine": {"domain": "out-of-domain", "prompts": 16, "speed_prompts": 2, "speed_lengths_differ": int(timed),
@@ -258,7 +258,7 @@ def test_a_speed_up_is_bounded_by_the_timed_answers_own_tokens_per_forward(tmp_p
     assert "n-gram lookup 1.56x with 1.084 tokens per target forward" in page and "speed-lengths-differ" not in page
     write_stats(stage_dir(tmp_path, 5), _evaluate(16, sets=mine(timed=True)))
     page = index_html(tmp_path, [], {})
-    # the bound the check used stands in the cell (a second new user saw 1.320 beside 2.47x, unexplained)
+    # the bound the check used stands in the cell (1.320 beside 2.47x would be unexplained)
     assert ("<th>n-gram lookup</th><td>1.084</td><td>1.708</td><td>63.2</td><td>1.56x<br><small>timed answers: "
             "1.720 tokens per forward</small></td></tr>") in page
     assert "disturbed-speed" not in page
@@ -286,8 +286,8 @@ def test_the_speed_line_says_when_no_speculation_beat_the_drafter(tmp_path):
 
 
 def test_the_banner_names_the_rules_in_the_lists_order_with_their_counts(tmp_path):
-    """New-user check: "5 mismatch warnings … (drafter_below_ngram, narrow_training_data, ood_far_below_id,
-    small_training_data)" named 4 rules, sorted, above a list of 5 in another order."""
+    """Not "5 mismatch warnings … (drafter_below_ngram, narrow_training_data, ood_far_below_id,
+    small_training_data)", 4 rules sorted above a list of 5 in another order."""
     def warn(rule: str) -> dict:
         return {"rule": rule, "message": f"m {rule}", "numbers": {}, "fix": "f"}
 
