@@ -43,8 +43,9 @@ def key_numbers(run_dir: str | Path) -> dict[str, dict]:
     """stage folder -> {headline key: value} of each stage that has a ``stats.json``.
 
     A headline key the file lacks is shown as ``MISSING`` rather than skipped, so that a stage whose
-    keys drifted is visible on the index page. A path into a stage folder is shown from that folder on
-    (:func:`_from_stage_folder`).
+    keys drifted is visible on the index page; a path whose first key is there but not the rest is a
+    cell of stage 5's grid that was not measured (no n-gram run): None. A path into a stage folder is
+    shown from that folder on (:func:`_from_stage_folder`).
     """
     out = {}
     keys = headline_keys()
@@ -52,7 +53,7 @@ def key_numbers(run_dir: str | Path) -> dict[str, dict]:
         st = read_json(Path(run_dir) / name / "stats.json", None)
         if not st:
             continue
-        out[name] = {k: _from_stage_folder(value_at(st, k, MISSING)) for k in keys[s]}
+        out[name] = {k: _from_stage_folder(value_at(st, k) if k.split(".")[0] in st else MISSING) for k in keys[s]}
     return out
 
 

@@ -306,3 +306,11 @@ def test_a_stats_json_of_the_flat_layout_is_named_with_the_command_that_rewrites
     page = index_html(tmp_path, [], {})
     assert "stats.json of an earlier layout" in page and "--stages 5 --redo 5" in page
     assert "<th>EAGLE-3 drafter</th>" not in page  # its numbers are not read as the grid's
+
+
+def test_a_grid_cell_not_measured_is_empty_on_the_index_not_missing(tmp_path):
+    """No n-gram run: its headline cells are empty (-); a part of stats.json that is gone is MISSING."""
+    write_stats(stage_dir(tmp_path, 5), _evaluate(4, _methods(eagle3={"tau": 1.5}), parity={"ok": True}))
+    nums = key_numbers(tmp_path)[STAGES[5]]
+    assert nums["pooled.methods.vllm/eagle3.tau"] == 1.5 and nums["parity.ok"] is True
+    assert nums["pooled.methods.vllm/ngram.tau"] is None and nums["vllm_serve_command"] == MISSING
