@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 from collections import Counter
 from pathlib import Path
 
+from eagle3.evaluate.methods import VLLM_EAGLE3, VLLM_NGRAM, VLLM_NONE
 from eagle3.evaluate.mismatch import RULE_TEXT, RULES
 from eagle3.evaluate.prompts import left_out_reasons, out_of_domain_first
+from eagle3.evaluate.stats import EvaluateStats, PooledStats, SetStats, read_stats, value_at
 from eagle3.io import read_json
 from eagle3.rundir import STAGES, VLLM_RESULT_FILE
-from eagle3.stage import Stats
+from eagle3.stage import Stats, stage_record
 
 __all__ = ["MISSING", "headline_keys", "stats_classes", "summary_html", "index_html", "key_numbers"]
 
 def stats_classes() -> dict[int, type[Stats]]:
     """Stage number -> its :class:`eagle3.stage.Stats` subclass (field names = ``stats.json`` keys)."""
     # Imported here: the stage packages pull in torch, which `eagle3 status` does not need.
-    from eagle3.evaluate.stage import EvaluateStats
     from eagle3.extract.finalize import ExtractStats
     from eagle3.synthesize.stage import SynthesizeStats
     from eagle3.train.stage import TrainStats
@@ -28,7 +30,8 @@ def stats_classes() -> dict[int, type[Stats]]:
 
 
 def headline_keys() -> dict[int, tuple[str, ...]]:
-    """Stage number -> the keys the index shows for it, in order (each stage's ``Stats.HEADLINE``)."""
+    """Stage number -> the keys the index shows for it, in order (each stage's ``Stats.HEADLINE``; a
+    dot-joined path into nested parts, as stage 5's ``pooled.methods.vllm/eagle3.tau``)."""
     classes = stats_classes()
     return {s: classes[s].HEADLINE for s in STAGES}
 
@@ -40,16 +43,17 @@ def key_numbers(run_dir: str | Path) -> dict[str, dict]:
     """stage folder -> {headline key: value} of each stage that has a ``stats.json``.
 
     A headline key the file lacks is shown as ``MISSING`` rather than skipped, so that a stage whose
-    keys drifted is visible on the index page. A path into a stage folder is shown from that folder on
-    (:func:`_from_stage_folder`).
+    keys drifted is visible on the index page; a path whose first key is there but not the rest is a
+    cell of stage 5's grid that was not measured (no n-gram run): None. A path into a stage folder is
+    shown from that folder on (:func:`_from_stage_folder`).
     """
     out = {}
     keys = headline_keys()
     for s, name in STAGES.items():
-        st = read_json(Path(run_dir) / name / "stats.json", None)
+        st = stage_record(run_dir, s).stats
         if not st:
             continue
-        out[name] = {k: _from_stage_folder(st.get(k, MISSING)) for k in keys[s]}
+        out[name] = {k: _from_stage_folder(value_at(st, k) if k.split(".")[0] in st else MISSING) for k in keys[s]}
     return out
 
 
@@ -98,23 +102,12 @@ def _ratio(a, b) -> float | None:
     return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
 
-_ROWS = (("EAGLE-3 drafter", "tokens_per_forward_vllm", "tau_vllm", "tokens_per_s_vllm_eagle3", "speed_tokens_per_forward_vllm"),
-         ("n-gram lookup", "tokens_per_forward_ngram", "tau_ngram", "tokens_per_s_vllm_ngram", "speed_tokens_per_forward_ngram"),
-         ("no speculation", None, None, "tokens_per_s_vllm_none", None))
-
-
-def _method_rows(st: dict) -> list[tuple[str, object, object, object, object, object]]:
-    """(method, tokens per forward, τ, tokens/s, speed-up, tokens per forward of the timed answers)
-    rows of one set's (or the pooled) stats; the last is None where the stats do not hold it (older
-    runs, no speculation)."""
-    none_tps = st.get("tokens_per_s_vllm_none")
-    rows = []
-    for name, tpf, tau, tps, speed_tpf in _ROWS:
-        v = st.get(tps)
-        t = st.get(tpf) if tpf else (1.0 if none_tps or st.get("tokens_per_forward_vllm") is not None else None)
-        rows.append((name, t, st.get(tau) if tau else None, v, _ratio(v, none_tps), st.get(speed_tpf) if speed_tpf else None))
-    return rows
-
+# The result table: a row per vLLM measurement, a column per metric (metric, header, decimals, suffix).
+_TABLE_METHODS = ((VLLM_EAGLE3, "EAGLE-3 drafter"), (VLLM_NGRAM, "n-gram lookup"), (VLLM_NONE, "no speculation"))
+_TABLE_COLUMNS = (("tokens_per_forward", "tokens per target forward", 3, ""),
+                  ("tau", "τ (1 + accepted drafts per round with drafts)", 3, ""),
+                  ("tokens_per_s", "tokens/s (one request at a time)", 1, ""),
+                  ("speedup", "speed-up vs no speculation", 2, "x"))
 
 _VLLM_RESULT = f"{STAGES[5]}/{VLLM_RESULT_FILE.format(method='<method>')}"  # a measurement to delete
 
@@ -123,23 +116,143 @@ _VLLM_RESULT = f"{STAGES[5]}/{VLLM_RESULT_FILE.format(method='<method>')}"  # a 
 # drafting cost; 1.25 leaves room for the noise of a few prompts timed one at a time)
 _SPEEDUP_SLACK = 1.25
 
-def _fewer(e: dict) -> str:
+_Group = SetStats | PooledStats
+
+
+def _fewer(e: SetStats) -> str:
     """Why a set has fewer prompts than its source's records, e.g. `` of 12 (4 over evaluate.num_prompts
     / prompts_per_category); 1 bad record skipped``; empty when nothing was left out (or not recorded)."""
     out = ""
-    cands, prompts = e.get("candidates"), e.get("prompts")
-    if isinstance(cands, int) and isinstance(prompts, int) and cands > prompts:
-        why = left_out_reasons(e)
-        out = f" of {cands}" + (f" ({why})" if why else "")
-    if e.get("bad_records"):
-        out += f"; {e['bad_records']} bad record{'s' * (e['bad_records'] != 1)} skipped"
+    if e.candidates > e.prompts:
+        why = left_out_reasons(dataclasses.asdict(e))
+        out = f" of {e.candidates}" + (f" ({why})" if why else "")
+    if e.bad_records:
+        out += f"; {e.bad_records} bad record{'s' * (e.bad_records != 1)} skipped"
     return out
+
+
+def _groups(st: EvaluateStats) -> list[tuple[str, str, _Group]]:
+    """(name, row label, numbers) per evaluation set, out-of-domain first, or the pooled numbers as one
+    group when there are no per-set numbers. A label says on how many prompts the speed columns rest:
+    far fewer than the acceptance ones."""
+    out = []
+    for n, e in sorted(st.sets.items(), key=lambda kv: out_of_domain_first(kv[1].domain)):
+        speed = f"; tokens/s on {_fmt(e.speed_prompts)} of them" if e.speed_prompts else ""
+        out.append((n, f"{html.escape(n)}<br><small>{html.escape(e.domain)}, {_fmt(e.prompts)} "
+                       f"prompts{html.escape(_fewer(e))}{speed}</small>", e))
+    return out or [("all prompts", f"all<br><small>{_fmt(st.pooled.prompts)} prompts</small>", st.pooled)]
+
+
+def _method_rows(name: str, label: str, g: _Group, disturbed: list[str]) -> str:
+    """The table rows of one group, a row per :data:`_TABLE_METHODS`; a speed-up above what the timed
+    answers' tokens per target forward allow goes to ``disturbed`` and is marked."""
+    body = ""
+    for i, (m, method_label) in enumerate(_TABLE_METHODS):
+        cell = f"<th rowspan='{len(_TABLE_METHODS)}'>{label}</th>" if i == 0 else ""
+        tpf, up = g.get(m, "tokens_per_forward"), g.get(m, "speedup")
+        # no speculation's answers are one token per forward by definition: no bound of their own
+        timed = g.get(m, "speed_tokens_per_forward") if m != VLLM_NONE else None
+        # a method cannot run faster than the tokens per target forward of the answers it was timed
+        # on allow (its drafts cost time too): a speed-up well above that is a disturbed timing
+        mark, bound = "", timed if isinstance(timed, (int, float)) else tpf
+        if isinstance(up, float) and isinstance(bound, (int, float)) and up > _SPEEDUP_SLACK * bound:
+            mark = " &#9888;"
+            disturbed.append(f"{method_label} {_fixed(up, 2, 'x')} with {_fixed(bound, 3)} tokens per target forward")
+        if isinstance(timed, (int, float)) and isinstance(up, float):
+            # the timed answers are a few prompts' (and may be other texts): their own rate beside the speed-up
+            mark += f"<br><small>timed answers: {_fixed(timed, 3)} tokens per forward</small>"
+        vals = [_fixed(g.get(m, metric), dec, suffix) for metric, _, dec, suffix in _TABLE_COLUMNS]
+        vals[-1] += mark  # the speed-up's column, the last
+        body += f"<tr>{cell}<th>{method_label}</th>" + "".join(f"<td>{v}</td>" for v in vals) + "</tr>"
+    return body
+
+
+def _result_table(groups: list[tuple[str, str, _Group]]) -> list[str]:
+    """The result table, what it compares, and the notes on its speed columns."""
+    head = "<tr><th>set</th><th>vLLM</th>" + "".join(f"<th>{h}</th>" for _, h, _, _ in _TABLE_COLUMNS) + "</tr>"
+    disturbed: list[str] = []
+    body = "".join(_method_rows(n, label, g, disturbed) for n, label, g in groups)
+    differ = [f"{_fmt(g.speed_lengths_differ)} of {_fmt(g.speed_prompts)} on {n}"
+              for n, _, g in groups if getattr(g, "speed_lengths_differ", 0)]
+    parts = [f"<table>{head}{body}</table>",
+             "<p><small>Tokens per target forward compare the methods: every verification round counts, "
+             "a round without drafts as one token. τ counts only rounds that had drafts, so n-gram lookup, "
+             "which often has nothing to propose, can show a higher τ than the drafter and still give fewer "
+             "tokens per forward.</small></p>"]
+    if disturbed:
+        parts.append(f"<p class='warn' id='disturbed-speed'>&#9888; A speed-up above what the tokens per target forward "
+                     f"of the timed answers allow ({html.escape('; '.join(disturbed))}) means the speed measurement "
+                     f"was disturbed (other load on the machine, one request at a time on few prompts): do not read "
+                     f"it as a result; measure again on a quiet machine (delete {html.escape(_VLLM_RESULT)}, then "
+                     f"<code>eagle3 run PARAMS --stages 5 --redo 5</code>).</p>")
+    if differ:
+        # at T=0 every method should write the target's greedy answer, but verifying k drafts computes
+        # other batch shapes than decoding one token, and the arithmetic's rounding differs
+        parts.append(f"<p id='speed-lengths-differ'><small>The methods' answers to some timed prompts have different "
+                     f"lengths ({html.escape('; '.join(differ))}): greedy outputs depend on the arithmetic of each "
+                     f"engine's batches, so those tokens/s compare different texts (a longer answer spreads its "
+                     f"prefill over more tokens), and a re-measurement gives the same answers again. Tokens per "
+                     f"target forward, measured on every prompt, are the comparison to trust.</small></p>")
+    return parts
+
+
+def _comparisons(groups: list[tuple[str, str, _Group]]) -> list[str]:
+    """The drafter against n-gram lookup per group: tokens per target forward, and which was faster."""
+    verdicts, ratios = [], []
+    for n, _, g in groups:
+        r = _ratio(g.get(VLLM_EAGLE3, "tokens_per_forward"), g.get(VLLM_NGRAM, "tokens_per_forward"))
+        if r is not None:
+            ratios.append(f"{_fixed(r, 2, 'x')} n-gram's on {html.escape(n)}")
+        d, ng, none = (g.get(m, "tokens_per_s") for m in (VLLM_EAGLE3, VLLM_NGRAM, VLLM_NONE))
+        if isinstance(d, (int, float)) and isinstance(ng, (int, float)):
+            faster = "the drafter" if d > ng else "n-gram lookup"
+            on = f", {g.speed_prompts} prompts" if isinstance(g, SetStats) and g.speed_prompts else ""
+            # the speed-up column says it too, but a drafter slower than not speculating is the headline
+            slower = (f", and no speculation faster than the drafter ({_fixed(none, 1)} tokens/s)"
+                      if isinstance(none, (int, float)) and none > d else "")
+            verdicts.append(f"on {html.escape(n)} {faster} was faster ({_fixed(max(d, ng), 1)} vs {_fixed(min(d, ng), 1)} "
+                            f"tokens/s{on}){slower}")
+    parts = [f"<p>The drafter's tokens per target forward: {'; '.join(ratios)}.</p>"] if ratios else []
+    if verdicts:
+        parts.append(f"<p>In vLLM {'; '.join(verdicts)}; a speed on so few prompts, one request at a time, "
+                     f"is indicative only.</p>")
+    return parts
+
+
+def _parity_line(st: EvaluateStats) -> str:
+    """Offline τ vs vLLM τ on the parity's own prompts, and the check's verdict."""
+    p = st.parity
+    verdict = ("not checked" if p.ok is None else ("agrees" if p.ok else "DISAGREES")) + (
+        f" (relative gap {_fmt(p.gap)}, tolerance {_fmt(p.tolerance)}{', ' + str(p.prompts) + ' prompts' if p.prompts else ''})"
+        if p.ok is not None else "")
+    on = f" on the same {p.prompts} prompts" if p.tau_vllm is not None and p.prompts else ""
+    return (f"<p>Offline τ {_fixed(p.tau_offline, 3)} vs vLLM τ {_fixed(p.tau_vllm, 3)}{on}: parity "
+            f"{html.escape(verdict)}.</p>")
+
+
+def _settings_html(st: EvaluateStats) -> list[str]:
+    """The diagnosis (when offline and vLLM disagree), the settings, and what was measured on which prompts."""
+    parts = []
+    diag = [x for x in st.diagnosis if x]
+    if diag:
+        items = "".join(f"<li>{html.escape(str(x))}</li>" for x in diag)
+        parts.append(f"<p><strong>Diagnosis</strong></p><ul>{items}</ul>")
+    counts = ", ".join(f"{html.escape(n)} {_fmt(e.prompts)}" for n, e in st.sets.items())
+    settings = (f"k = {_fmt(st.settings.k)} draft tokens, temperature {_fmt(st.settings.temperature)}, acceptance rule: "
+                f"{html.escape(st.settings.acceptance_rule or '-')}; prompts: "
+                f"{counts or _fmt(st.pooled.prompts)} ({_fmt(st.pooled.excluded_training)} excluded as training "
+                f"prompts, by prompt hash)")
+    parts.append(f"<p>Settings: {settings}.</p>")
+    items = "".join(f"<li>{html.escape(k)}: {html.escape(str(v))}</li>" for k, v in st.measured.items() if k != "prompts")
+    if items:
+        parts.append(f"<ul>{items}</ul>")
+    return parts
 
 
 def _warnings_html(warnings: list[dict]) -> tuple[str, str]:
     """(banner at the very top, the full list) of stage 5's mismatch warnings, the list ending with the
-    rules checked that did not fire (a new user could only infer from the ratios that the drafter did
-    not lose to n-gram); no banner when none fired."""
+    rules checked that did not fire (so that a drafter that did not lose to n-gram says so, rather than
+    leaving it to the ratios); no banner when none fired."""
     quiet = [r for r in RULES if r not in {w["rule"] for w in warnings}]
     checked = ("<p id='warnings-not-fired'><small>Checked and not fired: "
                + "; ".join(f"{r} ({html.escape(RULE_TEXT[r])})" for r in quiet) + ".</small></p>") if quiet else ""
@@ -167,110 +280,19 @@ def summary_html(run_dir: str | Path) -> str:
 
     Tokens per target forward are the comparable acceptance number (a round without drafts counts
     as one token); τ counts accepted drafts per verification round, so n-gram's τ is higher than its
-    tokens per forward whenever it often has nothing to propose. Empty when stage 5 has not finished.
+    tokens per forward whenever it often has nothing to propose. Empty when stage 5 has not finished;
+    a stats.json of an earlier layout is named, with the command that rewrites it.
     """
-    st = read_json(Path(run_dir) / STAGES[5] / "stats.json", None)
-    if not st:
+    try:
+        st = read_stats(run_dir)
+    except (TypeError, ValueError) as e:
+        return f"<div id='headline'><h2>Result</h2><p class='warn'>{html.escape(str(e))}</p></div>"
+    if st is None:
         return ""
-    banner, warn_list = _warnings_html([w for w in st.get("warnings") or [] if isinstance(w, dict)])
-    head = ("<tr><th>set</th><th>vLLM</th><th>tokens per target forward</th><th>τ (1 + accepted drafts per round with drafts)</th>"
-            "<th>tokens/s (one request at a time)</th><th>speed-up vs no speculation</th></tr>")
-    sets = st.get("sets") or {}
-
-    def label(n, e):  # the speed columns rest on far fewer prompts than the acceptance ones: say how many
-        speed = f"; tokens/s on {_fmt(e['speed_prompts'])} of them" if e.get("speed_prompts") else ""
-        return (f"{html.escape(n)}<br><small>{html.escape(str(e.get('domain', '')))}, {_fmt(e.get('prompts'))} "
-                f"prompts{html.escape(_fewer(e))}{speed}</small>")
-
-    ordered = sorted(sets.items(), key=lambda kv: out_of_domain_first(kv[1].get("domain")))
-    groups = [(n, label(n, e), e) for n, e in ordered]
-    if not groups:  # a stats.json without per-set numbers: the pooled ones
-        groups = [("all prompts", f"all<br><small>{_fmt(st.get('num_prompts'))} prompts</small>", st)]
-    body, disturbed, differ = "", [], []
-    for n, set_label, e in groups:
-        rows = _method_rows(e)
-        if e.get("speed_lengths_differ"):
-            differ.append(f"{_fmt(e['speed_lengths_differ'])} of {_fmt(e.get('speed_prompts'))} on {n}")
-        for i, (name, tpf, tau, tps, up, timed_tpf) in enumerate(rows):
-            cell = f"<th rowspan='{len(rows)}'>{set_label}</th>" if i == 0 else ""
-            # a method cannot run faster than the tokens per target forward of the answers it was timed
-            # on allow (its drafts cost time too): a speed-up well above that is a disturbed timing
-            mark, bound = "", timed_tpf if isinstance(timed_tpf, (int, float)) else tpf
-            if isinstance(up, float) and isinstance(bound, (int, float)) and up > _SPEEDUP_SLACK * bound:
-                mark = " &#9888;"
-                disturbed.append(f"{name} {_fixed(up, 2, 'x')} with {_fixed(bound, 3)} tokens per target forward")
-            if isinstance(timed_tpf, (int, float)) and isinstance(up, float):
-                # the timed answers are a few prompts' (and may be other texts): their own rate beside the speed-up
-                mark += f"<br><small>timed answers: {_fixed(timed_tpf, 3)} tokens per forward</small>"
-            body += (f"<tr>{cell}<th>{name}</th><td>{_fixed(tpf, 3)}</td><td>{_fixed(tau, 3)}</td>"
-                     f"<td>{_fixed(tps, 1)}</td><td>{_fixed(up, 2, 'x')}{mark}</td></tr>")
-    parts = ["<div id='headline'>", banner, "<h2>Result</h2>", f"<table>{head}{body}</table>",
-             "<p><small>Tokens per target forward compare the methods: every verification round counts, "
-             "a round without drafts as one token. τ counts only rounds that had drafts, so n-gram lookup, "
-             "which often has nothing to propose, can show a higher τ than the drafter and still give fewer "
-             "tokens per forward.</small></p>"]
-    if disturbed:
-        parts.append(f"<p class='warn' id='disturbed-speed'>&#9888; A speed-up above what the tokens per target forward "
-                     f"of the timed answers allow ({html.escape('; '.join(disturbed))}) means the speed measurement "
-                     f"was disturbed (other load on the machine, one request at a time on few prompts): do not read "
-                     f"it as a result; measure again on a quiet machine (delete {html.escape(_VLLM_RESULT)}, then "
-                     f"<code>eagle3 run PARAMS --stages 5 --redo 5</code>).</p>")
-    if differ:
-        # at T=0 every method should write the target's greedy answer, but verifying k drafts computes
-        # other batch shapes than decoding one token, and the arithmetic's rounding differs
-        parts.append(f"<p id='speed-lengths-differ'><small>The methods' answers to some timed prompts have different "
-                     f"lengths ({html.escape('; '.join(differ))}): greedy outputs depend on the arithmetic of each "
-                     f"engine's batches, so those tokens/s compare different texts (a longer answer spreads its "
-                     f"prefill over more tokens), and a re-measurement gives the same answers again. Tokens per "
-                     f"target forward, measured on every prompt, are the comparison to trust.</small></p>")
-    verdicts, ratios = [], []
-    for n, e in (ordered if sets else [("all prompts", st)]):
-        r = _ratio(e.get("tokens_per_forward_vllm"), e.get("tokens_per_forward_ngram"))
-        if r is not None:
-            ratios.append(f"{_fixed(r, 2, 'x')} n-gram's on {html.escape(n)}")
-        d, g = e.get("tokens_per_s_vllm_eagle3"), e.get("tokens_per_s_vllm_ngram")
-        if isinstance(d, (int, float)) and isinstance(g, (int, float)):
-            faster = "the drafter" if d > g else "n-gram lookup"
-            on = f", {e['speed_prompts']} prompts" if e.get("speed_prompts") else ""
-            none_tps = e.get("tokens_per_s_vllm_none")
-            # the speed-up column says it too, but a drafter slower than not speculating is the headline
-            slower = (f", and no speculation faster than the drafter ({_fixed(none_tps, 1)} tokens/s)"
-                      if isinstance(none_tps, (int, float)) and none_tps > d else "")
-            verdicts.append(f"on {html.escape(n)} {faster} was faster ({_fixed(max(d, g), 1)} vs {_fixed(min(d, g), 1)} "
-                            f"tokens/s{on}){slower}")
-    if ratios:
-        parts.append(f"<p>The drafter's tokens per target forward: {'; '.join(ratios)}.</p>")
-    if verdicts:
-        parts.append(f"<p>In vLLM {'; '.join(verdicts)}; a speed on so few prompts, one request at a time, "
-                     f"is indicative only.</p>")
-    parity = st.get("parity_ok")
-    parity_txt = ("not checked" if parity is None else ("agrees" if parity else "DISAGREES")) + (
-        f" (relative gap {_fmt(st.get('parity_gap'))}, tolerance {_fmt(st.get('parity_tolerance'))}"
-        f"{', ' + str(st['parity_prompts']) + ' prompts' if st.get('parity_prompts') else ''})"
-        if parity is not None else "")
-    # the parity's own sides (same prompts); tau_vllm pools every prompt, so it only stands in for
-    # stats.json files written before parity_tau_vllm existed
-    tau_off = st.get("parity_tau_offline", st.get("tau_offline"))
-    tau_vl = st.get("parity_tau_vllm", st.get("tau_vllm"))
-    on = f" on the same {st['parity_prompts']} prompts" if st.get("parity_tau_vllm") is not None and st.get("parity_prompts") else ""
-    parts.append(f"<p>Offline τ {_fixed(tau_off, 3)} vs vLLM τ {_fixed(tau_vl, 3)}{on}: parity "
-                 f"{html.escape(parity_txt)}.</p>")
-    parts.append(warn_list)
-    diag = [x for x in (st.get("diagnosis") or []) if x]
-    if diag:
-        items = "".join(f"<li>{html.escape(str(x))}</li>" for x in diag)
-        parts.append(f"<p><strong>Diagnosis</strong></p><ul>{items}</ul>")
-    counts = ", ".join(f"{html.escape(n)} {_fmt(e.get('prompts'))}" for n, e in sets.items())
-    settings = (f"k = {_fmt(st.get('k'))} draft tokens, temperature {_fmt(st.get('temperature'))}, acceptance rule: "
-                f"{html.escape(str(st.get('acceptance_rule') or '-'))}; prompts: "
-                f"{counts or _fmt(st.get('num_prompts'))} ({_fmt(st.get('excluded_training', 0))} excluded as training "
-                f"prompts, by prompt hash)")
-    parts.append(f"<p>Settings: {settings}.</p>")
-    measured = st.get("measured") or {}
-    if measured:
-        items = "".join(f"<li>{html.escape(k)}: {html.escape(str(v))}</li>" for k, v in measured.items() if k != "prompts")
-        parts.append(f"<ul>{items}</ul>")
-    parts.append("</div>")
+    banner, warn_list = _warnings_html([w for w in st.warnings if isinstance(w, dict)])
+    groups = _groups(st)
+    parts = ["<div id='headline'>", banner, "<h2>Result</h2>", *_result_table(groups), *_comparisons(groups),
+             _parity_line(st), warn_list, *_settings_html(st), "</div>"]
     return "\n".join(p for p in parts if p)
 
 
@@ -300,22 +322,22 @@ def index_html(run_dir: str | Path, pages: list[str], figures: dict[str, list[st
             parts.append(f"<p>Executed notebook: <a href='{html.escape(page)}'>{html.escape(page)}</a></p>")
         if name in nums:
             rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>" for k, v in nums[name].items())
-            if s == 5:  # its stats.json top-level numbers mix in- and out-of-domain prompts
-                parts.append("<p><em>Pooled over every evaluation set (tau_offline over the offline prompts only, "
-                             "tau_vllm over all: not a parity pair; the parity line above compares the same "
+            if s == 5:  # its pooled numbers mix in- and out-of-domain prompts
+                parts.append("<p><em>Pooled over every evaluation set (offline τ over the offline prompts only, "
+                             "vLLM τ over all: not a parity pair; the parity line above compares the same "
                              "prompts); per set: Result, at the top.</em></p>")
             parts.append(f"<table>{rows}</table>")
             if s == 1:  # what the training data lost on its way in (bad records, cut answers), as the terminal said it
                 from eagle3.synthesize.summary import skip_summary
 
-                parts.append(f"<p>Stage 1: {html.escape(skip_summary(read_json(run_dir / name / 'stats.json', {})))}.</p>")
+                parts.append(f"<p>Stage 1: {html.escape(skip_summary(stage_record(run_dir, s).stats))}.</p>")
         else:
             parts.append(f"<p><em>{html.escape(_unfinished(run_dir, s))}</em></p>")
         for fig in figures.get(name, []):
             f = html.escape(fig)
             parts.append(f"<a href='{f}'><img src='{f}' alt='{html.escape(Path(fig).stem)}'></a>")
-        if s == 5 and (run_dir / name / "stats.json").exists():
-            where = (read_json(run_dir / name / "stats.json", {}) or {}).get("vllm_serve_where")
+        if s == 5:
+            where = stage_record(run_dir, s).stats.get("vllm_serve_where")
             if where:
                 parts.append(f"<p>{html.escape(where)}</p>")
         logs = sorted((run_dir / name / "logs").glob("*.log")) if (run_dir / name / "logs").is_dir() else []

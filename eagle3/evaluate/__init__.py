@@ -13,6 +13,9 @@ One module per concern (see ``docs/DESIGN.md``, "Acceptance", for the definition
 * :mod:`~eagle3.evaluate.vllm_jobs` (stage side) and :mod:`~eagle3.evaluate.vllm_worker` (the
   subprocess, one engine each): vLLM with the drafter, n-gram lookup and no speculation;
 * :mod:`~eagle3.evaluate.parity` and :mod:`~eagle3.evaluate.diagnosis`: offline vs vLLM, and why;
+* :mod:`~eagle3.evaluate.methods`: the measurements' names (``vllm/eagle3``, ``vllm/ngram``, ``vllm/none``,
+  ``offline/eagle3``);
+* :mod:`~eagle3.evaluate.stats`: ``stats.json``, the grid ``sets[set].methods[method][metric]``, and its reader;
 * :mod:`~eagle3.evaluate.stage`: ``run(params, run_dir) -> EvaluateStats``;
 * :mod:`~eagle3.evaluate.report`: tables and figures (``matplotlib.figure.Figure``).
 """
@@ -34,17 +37,20 @@ from eagle3.evaluate.report import (
     comparison_table,
     figures,
     parity_table,
+    pooled_table,
     read_results,
     set_table,
     warnings_table,
 )
-from eagle3.evaluate.stage import EvaluateStats, find_drafter, run, training_reference
+from eagle3.evaluate.stage import find_drafter, run, training_reference
+from eagle3.evaluate.stats import EvaluateStats, read_stats
 from eagle3.evaluate.vllm_jobs import run_vllm_job, vllm_records, vllm_serve_command
 
 __all__ = [
     "EvaluateError",
     "ParityError",
     "EvaluateStats",
+    "read_stats",
     "acceptance_metrics",
     "summarize_rounds",
     "context_bucket",
@@ -70,6 +76,7 @@ __all__ = [
     "training_reference",
     "comparison_table",
     "parity_table",
+    "pooled_table",
     "figures",
     "read_results",
     "run",

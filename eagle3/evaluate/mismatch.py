@@ -19,6 +19,9 @@ Each warning is a dict ``{"rule", "message", "numbers", "fix"}`` (stage 5's ``st
 
 from __future__ import annotations
 
+from eagle3.evaluate.methods import OFFLINE_EAGLE3, VLLM_EAGLE3, VLLM_NGRAM
+from eagle3.evaluate.stats import SetStats
+
 __all__ = ["RULES", "RULE_TEXT", "mismatch_warnings", "set_tau", "set_tokens_per_forward"]
 
 RULES = ("drafter_below_ngram", "ood_far_below_id", "small_training_data", "narrow_training_data")
@@ -34,40 +37,114 @@ _MORE_DATA = ("add prompts like your traffic to synthesize.sources (your own log
               "let the target write its own with a {kind: self} source (self-prompting), then re-run stages 1-5")
 
 
-def _prompts(s: dict, where: str) -> str:
-    """``", 96 prompts"`` (``", 2 prompts: few, a noisy measurement"`` under 8) of a set's stats entry
-    for the measurement ``where`` (offline: ``offline_prompts``); empty when not recorded."""
-    n = s.get("offline_prompts") if where == "offline" else s.get("prompts")
-    if n is None:
+def _prompts(s: SetStats, where: str) -> str:
+    """``", 96 prompts"`` (``", 2 prompts: few, a noisy measurement"`` under 8) of a set for the
+    measurement ``where`` (offline: the offline prompts); empty when not recorded (0: a set with no
+    prompts has no numbers to warn about)."""
+    n = s.get(OFFLINE_EAGLE3, "prompts") if where == "offline" else s.prompts
+    if not n:
         return ""
     return f", {n} prompt{'s' if n != 1 else ''}" + (": few, a noisy measurement" if n < 8 else "")
 
 
-def set_tau(s: dict) -> tuple[float | None, str]:
-    """The drafter's τ of one set's stats entry and where it comes from: vLLM, else offline."""
-    if s.get("tau_vllm") is not None:
-        return s["tau_vllm"], "vLLM"
-    return s.get("tau_offline"), "offline"
+def _drafter(s: SetStats, metric: str) -> tuple[float | None, str]:
+    """The drafter's ``metric`` on one set and where it comes from: vLLM, else offline."""
+    if s.get(VLLM_EAGLE3, metric) is not None:
+        return s.get(VLLM_EAGLE3, metric), "vLLM"
+    return s.get(OFFLINE_EAGLE3, metric), "offline"
 
 
-def set_tokens_per_forward(s: dict) -> tuple[float | None, str]:
-    """The drafter's tokens per target forward of one set: vLLM, else offline."""
-    if s.get("tokens_per_forward_vllm") is not None:
-        return s["tokens_per_forward_vllm"], "vLLM"
-    return s.get("tokens_per_forward_offline"), "offline"
+def set_tau(s: SetStats) -> tuple[float | None, str]:
+    """The drafter's τ on one set and where it comes from: vLLM, else offline."""
+    return _drafter(s, "tau")
+
+
+def set_tokens_per_forward(s: SetStats) -> tuple[float | None, str]:
+    """The drafter's tokens per target forward on one set: vLLM, else offline."""
+    return _drafter(s, "tokens_per_forward")
 
 
 def _r(x: float | None) -> float | None:
     return round(float(x), 4) if x is not None else None
 
 
-def mismatch_warnings(sets: dict[str, dict], training: dict, ev) -> list[dict]:
+def _below_ngram(sets: dict[str, SetStats]) -> list[dict]:
+    """``drafter_below_ngram`` on each set where the drafter's tokens per forward are below n-gram's."""
+    out = []
+    for name, s in sets.items():
+        d, where = set_tokens_per_forward(s)
+        ng = s.get(VLLM_NGRAM, "tokens_per_forward")
+        if d is not None and ng is not None and d < ng:
+            out.append({"rule": "drafter_below_ngram",
+                        # the prompt count says how much to trust it: a 2-prompt set is not a 96-prompt one
+                        "message": f"on {name} ({s.domain}{_prompts(s, where)}) the drafter gives {d:.3f} tokens "
+                                   f"per target forward ({where}), n-gram prompt lookup {ng:.3f}: serving n-gram would be "
+                                   f"as fast, for free",
+                        "numbers": {"set": name, "tokens_per_forward_drafter": _r(d), "source": where,
+                                    "tokens_per_forward_ngram": _r(ng)},
+                        "fix": f"train on more and more varied data ({_MORE_DATA}); until then serve with "
+                               "speculative_config {method: ngram}"})
+    return out
+
+
+def _ood_far_below_id(sets: dict[str, SetStats], ratio: float) -> list[dict]:
+    """``ood_far_below_id`` on each out-of-domain set whose accepted drafts per round fall below
+    ``ratio`` times the in-distribution set's (the held-out split, else the first in-distribution set)."""
+    ids = [(n, set_tau(s)) for n, s in sets.items() if s.domain == "in-distribution" and set_tau(s)[0] is not None]
+    ref = next(((n, t) for n, t in ids if n == "heldout"), ids[0] if ids else None)
+    if ref is None:
+        return []
+    out = []
+    id_name, (id_tau, id_where) = ref
+    for name, s in sets.items():
+        tau, where = set_tau(s)
+        if s.domain != "out-of-domain" or tau is None or not tau - 1 < ratio * (id_tau - 1):
+            continue
+        out.append({"rule": "ood_far_below_id",
+                    "message": f"out-of-domain τ on {name} is {tau:.3f} ({where}) against {id_tau:.3f} on "
+                               f"{id_name} ({id_where}): accepted drafts per round {tau - 1:.3f} < "
+                               f"{ratio} x {id_tau - 1:.3f}; the drafter learned its training "
+                               f"distribution, not the target",
+                    "numbers": {"set": name, "tau_ood": _r(tau), "in_distribution_set": id_name,
+                                "tau_id": _r(id_tau), "ratio": ratio, "rule": "tau_ood - 1 < ratio * (tau_id - 1)"},
+                    "fix": f"train on data like the traffic you will serve: {_MORE_DATA}"})
+    return out
+
+
+def _training_data(training: dict, ev) -> list[dict]:
+    """``small_training_data`` and ``narrow_training_data`` from stage 1's counts (when known)."""
+    if not training.get("known"):
+        return []
+    out = []
+    conv, toks = int(training.get("conversations", 0)), int(training.get("completion_tokens", 0))
+    below = [f"{conv} conversations < {ev.warn_min_conversations}"] if conv < ev.warn_min_conversations else []
+    below += [f"{toks} completion tokens < {ev.warn_min_tokens}"] if toks < ev.warn_min_tokens else []
+    if below:
+        out.append({"rule": "small_training_data",
+                    "message": f"the drafter was trained on {conv} conversations / {toks} completion tokens "
+                               f"({' and '.join(below)}, the evaluate.warn_min_* thresholds)",
+                    "numbers": {"conversations": conv, "completion_tokens": toks,
+                                "min_conversations": ev.warn_min_conversations, "min_tokens": ev.warn_min_tokens},
+                    "fix": "more training conversations: add sources, raise a source's limit or synthesize.limit "
+                           "where one is set, or add a {kind: self, self_prompt: {count: N}} source (the target "
+                           "writes N prompts itself)"})
+    srcs, cats = training.get("sources") or {}, training.get("categories") or {}
+    if len(srcs) <= 1 or len(cats) <= 1:
+        what = f"one source ({', '.join(srcs) or 'none'})" if len(srcs) <= 1 else f"one category ({', '.join(cats)})"
+        out.append({"rule": "narrow_training_data",
+                    "message": f"the training conversations come from {what}: a drafter learns the "
+                               f"distribution it is trained on",
+                    "numbers": {"sources": dict(srcs), "categories": dict(cats)},
+                    "fix": _MORE_DATA})
+    return out
+
+
+def mismatch_warnings(sets: dict[str, SetStats], training: dict, ev) -> list[dict]:
     """The warnings that apply, in :data:`RULES` order.
 
     Args:
-        sets: stage 5's ``stats.json`` ``sets``: name -> ``{"domain", "tau_vllm", "tau_offline",
-            "tokens_per_forward_vllm", "tokens_per_forward_offline", "tokens_per_forward_ngram", ...}``
-            (None where not measured).
+        sets: stage 5's per-set stats (:class:`eagle3.evaluate.stats.SetStats`: ``domain``, prompt
+            counts and the grid; the drafter's numbers from vLLM, else offline; n-gram's from vLLM).
         training: :func:`eagle3.evaluate.prompts.training_data` (``known``, ``conversations``,
             ``completion_tokens``, ``sources``, ``categories``).
         ev: ``params.evaluate`` (``warn_min_conversations``, ``warn_min_tokens``, ``warn_ood_ratio``).
@@ -75,58 +152,4 @@ def mismatch_warnings(sets: dict[str, dict], training: dict, ev) -> list[dict]:
     Returns:
         list[dict]: ``{"rule", "message", "numbers", "fix"}`` each; empty when none applies.
     """
-    out: list[dict] = []
-    for name, s in sets.items():
-        d, where = set_tokens_per_forward(s)
-        ng = s.get("tokens_per_forward_ngram")
-        if d is not None and ng is not None and d < ng:
-            out.append({"rule": "drafter_below_ngram",
-                        # the prompt count says how much to trust it (a user's 2-prompt set warned like a 96-prompt one)
-                        "message": f"on {name} ({s.get('domain')}{_prompts(s, where)}) the drafter gives {d:.3f} tokens "
-                                   f"per target forward ({where}), n-gram prompt lookup {ng:.3f}: serving n-gram would be "
-                                   f"as fast, for free",
-                        "numbers": {"set": name, "tokens_per_forward_drafter": _r(d), "source": where,
-                                    "tokens_per_forward_ngram": _r(ng)},
-                        "fix": f"train on more and more varied data ({_MORE_DATA}); until then serve with "
-                               "speculative_config {method: ngram}"})
-    ids = [(n, set_tau(s)) for n, s in sets.items() if s.get("domain") == "in-distribution" and set_tau(s)[0] is not None]
-    ref = next(((n, t) for n, t in ids if n == "heldout"), ids[0] if ids else None)
-    if ref is not None:
-        id_name, (id_tau, id_where) = ref
-        for name, s in sets.items():
-            tau, where = set_tau(s)
-            if s.get("domain") != "out-of-domain" or tau is None:
-                continue
-            if tau - 1 < ev.warn_ood_ratio * (id_tau - 1):
-                out.append({"rule": "ood_far_below_id",
-                            "message": f"out-of-domain τ on {name} is {tau:.3f} ({where}) against {id_tau:.3f} on "
-                                       f"{id_name} ({id_where}): accepted drafts per round {tau - 1:.3f} < "
-                                       f"{ev.warn_ood_ratio} x {id_tau - 1:.3f}; the drafter learned its training "
-                                       f"distribution, not the target",
-                            "numbers": {"set": name, "tau_ood": _r(tau), "in_distribution_set": id_name,
-                                        "tau_id": _r(id_tau), "ratio": ev.warn_ood_ratio,
-                                        "rule": "tau_ood - 1 < ratio * (tau_id - 1)"},
-                            "fix": f"train on data like the traffic you will serve: {_MORE_DATA}"})
-    if training.get("known"):
-        conv, toks = int(training.get("conversations", 0)), int(training.get("completion_tokens", 0))
-        below = [f"{conv} conversations < {ev.warn_min_conversations}"] if conv < ev.warn_min_conversations else []
-        below += [f"{toks} completion tokens < {ev.warn_min_tokens}"] if toks < ev.warn_min_tokens else []
-        if below:
-            out.append({"rule": "small_training_data",
-                        "message": f"the drafter was trained on {conv} conversations / {toks} completion tokens "
-                                   f"({' and '.join(below)}, the evaluate.warn_min_* thresholds)",
-                        "numbers": {"conversations": conv, "completion_tokens": toks,
-                                    "min_conversations": ev.warn_min_conversations, "min_tokens": ev.warn_min_tokens},
-                        "fix": "more training conversations: add sources, raise a source's limit or synthesize.limit "
-                               "where one is set, or add a {kind: self, self_prompt: {count: N}} source (the target "
-                               "writes N prompts itself)"})
-        srcs, cats = training.get("sources") or {}, training.get("categories") or {}
-        if len(srcs) <= 1 or len(cats) <= 1:
-            what = (f"one source ({', '.join(srcs) or 'none'})" if len(srcs) <= 1
-                    else f"one category ({', '.join(cats)})")
-            out.append({"rule": "narrow_training_data",
-                        "message": f"the training conversations come from {what}: a drafter learns the "
-                                   f"distribution it is trained on",
-                        "numbers": {"sources": dict(srcs), "categories": dict(cats)},
-                        "fix": _MORE_DATA})
-    return out
+    return _below_ngram(sets) + _ood_far_below_id(sets, ev.warn_ood_ratio) + _training_data(training, ev)

@@ -34,7 +34,8 @@ IN_DOMAIN, OUT_OF_DOMAIN = "in-distribution", "out-of-domain"
 
 def out_of_domain_first(domain: str) -> bool:
     """Sort key that puts out-of-domain sets first (every table, figure and stats.json listing of the
-    sets: the report answers the out-of-domain question first, issue 12 §2)."""
+    sets: the report answers the out-of-domain question first: will the drafter help on traffic unlike
+    its training data)."""
     return domain != OUT_OF_DOMAIN
 
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eagle3.evaluate.methods import LABELS, METHODS, OFFLINE_EAGLE3, VLLM_EAGLE3, VLLM_NGRAM, VLLM_NONE, is_vllm
 from eagle3.evaluate.prompts import out_of_domain_first
+from eagle3.evaluate.stats import METRICS, SPEED_METRICS, EvaluateStats
 from eagle3.io import read_json
 from eagle3.rundir import RunDir
 
-__all__ = ["LABELS", "read_results", "comparison_table", "parity_table", "set_table", "category_table",
+__all__ = ["read_results", "comparison_table", "pooled_table", "parity_table", "set_table", "category_table",
            "warnings_table", "figures"]
 
-LABELS = {"offline/eagle3": "EAGLE-3 offline (transformers)", "vllm/eagle3": "EAGLE-3 in vLLM",
-          "vllm/ngram": "n-gram lookup in vLLM", "vllm/none": "no speculation (vLLM)"}
 _SIZE = (6.5, 3.6)  # inches
 
 
@@ -54,12 +54,17 @@ def comparison_table(results: dict):
     return _frame(rows, counts=("k", "rounds"))
 
 
+def pooled_table(stats: EvaluateStats):
+    """Every set pooled, from ``stats.json``: a row per measurement, a column per metric (stats.json's
+    acceptance metrics, vLLM's speed pass and the speed-up over no speculation) (pandas DataFrame)."""
+    cols = [*METRICS, *SPEED_METRICS, "speedup"]
+    rows = [{"method": LABELS.get(m, m), **{c: cell.get(c) for c in cols}} for m, cell in stats.pooled.methods.items()]
+    return _frame(rows, counts=("prompts",), columns=["method", *cols])
+
+
 def _ordered_sets(results: dict) -> list[tuple[str, dict]]:
     """results.json ``sets``, out-of-domain sets first (the question the report answers first)."""
     return sorted((results.get("sets") or {}).items(), key=lambda kv: out_of_domain_first(kv[1]["domain"]))
-
-
-_METHODS = ("vllm/eagle3", "vllm/ngram", "vllm/none", "offline/eagle3")
 
 
 def set_table(results: dict):
@@ -69,8 +74,8 @@ def set_table(results: dict):
     rows = []
     k = results["settings"]["k"]
     for name, e in _ordered_sets(results):
-        none_tps = (e["methods"].get("vllm/none") or {}).get("tokens_per_s")
-        for m in _METHODS:
+        none_tps = (e["methods"].get(VLLM_NONE) or {}).get("tokens_per_s")
+        for m in METHODS:
             met = e["methods"].get(m)
             if met is None:
                 continue
@@ -84,9 +89,9 @@ def set_table(results: dict):
     return _frame(rows, counts=("prompts", "speed_prompts"))
 
 
-def category_table(results: dict, methods: tuple[str, ...] = ("vllm/eagle3", "vllm/ngram", "offline/eagle3")):
+def category_table(results: dict, methods: tuple[str, ...] = (VLLM_EAGLE3, VLLM_NGRAM, OFFLINE_EAGLE3)):
     """Per set and category: τ and tokens per target forward of each method side by side (DataFrame)."""
-    short = {"vllm/eagle3": "drafter", "vllm/ngram": "ngram", "offline/eagle3": "offline"}
+    short = {VLLM_EAGLE3: "drafter", VLLM_NGRAM: "ngram", OFFLINE_EAGLE3: "offline"}
     rows = []
     for name, e in _ordered_sets(results):
         for cat, by_m in e.get("by_category", {}).items():
@@ -112,8 +117,8 @@ def parity_table(results: dict):
     ``939``, not as the ``939.000000`` of a float64 column."""
     import pandas as pd
 
-    off = results["backends"].get("offline/eagle3") or {}
-    vl = results["backends"].get("vllm/eagle3") or {}
+    off = results["backends"].get(OFFLINE_EAGLE3) or {}
+    vl = results["backends"].get(VLLM_EAGLE3) or {}
     rows = [{"metric": key, "offline": off.get(key), "vllm": vl.get(key)}
             for key in ("tau", "tokens_per_forward", "draft_acceptance_rate", "rounds", "accepted_tokens")]
     k = results["settings"]["k"]
@@ -167,7 +172,7 @@ def _tau_histogram(bk: dict, spec: list[str], k: int):
 
 def _tau_vs_context(bk: dict):
     fig, ax = _axes()
-    for n in ("offline/eagle3", "vllm/eagle3"):
+    for n in (OFFLINE_EAGLE3, VLLM_EAGLE3):
         bc = (bk.get(n) or {}).get("by_context") or {}
         if bc:
             ax.plot(list(bc), [m["tau"] for m in bc.values()], marker="o", label=LABELS[n])
@@ -180,7 +185,7 @@ def _tau_vs_context(bk: dict):
 
 def _speed(bk: dict, speed_prompts: int | None = None):
     fig, ax = _axes()
-    names = [n for n in ("vllm/eagle3", "vllm/ngram", "vllm/none") if n in bk]
+    names = [n for n in METHODS if is_vllm(n) and n in bk]
     if names:
         ax.bar([LABELS[n].replace(" in vLLM", "").replace(" (vLLM)", "") for n in names],
                [bk[n].get("tokens_per_s") or 0 for n in names])
@@ -197,13 +202,12 @@ def _by_set(results: dict):
 
     fig, ax = _axes()
     sets = _ordered_sets(results)
-    names = [m for m in ("vllm/eagle3", "vllm/ngram", "vllm/none", "offline/eagle3")
-             if any(m in e["methods"] for _, e in sets)]
+    names = [m for m in METHODS if any(m in e["methods"] for _, e in sets)]
     w = 0.8 / max(len(names), 1)
     for j, m in enumerate(names):
         vals = [(e["methods"].get(m) or {}).get("tokens_per_forward") or 0 for _, e in sets]
         bars = ax.bar(np.arange(len(sets)) + (j - (len(names) - 1) / 2) * w, vals, w, label=LABELS[m])
-        if m == "offline/eagle3":  # offline decoding runs on evaluate.offline_prompts of each set: say how few
+        if m == OFFLINE_EAGLE3:  # offline decoding runs on evaluate.offline_prompts of each set: say how few
             counts = [(e["methods"].get(m) or {}).get("prompts") for _, e in sets]
             ax.bar_label(bars, labels=[f"{n} of {e['info']['count']} prompts" if n and n < e["info"]["count"] else ""
                                        for n, (_, e) in zip(counts, sets)], fontsize=7)
@@ -231,9 +235,9 @@ def _by_category(results: dict):
     axes = fig.subplots(len(sets), 1, squeeze=False)[:, 0]
     for ax, (name, e) in zip(axes, sets):
         cats = list(e["by_category"])
-        shown = [m for m in ("vllm/eagle3", "offline/eagle3", "vllm/ngram") if any(m in e["by_category"][c] for c in cats)]
-        if "vllm/eagle3" in shown and "offline/eagle3" in shown:
-            shown.remove("offline/eagle3")
+        shown = [m for m in (VLLM_EAGLE3, OFFLINE_EAGLE3, VLLM_NGRAM) if any(m in e["by_category"][c] for c in cats)]
+        if VLLM_EAGLE3 in shown and OFFLINE_EAGLE3 in shown:
+            shown.remove(OFFLINE_EAGLE3)
         w = 0.8 / max(len(shown), 1)
         for j, m in enumerate(shown):
             vals = [((e["by_category"][c].get(m) or {}).get("tokens_per_forward") or 0) for c in cats]
@@ -260,11 +264,11 @@ def figures(results: dict) -> dict:
     """
     bk = results["backends"]
     k = results["settings"]["k"]
-    spec = [n for n in ("offline/eagle3", "vllm/eagle3", "vllm/ngram") if n in bk]
+    spec = [n for n in (OFFLINE_EAGLE3, VLLM_EAGLE3, VLLM_NGRAM) if n in bk]
     return {
         "per_position": _per_position(bk, spec, k, results["settings"]["temperature"]),
         "tau_histogram": _tau_histogram(bk, spec, k),
         "tau_vs_context": _tau_vs_context(bk),
-        "speed": _speed(bk, sum((e["methods"].get("vllm/none") or e["methods"].get("vllm/eagle3") or {})
+        "speed": _speed(bk, sum((e["methods"].get(VLLM_NONE) or e["methods"].get(VLLM_EAGLE3) or {})
                                 .get("speed_prompts") or 0 for e in (results.get("sets") or {}).values()) or None),
     } | ({"by_set": _by_set(results), "by_category": _by_category(results)} if results.get("sets") else {})

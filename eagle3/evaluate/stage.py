@@ -15,9 +15,9 @@ whose stage 5 is complete with the same inputs is returned as it is, without rew
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 from eagle3.chat import stop_token_ids, template_kwargs
 from eagle3.contracts.drafter import DrafterSettings, read_config, settings_from_config
@@ -27,11 +27,13 @@ from eagle3.evaluate.decoding import backend_summary, evaluate_offline, offline_
 from eagle3.evaluate.diagnosis import diagnose
 from eagle3.evaluate.drafter import load_drafter
 from eagle3.evaluate.layer_ids import aux_layer_id_warnings
+from eagle3.evaluate.methods import OFFLINE_EAGLE3, VLLM_EAGLE3, VLLM_NONE, vllm_method
 from eagle3.evaluate.metrics import group_metrics, summarize_rounds
 from eagle3.evaluate.mismatch import mismatch_warnings
 from eagle3.evaluate.parity import parity_result
 from eagle3.evaluate.prompts import EvalSet, evaluation_sets, out_of_domain_first, spread
 from eagle3.evaluate.report import figures
+from eagle3.evaluate.stats import EvaluateStats, Parity, PooledStats, Settings, grid, set_stats
 from eagle3.evaluate.vllm_jobs import (
     build_job,
     run_vllm_job,
@@ -43,65 +45,9 @@ from eagle3.evaluate.vllm_jobs import (
 )
 from eagle3.io import atomic_write_json, file_sha256, json_digest, read_json, read_jsonl
 from eagle3.rundir import ENGINE_LOGS_DIR, EVALUATE, EXTRACT, TRAIN, RunDir
-from eagle3.stage import Progress, StageRun, Stats, stage_record
+from eagle3.stage import Progress, StageRun, stage_record
 
-__all__ = ["EvaluateStats", "find_drafter", "training_reference", "run"]
-
-
-@dataclass
-class EvaluateStats(Stats):
-    """Stage 5's ``stats.json``: one field per key, in the file's order.
-
-    τ values are acceptance lengths (1 + accepted drafts per verification round); tokens per
-    forward count rounds without drafts as one token; tokens/s are vLLM's output tokens per second
-    of generation, one request at a time, on ``speed_prompts`` prompts per set;
-    ``speedup_vllm_eagle3`` = EAGLE-3 tokens/s / no-speculation tokens/s. The top-level numbers pool
-    every evaluation set (τ from vLLM's counters, the offline τ over the offline prompts); ``sets``
-    holds them per set (name -> ``domain``, ``prompts``, ``excluded_training``, ``tau_vllm``,
-    ``tokens_per_forward_vllm``, ``tau_ngram``, ``tokens_per_forward_ngram``, ``tau_offline``,
-    ``tokens_per_forward_offline``, ``offline_prompts``, ``tokens_per_s_vllm_{eagle3,ngram,none}``,
-    ``speed_prompts``, ``speedup_vllm_eagle3``, ``speedup_vllm_ngram``, ``speed_tokens_per_forward_{vllm,ngram}``:
-    tokens per forward of the timed answers, ``speed_lengths_differ``: timed prompts whose answers have
-    other lengths under other methods, T=0 outputs depending on the batch's arithmetic). ``warnings``: the mismatch
-    warnings (:mod:`eagle3.evaluate.mismatch`). ``None`` where a backend was not run.
-    ``parity_tau_offline`` / ``parity_tau_vllm``: the two sides of the parity check, both on the
-    ``parity_prompts`` offline prompts (``tau_vllm`` pools every prompt, so it is not the parity's side).
-    """
-
-    num_prompts: int
-    k: int
-    temperature: float
-    tau_offline: float | None = None
-    tokens_per_forward_offline: float | None = None
-    tau_vllm: float | None = None
-    tokens_per_forward_vllm: float | None = None
-    tau_ngram: float | None = None
-    tokens_per_forward_ngram: float | None = None
-    tokens_per_s_vllm_eagle3: float | None = None
-    tokens_per_s_vllm_ngram: float | None = None
-    tokens_per_s_vllm_none: float | None = None
-    speedup_vllm_eagle3: float | None = None
-    draft_acceptance_rate_offline: float | None = None
-    draft_acceptance_rate_vllm: float | None = None
-    parity_ok: bool | None = None
-    parity_gap: float | None = None
-    parity_tolerance: float | None = None
-    parity_prompts: int = 0
-    parity_tau_offline: float | None = None
-    parity_tau_vllm: float | None = None
-    excluded_training: int = 0
-    sets: dict = field(default_factory=dict)
-    warnings: list[dict] = field(default_factory=list)
-    training_data: dict = field(default_factory=dict)
-    measured: dict = field(default_factory=dict)
-    acceptance_rule: str = ""
-    diagnosis: list[str] = field(default_factory=list)
-    vllm_serve_command: str = ""
-    vllm_serve_where: str = ""
-
-    HEADLINE: ClassVar[tuple[str, ...]] = (
-        "num_prompts", "excluded_training", "k", "tau_offline", "tau_vllm", "tokens_per_forward_vllm", "tau_ngram",
-        "tokens_per_forward_ngram", "speedup_vllm_eagle3", "parity_ok", "parity_gap", "vllm_serve_command")
+__all__ = ["find_drafter", "training_reference", "run"]
 
 
 def find_drafter(params, run_dir: str | Path) -> Path:
@@ -226,7 +172,7 @@ def _finished(params, inp: _Inputs, rd: RunDir) -> EvaluateStats | None:
     """The stats of a complete stage 5 whose every measurement still has the same inputs, else None.
 
     Then nothing needs to run and nothing is rewritten: opening a finished run's notebook leaves its
-    ``stats.json`` and ``progress.json`` as they were (issue 16).
+    ``stats.json`` and ``progress.json`` as they were.
     """
     ev = params.evaluate
     rec = stage_record(rd.root, EVALUATE)
@@ -245,7 +191,7 @@ def _finished(params, inp: _Inputs, rd: RunDir) -> EvaluateStats | None:
             return None
     try:
         return EvaluateStats.from_dict(rec.stats)
-    except (TypeError, ValueError):  # a stats.json of an older layout: measure again
+    except (TypeError, ValueError):  # a stats.json of an earlier layout: measure again (kept measurements reused)
         return None
 
 
@@ -297,10 +243,10 @@ def _per_set(inp: _Inputs, offline_recs: list[dict] | None, vllm_results: dict, 
     """results.json ``sets``: per set its info, per method the metrics, per category per method."""
     methods: dict[str, list[dict]] = {}
     if offline_recs is not None:
-        methods["offline/eagle3"] = offline_recs
-    for m in ("eagle3", "ngram"):
+        methods[OFFLINE_EAGLE3] = offline_recs
+    for m in ("eagle3", "ngram"):  # the engine methods with acceptance (no speculation has none)
         if m in vllm_results:
-            methods[f"vllm/{m}"] = vllm_records(vllm_results[m], inp.prompts)
+            methods[vllm_method(m)] = vllm_records(vllm_results[m], inp.prompts)
     grouped = {m: group_metrics(recs, k, "set") for m, recs in methods.items()}
     by_cat = {m: group_metrics(recs, k, "set", "category") for m, recs in methods.items()}
     speed = {m: speed_by_set(r, inp.prompts) for m, r in vllm_results.items()}
@@ -315,47 +261,14 @@ def _per_set(inp: _Inputs, offline_recs: list[dict] | None, vllm_results: dict, 
                     entry["by_category"].setdefault(cat, {})[m] = met
         for m, sp in speed.items():
             if s.name in sp:
-                entry["methods"].setdefault(f"vllm/{m}", {}).update(
+                entry["methods"].setdefault(vllm_method(m), {}).update(
                     {"tokens_per_s": sp[s.name]["tokens_per_s"], "speed_prompts": sp[s.name]["prompts"],
                      "speed_tokens_per_forward": sp[s.name].get("tokens_per_forward")})
         # timed prompts whose answers have other lengths under other methods: tokens/s of different texts
         entry["speed_lengths_differ"] = speed_lengths_differ(vllm_results, [p["id"] for p in s.prompts])
-        if "vllm/none" in entry["methods"]:
-            entry["methods"]["vllm/none"] |= {"tau": None, "tokens_per_forward": 1.0}
+        if VLLM_NONE in entry["methods"]:
+            entry["methods"][VLLM_NONE] |= {"tau": None, "tokens_per_forward": 1.0}
         out[s.name] = entry
-    return out
-
-
-def _set_stats(sets: dict) -> dict:
-    """stats.json ``sets`` (the compact view of results.json's ``sets``), out-of-domain sets first."""
-    def g(entry, m, key):
-        return (entry["methods"].get(m) or {}).get(key)
-
-    out = {}
-    for name, e in sorted(sets.items(), key=lambda kv: out_of_domain_first(kv[1]["domain"])):
-        tps = {m: g(e, f"vllm/{m}", "tokens_per_s") for m in ("eagle3", "ngram", "none")}
-        none = tps["none"]
-        out[name] = {
-            "domain": e["domain"], "prompts": e["info"]["count"], "excluded_training": e["info"]["excluded_training"],
-            # why fewer prompts than the source had (the report's label says it)
-            **{k: e["info"].get(k, 0) for k in ("candidates", "duplicates", "skipped_too_long", "capped", "bad_records")},
-            "categories": len(e["info"]["by_category"]),
-            "tau_vllm": g(e, "vllm/eagle3", "tau"), "tokens_per_forward_vllm": g(e, "vllm/eagle3", "tokens_per_forward"),
-            "tau_ngram": g(e, "vllm/ngram", "tau"), "tokens_per_forward_ngram": g(e, "vllm/ngram", "tokens_per_forward"),
-            "tau_offline": g(e, "offline/eagle3", "tau"),
-            "tokens_per_forward_offline": g(e, "offline/eagle3", "tokens_per_forward"),
-            "offline_prompts": g(e, "offline/eagle3", "prompts") or 0,
-            "tokens_per_s_vllm_eagle3": tps["eagle3"], "tokens_per_s_vllm_ngram": tps["ngram"],
-            "tokens_per_s_vllm_none": none,
-            "speed_prompts": max((g(e, f"vllm/{m}", "speed_prompts") or 0) for m in ("eagle3", "ngram", "none")),
-            "speedup_vllm_eagle3": tps["eagle3"] / none if tps["eagle3"] and none else None,
-            "speedup_vllm_ngram": tps["ngram"] / none if tps["ngram"] and none else None,
-            # the timed answers' own tokens per forward (what bounds a speed-up), and how many timed
-            # prompts got answers of other lengths from other methods (tokens/s then compare other texts)
-            "speed_tokens_per_forward_vllm": g(e, "vllm/eagle3", "speed_tokens_per_forward"),
-            "speed_tokens_per_forward_ngram": g(e, "vllm/ngram", "speed_tokens_per_forward"),
-            "speed_lengths_differ": len(e.get("speed_lengths_differ") or []),
-        }
     return out
 
 
@@ -386,28 +299,23 @@ def _measured(params, inp: _Inputs, offline_n: int) -> dict:
 
 
 def _stats(params, inp: _Inputs, backends: dict, sets: dict, parity: dict, diagnosis: list[str],
-           warnings: list[dict], cmd: tuple[str, str]) -> EvaluateStats:
+           cmd: tuple[str, str]) -> EvaluateStats:
+    """stats.json from the backends' summaries (pooled), results.json's ``sets`` and the parity result;
+    ``warnings`` are added by the caller (they read these numbers)."""
     ev = params.evaluate
-    off, vl = backends.get("offline/eagle3") or {}, backends.get("vllm/eagle3") or {}
-    ng, none = backends.get("vllm/ngram") or {}, backends.get("vllm/none") or {}
-    tps, tps_none = vl.get("tokens_per_s"), none.get("tokens_per_s")
-    first = off or vl
+    first = backends.get(OFFLINE_EAGLE3) or backends.get(VLLM_EAGLE3) or {}
+    checked = parity["checked"]
     return EvaluateStats(
-        num_prompts=len(inp.prompts), k=ev.num_speculative_tokens, temperature=ev.temperature,
-        tau_offline=off.get("tau"), tokens_per_forward_offline=off.get("tokens_per_forward"),
-        tau_vllm=vl.get("tau"), tokens_per_forward_vllm=vl.get("tokens_per_forward"),
-        tau_ngram=ng.get("tau"), tokens_per_forward_ngram=ng.get("tokens_per_forward"),
-        tokens_per_s_vllm_eagle3=tps, tokens_per_s_vllm_ngram=ng.get("tokens_per_s"),
-        tokens_per_s_vllm_none=tps_none, speedup_vllm_eagle3=tps / tps_none if tps and tps_none else None,
-        draft_acceptance_rate_offline=off.get("draft_acceptance_rate"),
-        draft_acceptance_rate_vllm=vl.get("draft_acceptance_rate"),
-        parity_ok=parity.get("ok") if parity["checked"] else None,
-        parity_gap=parity.get("relative_gap"), parity_tolerance=ev.parity_tolerance,
-        parity_prompts=len(inp.offline_prompts) if parity["checked"] else 0,
-        parity_tau_offline=parity.get("tau_offline"), parity_tau_vllm=parity.get("tau_vllm"),
-        excluded_training=sum(s.info["excluded_training"] for s in inp.sets),
-        sets=_set_stats(sets), warnings=warnings, training_data=inp.training,
-        measured=_measured(params, inp, off.get("prompts") or 0), acceptance_rule=first.get("acceptance_rule") or "",
+        settings=Settings(k=ev.num_speculative_tokens, temperature=ev.temperature,
+                          acceptance_rule=first.get("acceptance_rule") or ""),
+        pooled=PooledStats(prompts=len(inp.prompts), excluded_training=sum(s.info["excluded_training"] for s in inp.sets),
+                           speed_prompts=max([b.get("speed_prompts") or 0 for b in backends.values()] + [0]),
+                           methods=grid(backends)),
+        sets=set_stats(sets),
+        parity=Parity(ok=parity.get("ok") if checked else None, gap=parity.get("relative_gap"),
+                      tolerance=ev.parity_tolerance, prompts=len(inp.offline_prompts) if checked else 0,
+                      tau_offline=parity.get("tau_offline"), tau_vllm=parity.get("tau_vllm")),
+        training_data=inp.training, measured=_measured(params, inp, (backends.get(OFFLINE_EAGLE3) or {}).get("prompts") or 0),
         diagnosis=diagnosis, vllm_serve_command=cmd[0], vllm_serve_where=cmd[1])
 
 
@@ -416,7 +324,7 @@ def _results(params, inp: _Inputs, backends: dict, sets: dict, parity: dict, dia
     """The ``results.json`` document: settings, prompts, pooled and per-set summaries, parity,
     diagnosis, warnings."""
     ev = params.evaluate
-    first = backends.get("offline/eagle3") or backends.get("vllm/eagle3") or {}
+    first = backends.get(OFFLINE_EAGLE3) or backends.get(VLLM_EAGLE3) or {}
     return {
         "settings": {"temperature": ev.temperature, "k": ev.num_speculative_tokens, "max_new_tokens": ev.max_new_tokens,
                      "acceptance_rule": first.get("acceptance_rule"),
@@ -426,7 +334,7 @@ def _results(params, inp: _Inputs, backends: dict, sets: dict, parity: dict, dia
                      "ngram": ev.ngram.model_dump(),
                      "vllm_engine": f"LLM.chat; acceptance: max_num_seqs={ev.vllm_max_num_seqs}; tokens/s: one "
                                     f"request at a time",
-                     "measured": _measured(params, inp, (backends.get("offline/eagle3") or {}).get("prompts") or 0)},
+                     "measured": _measured(params, inp, (backends.get(OFFLINE_EAGLE3) or {}).get("prompts") or 0)},
         "prompts": {"count": len(inp.prompts), "excluded_training": sum(s.info["excluded_training"] for s in inp.sets),
                     "sets": {s.name: s.info for s in inp.sets}},
         "training_data": inp.training,
@@ -442,13 +350,84 @@ def _results(params, inp: _Inputs, backends: dict, sets: dict, parity: dict, dia
     }
 
 
+@dataclass
+class _Measured:
+    """The measurements of one execution: the summaries (results.json ``backends``), the offline
+    records and drafter model, the raw vLLM results (``{engine method: result}``)."""
+
+    backends: dict[str, dict]
+    vllm_results: dict[str, dict]
+    dm: Any = None  # the drafter model of the offline measurement (None without one)
+    offline_recs: list[dict] | None = None
+
+
+def _measure(params, inp: _Inputs, rd: RunDir, st: StageRun) -> _Measured:
+    """Offline, then vLLM, each a phase of the stage's progress with its own unit and rate: the offline
+    prompts (seconds each), then the vLLM measurements (minutes each), so the ETA is the current phase's."""
+    ev = params.evaluate
+    k, temp = ev.num_speculative_tokens, ev.temperature
+    out = _Measured(backends={}, vllm_results={})
+    if "offline" in ev.backends:
+        out.dm, out.offline_recs = _offline(params, inp, rd, st.progress)
+        out.backends[OFFLINE_EAGLE3] = _offline_summary(inp, out.offline_recs, k, temp)
+    if "vllm" in ev.backends:
+        if "offline" in ev.backends:
+            st.progress.next_phase(len(ev.vllm_methods), "vLLM measurements", desc=f"{st.dir.name} vLLM")
+        out.vllm_results = _vllm(params, inp, rd, st.progress)
+        for m, res in out.vllm_results.items():
+            out.backends[vllm_method(m)] = vllm_summary(res, inp.prompts, k)
+    return out
+
+
+def _first_phase(params, inp: _Inputs) -> tuple[int, str]:
+    """(total, unit) of the stage's first progress phase (:func:`_measure`)."""
+    ev = params.evaluate
+    if "offline" in ev.backends:
+        return len(inp.offline_prompts), "offline prompts"
+    return (len(ev.vllm_methods), "vLLM measurements") if "vllm" in ev.backends else (0, "jobs")
+
+
+def _check(params, inp: _Inputs, rd: RunDir, m: _Measured) -> tuple[dict, list[str] | None, list[str]]:
+    """``(parity, drafter_check, diagnosis)``: offline vs vLLM τ on the same prompts, the drafter's
+    checkpoint problems, and what explains a gap (:func:`eagle3.evaluate.diagnosis.diagnose`)."""
+    ev = params.evaluate
+    off, vl = m.backends.get(OFFLINE_EAGLE3), _parity_vllm(inp, m.vllm_results, ev.num_speculative_tokens)
+    parity = parity_result(off, vl, ev.temperature, ev.parity_tolerance)
+    drafter_check = check_drafter(inp.drafter_dir, inp.resolved.path, reference=inp.ref)
+    vllm_eagle3 = m.vllm_results.get("eagle3") and {**m.vllm_results["eagle3"], **(m.backends.get(VLLM_EAGLE3) or {}),
+                                                   "per_position_conditional": (vl or {}).get("per_position_conditional")}
+    diagnosis = diagnose(inp.drafter_dir, inp.resolved.path, reference=inp.ref, run_dir=rd.root, target=inp.model,
+                         drafter_model=m.dm, offline=off, vllm=vllm_eagle3, prompts=inp.prompts,
+                         offline_records=m.offline_recs, drafter_problems=drafter_check, offline_dtype=inp.t_dtype)
+    return parity, drafter_check, diagnosis
+
+
+def _serve_command(params, inp: _Inputs, rd: RunDir) -> tuple[str, str]:
+    """``(command, where)``: the ``vllm serve`` line with the measured engine settings
+    (:func:`eagle3.evaluate.vllm_jobs.vllm_serve_command`)."""
+    from eagle3.target import target_dtype
+    from eagle3.vllm_utils import serve_settings
+
+    flags, env = serve_settings(target_dtype(params.target), params.target.max_model_len)
+    return vllm_serve_command(inp.resolved.name, inp.drafter_dir, params.evaluate.num_speculative_tokens, flags,
+                              run_dir=rd.root, target=inp.resolved, target_spec=params.target.model, env=env)
+
+
+def _write_prompts(rd: RunDir, inp: _Inputs) -> None:
+    """``prompts.json``: each set's info, and per prompt its id, set, source, category, hash and length."""
+    keys = ("id", "set", "source", "category", "prompt_hash")
+    atomic_write_json(rd.stage(EVALUATE) / "prompts.json", {
+        "info": {s.name: s.info for s in inp.sets},
+        "prompts": [{kk: p[kk] for kk in keys} | {"prompt_tokens": len(p["prompt_ids"])} for p in inp.prompts]})
+
+
 def run(params, run_dir: str | Path) -> EvaluateStats:
     """Stage 5: acceptance on every evaluation set (held-out split, general-chat, the user's sources),
     offline and in vLLM, beside n-gram and no speculation; parity check; mismatch warnings. Writes
     ``results.json``, ``prompts.json``, figures and ``stats.json`` in its folder.
 
     Returns:
-        EvaluateStats: what ``stats.json`` holds.
+        EvaluateStats: what ``stats.json`` holds (:mod:`eagle3.evaluate.stats`).
 
     Raises:
         EvaluateError: missing inputs or a failed vLLM job.
@@ -456,63 +435,37 @@ def run(params, run_dir: str | Path) -> EvaluateStats:
             ``evaluate.parity_tolerance`` (relative); results.json holds the diagnosis.
     """
     rd = RunDir(run_dir)
-    sd = rd.stage(EVALUATE, create=True)
+    rd.stage(EVALUATE, create=True)
     ev = params.evaluate
-    k, temp = ev.num_speculative_tokens, ev.temperature
     inp = _load_inputs(params, rd.root)
     done = _finished(params, inp, rd)
     if done is not None:
         return done
-    atomic_write_json(sd / "prompts.json", {"info": {s.name: s.info for s in inp.sets}, "prompts": [
-        {kk: p[kk] for kk in ("id", "set", "source", "category", "prompt_hash")} | {"prompt_tokens": len(p["prompt_ids"])}
-        for p in inp.prompts]})
-    # two phases, each with its own unit, total and rate (README "Watching a run"): the offline prompts
-    # (seconds each), then the vLLM measurements (minutes each), so the ETA is the current phase's
-    phases = ([(len(inp.offline_prompts), "offline prompts")] if "offline" in ev.backends else []) + (
-        [(len(ev.vllm_methods), "vLLM measurements")] if "vllm" in ev.backends else [])
-    backends: dict[str, dict] = {}
-    dm = offline_recs = None
-    vllm_results: dict[str, dict] = {}
-    total, unit = phases[0] if phases else (0, "jobs")
+    _write_prompts(rd, inp)
+    total, unit = _first_phase(params, inp)
     with StageRun(params, rd.root, EVALUATE, total=total, unit=unit) as st:
-        if "offline" in ev.backends:
-            dm, offline_recs = _offline(params, inp, rd, st.progress)
-            backends["offline/eagle3"] = _offline_summary(inp, offline_recs, k, temp)
-        if "vllm" in ev.backends:
-            if "offline" in ev.backends:
-                st.progress.next_phase(*phases[1], desc=f"{sd.name} vLLM")
-            vllm_results = _vllm(params, inp, rd, st.progress)
-            for m, res in vllm_results.items():
-                backends[f"vllm/{m}"] = vllm_summary(res, inp.prompts, k)
-        sets = _per_set(inp, offline_recs, vllm_results, k)
-        off, vl = backends.get("offline/eagle3"), _parity_vllm(inp, vllm_results, k)
-        parity = parity_result(off, vl, temp, ev.parity_tolerance)
-        drafter_check = check_drafter(inp.drafter_dir, inp.resolved.path, reference=inp.ref)
-        diagnosis = diagnose(inp.drafter_dir, inp.resolved.path, reference=inp.ref, run_dir=rd.root, target=inp.model,
-                             drafter_model=dm, offline=off, vllm=(vllm_results.get("eagle3") and
-                             {**vllm_results["eagle3"], **(backends.get("vllm/eagle3") or {}),
-                              "per_position_conditional": (vl or {}).get("per_position_conditional")}),
-                             prompts=inp.prompts, offline_records=offline_recs, drafter_problems=drafter_check,
-                             offline_dtype=inp.t_dtype)
-        from eagle3.target import target_dtype
-        from eagle3.vllm_utils import serve_settings
-
-        serve_flags, serve_env = serve_settings(target_dtype(params.target), params.target.max_model_len)
-        cmd = vllm_serve_command(inp.resolved.name, inp.drafter_dir, k, serve_flags, run_dir=rd.root, target=inp.resolved,
-                                 target_spec=params.target.model, env=serve_env)
-        stats = _stats(params, inp, backends, sets, parity, diagnosis, [], cmd)
+        m = _measure(params, inp, rd, st)
+        sets = _per_set(inp, m.offline_recs, m.vllm_results, ev.num_speculative_tokens)
+        parity, drafter_check, diagnosis = _check(params, inp, rd, m)
+        cmd = _serve_command(params, inp, rd)
+        stats = _stats(params, inp, m.backends, sets, parity, diagnosis, cmd)
         stats.warnings = mismatch_warnings(stats.sets, inp.training, ev)
-        stats.warnings += aux_layer_id_warnings(params, rd.root, inp.drafter_dir, inp.model, dm, inp.offline_prompts, offline_recs)
-        results = _results(params, inp, backends, sets, parity, diagnosis, drafter_check, stats.warnings, cmd)
+        stats.warnings += aux_layer_id_warnings(params, rd.root, inp.drafter_dir, inp.model, m.dm, inp.offline_prompts,
+                                                m.offline_recs)
+        results = _results(params, inp, m.backends, sets, parity, diagnosis, drafter_check, stats.warnings, cmd)
         atomic_write_json(rd.evaluate_results, results)
         # The W&B run opens only now, once the results exist (StageRun.tracker is lazy).
         for name, fig in figures(results).items():
             st.figure(name, fig)
+        # W&B: the grid's numbers by their stats.json paths (finish logs only top-level numbers)
+        numbers = stats.numbers()
+        st.tracker.log(numbers)
+        st.tracker.summary(numbers)
         if parity["checked"] and not parity["ok"]:
             st.progress.extra["parity"] = "failed"
-            st.finish(stats, complete=False, log=True)
+            st.finish(stats, complete=False)
             raise ParityError(
-                f"parity check failed: offline tau {off['tau']:.3f} vs vLLM tau {vl['tau']:.3f} on the same "
-                f"{len(inp.offline_prompts)} prompts (relative gap {parity['relative_gap']:.3f} > tolerance "
+                f"parity check failed: offline tau {parity['tau_offline']:.3f} vs vLLM tau {parity['tau_vllm']:.3f} on "
+                f"the same {len(inp.offline_prompts)} prompts (relative gap {parity['relative_gap']:.3f} > tolerance "
                 f"{ev.parity_tolerance}); see {rd.evaluate_results}", diagnosis)
-        return EvaluateStats.from_dict(st.finish(stats, log=True))
+        return EvaluateStats.from_dict(st.finish(stats))

