@@ -4,9 +4,10 @@ set, the user's sets), offline and in vLLM, beside n-gram and no speculation; pa
 One module per concern (see ``docs/DESIGN.md``, "Acceptance", for the definitions):
 
 * :mod:`~eagle3.evaluate.metrics`: τ, per-position acceptance, tokens per target forward;
-* :mod:`~eagle3.evaluate.drafter`: the speculators drafter with a KV cache, as vLLM's proposer runs it
-  (its settings and the one checkpoint check: :mod:`eagle3.contracts.drafter`);
-* :mod:`~eagle3.evaluate.decoding`: offline EAGLE-3 chain speculation and the acceptance rules;
+* :mod:`~eagle3.evaluate.drafter`: loads the exported drafter and its offline proposer by the kind its
+  ``config.json`` records (:mod:`eagle3.drafters`; the EAGLE-3 proposer with a KV cache, as vLLM runs
+  it, is :mod:`eagle3.drafters.eagle3.decoding`; the one drafter check: :func:`eagle3.drafters.check_drafter`);
+* :mod:`~eagle3.evaluate.decoding`: offline chain speculation and the acceptance rules;
 * :mod:`~eagle3.evaluate.prompts`: the evaluation sets (training prompts excluded by hash), rendered
   as vLLM renders them;
 * :mod:`~eagle3.evaluate.mismatch`: the train/serve mismatch warnings and their rules;
