@@ -381,3 +381,20 @@ def test_shared_prompt_sets_four_schemas():
     assert si[1].turns[0][0]["content"] == "What is the relation between the given pairs?\n\nNight : Day :: Right : Left"
     train = load_source(PromptSource(kind="file", path=str(SHARED / "gsm8k_train.jsonl"), limit=50), shuffle=True, seed=3)
     assert len(train) == 50 and train[0].source == "gsm8k_train"
+
+
+def test_the_jsonl_example_in_usage_loads_every_layout(tmp_path):
+    """docs/USAGE.md shows one JSONL line per layout that `format: auto` reads: each must load as a prompt."""
+    import re
+
+    from eagle3.config import PromptSource
+    from eagle3.prompts import load_source
+
+    usage = (Path(__file__).resolve().parent.parent / "docs" / "USAGE.md").read_text(encoding="utf-8")
+    block = re.search(r"```json\n(.*?)```", usage, re.S).group(1)
+    f = tmp_path / "mine.jsonl"
+    f.write_text(block, encoding="utf-8")
+    prompts = load_source(PromptSource(kind="file", path=str(f)))
+    assert len(prompts) == len(block.strip().splitlines()) == 4
+    assert prompts[1].turns[0][0] == {"role": "system", "content": "Be brief."}
+    assert prompts[3].turns[0][-1]["content"].startswith("Summarize the text.\n\n")
