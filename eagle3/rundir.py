@@ -4,6 +4,7 @@ A run directory (``<run.output_dir>/<run.name>``) holds ``params.yaml``, the exe
 folder per stage and ``report/``::
 
     params.yaml
+    run.lock        the writer now (pid, host, command; empty when none: eagle3.stage.lock)
     notebooks/      the executed stage notebooks (eagle3 run)
     01_synthesize/  samples.jsonl, progress.json, stats.json, inputs.json (every stage)
     02_vocab/       train.parquet, heldout.parquet, vocab_mapping.safetensors, mapping.json, ...
@@ -79,6 +80,7 @@ STATS_FILE = "stats.json"
 INPUTS_FILE = "inputs.json"  # digests of the upstream files a finished stage consumed (eagle3.stage)
 REPORT_DIR = "report"
 EXECUTED_DIR = "notebooks"  # the stage notebooks as `eagle3 run` executed them
+LOCK_FILE = "run.lock"  # the one writer's lock (eagle3.stage.lock.RunLock)
 
 # Stage 1
 SAMPLES_FILE = "samples.jsonl"
@@ -298,6 +300,11 @@ class RunDir:
     def params_file(self) -> Path:
         """``params.yaml``: the resolved params the run was made with."""
         return self.root / PARAMS_FILE
+
+    @property
+    def lock_file(self) -> Path:
+        """``run.lock``: who writes the run now (:class:`eagle3.stage.lock.RunLock`)."""
+        return self.root / LOCK_FILE
 
     @property
     def executed_dir(self) -> Path:

@@ -528,3 +528,83 @@ def test_the_kernel_is_not_sent_sigint_when_papermill_shuts_it_down(monkeypatch)
     km.shutting_down = False
     asyncio.run(km._async_interrupt_kernel())
     assert calls == [False]
+
+
+HOLD = """
+import sys, time
+from eagle3.stage import RunLock
+RunLock(sys.argv[1], "eagle3 run params/other.yaml --stages 3").acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def _holder(run_dir: Path) -> subprocess.Popen:
+    """Another process that holds ``run_dir``'s writer lock (as a second `eagle3 run` would)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _snapshot(run_dir: Path) -> dict:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_a_second_writer_of_a_run_folder_is_refused_naming_the_holder(tmp_params, nbdir, capsys):
+    """Two writers on one run folder destroy each other's files: while another process holds the run's
+    lock, `eagle3 run` and a stage notebook's setup are refused at once (exit 2, the holder's pid, host,
+    command and start named), nothing in the folder changes; status, verify and report neither take it
+    nor wait."""
+    import socket
+
+    from eagle3.errors import RunLocked
+    from eagle3.notebook import setup
+
+    pf = tmp_params()
+    rd = run_pipeline(pf, [1], notebooks=nbdir)
+    (rd / "01_synthesize" / "stats.json").unlink()  # stage 1 unfinished: its notebook would write
+    before = _snapshot(rd)
+    proc = _holder(rd)
+    try:
+        capsys.readouterr()
+        assert main_with_notebooks(["run", str(pf), "--stages", "1", "--no-report"], nbdir) == 2
+        err = capsys.readouterr().err
+        assert f"{rd} is being written by pid {proc.pid} on {socket.gethostname()} " in err
+        assert "(`eagle3 run params/other.yaml --stages 3`, since 20" in err and f"kill {proc.pid}" in err
+        assert len(err.strip().splitlines()) == 1
+        with pytest.raises(RunLocked, match=f"pid {proc.pid}"):
+            setup(str(pf), str(rd), stage=1)
+        assert main(["status", str(rd)]) == 0
+        assert main(["verify", str(rd)]) in (0, 1)
+        main(["report", str(rd)])
+        lock_record = (rd / "run.lock").read_bytes()
+        after = _snapshot(rd)
+        after.pop("run.lock"), before.pop("run.lock")
+        assert [k for k in after if not k.startswith("report/")] == list(before) and all(after[k] == v for k, v in before.items())
+        assert str(proc.pid).encode() in lock_record
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_dead_writer_s_lock_is_taken_over_and_the_stage_notebook_runs_under_its_parent_s(tmp_params, nbdir, capsys):
+    """The kernel frees a killed writer's lock: the next `eagle3 run` takes the run over with one line
+    naming the gone writer. The stage notebook it executes (a child kernel) is not refused by its
+    parent's lock: it finds the lock held by its parent, with the token it inherited. Released at the end."""
+    from eagle3.stage import LOCK_ENV
+
+    _nb(nbdir / NOTEBOOKS[1], "import json, os\nrec = json.loads((run_dir / 'run.lock').read_text())\n"
+        "assert rec['pid'] == os.getppid() and rec['token'] == os.environ['EAGLE3_RUN_LOCK'], rec\n"
+        + WRITE_STAGE.format(s=1))
+    pf = tmp_params()
+    rd = Path(load_params(pf).run.output_dir) / "t"
+    proc = _holder(rd)
+    proc.kill()
+    proc.wait()
+    capsys.readouterr()
+    assert run_pipeline(pf, [1, 2], notebooks=nbdir) == rd
+    out = capsys.readouterr().out
+    assert f"named pid {proc.pid} on " in out and "which is gone: taking the run over" in out
+    assert read_json(rd / "01_synthesize" / "stats.json")["complete"] and read_json(rd / "02_vocab" / "stats.json")["complete"]
+    assert (rd / "run.lock").read_text() == "" and LOCK_ENV not in os.environ

@@ -30,7 +30,7 @@ from eagle3.rundir import (
     prepare_run_dir,
     resolve_run_dir,
 )
-from eagle3.stage import stage_record, stale_inputs, stale_message
+from eagle3.stage import RunLock, stage_record, stale_inputs, stale_message, this_command
 
 __all__ = ["KERNEL", "parse_stages", "format_stages", "resume_stages", "params_options", "run_dir_for",
            "check_prompt_files", "reopen_stage", "run_pipeline"]
@@ -285,6 +285,8 @@ def run_pipeline(
         StageFailed: a notebook cell raised (message: stage, cell index, exception).
         RunInterrupted: Ctrl-C while a stage ran (the stage keeps what it wrote).
         RunnerError: the Jupyter kernel ``eagle3`` is not registered (run ``make venv``).
+        RunLocked: another process writes the run directory (:class:`eagle3.stage.RunLock`; the
+            stage notebooks this call executes run under its lock).
     """
     ov = [*(overrides or []), *([f"run.name={run_name}"] if run_name else [])]
     params = load_params(params_file, ov)
@@ -298,20 +300,27 @@ def run_pipeline(
         raise ParamsError(_not_a_run_yet(target_dir, selected, params_file, run_name, overrides))
     check_prompt_files(params, [s for s in selected if s in redo_set or force
                                 or not stage_record(target_dir, s).complete])
-    run_dir = prepare_run_dir(params, target_dir, redo=redo_set, params_file=params_file, stages=selected,
-                              options=params_options(run_name, overrides))
+    with RunLock(target_dir, this_command()):  # one writer per run folder, from here to the last stage
+        run_dir = prepare_run_dir(params, target_dir, redo=redo_set, params_file=params_file, stages=selected,
+                                  options=params_options(run_name, overrides))
+        _run_stages(run_dir, params, params_file, selected, redo_set, force, kernel,
+                    Path(notebooks) if notebooks else notebooks_dir())
+    return run_dir
+
+
+def _run_stages(run_dir: Path, params, params_file, selected: list[int], redo: set[int], force: bool, kernel: str,
+                nb_root: Path) -> None:
+    """:func:`run_pipeline`'s stages, in order, under its lock (the run directory is prepared)."""
     for trash in run_dir.glob(".redo-*"):  # a stage folder a killed --redo was removing
         shutil.rmtree(trash, ignore_errors=True)
     _require_kernel(kernel)
-    nb_root = Path(notebooks) if notebooks else notebooks_dir()
     print(f"eagle3: run directory {run_dir}", flush=True)
     for s in selected:
         nb_in = nb_root / NOTEBOOKS[s]
         if not nb_in.exists():
             print(f"eagle3: stage {s} ({STAGES[s]}): notebook {nb_in.name} does not exist, skipped", flush=True)
-        elif _to_run(run_dir, s, params, params_file, redo_set, force):
+        elif _to_run(run_dir, s, params, params_file, redo, force):
             _execute_stage(run_dir, s, nb_in, kernel, next_stage=s + 1 if s + 1 in selected else None)
-    return run_dir
 
 
 def _not_a_run_yet(target_dir: Path, selected: list[int], params_file, run_name, overrides) -> str:
