@@ -86,12 +86,16 @@ def test_later_stages_on_a_new_run_name_stop_before_the_folder_exists(tmp_params
     assert read_json(rd / "02_vocab" / "progress.json")["done"] == 3
 
 
+# stage 5 measures a drafter made elsewhere: it reads stages 1-2 only (eagle3.commands.run.stages_read)
+EXTERNAL_DRAFTER = "evaluate:\n  drafter_dir: elsewhere/drafter\n"
+
+
 def test_evaluate_only_params_on_an_existing_run_redo_stage_5_only(tmp_params, nbdir, capsys):
     """Own prompts on a finished run: `--set evaluate.*` is refused with the --redo 5 command, then
     accepted with it; stages 1-2 are neither rerun nor changed, stage 5 runs on the new params."""
     _nb(nbdir / NOTEBOOKS[5], WRITE_STAGE.replace('"lr": params.train.lr', '"num_prompts": params.evaluate.num_prompts')
         .format(s=5))
-    pf = tmp_params()
+    pf = tmp_params(EXTERNAL_DRAFTER)  # stage 5 without stages 3-4
     rd = run_pipeline(pf, [1, 2, 5], notebooks=nbdir)
     assert read_json(rd / "05_evaluate" / "stats.json")["num_prompts"] is None
     s1 = (rd / "01_synthesize" / "stats.json").read_bytes()
@@ -122,7 +126,7 @@ def test_a_run_with_its_own_evaluate_params_opens_for_stages_1_4_and_by_its_own_
 
     _nb(nbdir / NOTEBOOKS[5], WRITE_STAGE.replace('"lr": params.train.lr', '"num_prompts": params.evaluate.num_prompts')
         .format(s=5))
-    pf = tmp_params()
+    pf = tmp_params(EXTERNAL_DRAFTER)  # stage 5 without stages 3-4
     rd = run_pipeline(pf, [1, 2, 5], overrides=["evaluate.num_prompts=5"], notebooks=nbdir)
     record = (rd / "params.yaml").read_text()
     assert "num_prompts: 5" in record
@@ -608,3 +612,36 @@ def test_a_dead_writer_s_lock_is_taken_over_and_the_stage_notebook_runs_under_it
     assert f"named pid {proc.pid} on " in out and "which is gone: taking the run over" in out
     assert read_json(rd / "01_synthesize" / "stats.json")["complete"] and read_json(rd / "02_vocab" / "stats.json")["complete"]
     assert (rd / "run.lock").read_text() == "" and LOCK_ENV not in os.environ
+
+
+def test_a_stage_on_an_unfinished_earlier_stage_is_refused_with_the_command_that_finishes_it(tmp_params, nbdir,
+                                                                                              capsys):
+    """`--stages 2` after stage 1 stopped part-way ran stage 2 on the 7 samples there and ended complete:
+    refused (exit 2) before anything is written, naming the unfinished stage, its progress and the
+    command; a stage of the same call that ends incomplete stops the next one too."""
+    from eagle3.commands.run import stages_read
+    from eagle3.errors import RunnerError
+
+    pf = tmp_params()
+    rd = run_pipeline(pf, [1], notebooks=nbdir)
+    s1 = rd / "01_synthesize"
+    (s1 / "stats.json").unlink()
+    (s1 / "progress.json").write_text('{"status": "interrupted", "done": 7, "total": 20, "unit": "samples"}')
+    before = _snapshot(rd)
+    capsys.readouterr()
+    assert main_with_notebooks(["run", str(pf), "--stages", "2", "--set", "train.lr=0.003", "--no-report"], nbdir) == 2
+    err = capsys.readouterr().err
+    assert ("stage 2 (02_vocab) reads the outputs of stage 1, which is not complete: stage 1 (01_synthesize) "
+            f"interrupted at 7/20 samples. Finish it first: `eagle3 run {pf} --set train.lr=0.003 --stages 1-2`.") in err
+    assert _snapshot(rd) == before and not (rd / "02_vocab").exists()
+    # stage 1 of the same call ends incomplete (stats.json complete: false): stage 2 is not run on it
+    _nb(nbdir / NOTEBOOKS[1], WRITE_STAGE.format(s=1).replace("write_stats(d, {", "write_stats(d, complete=False, "
+                                                                "stats={"))
+    with pytest.raises(RunnerError, match=r"stage 1 \(01_synthesize\) done at 3/3 items"):
+        run_pipeline(pf, [1, 2], notebooks=nbdir)
+    assert not (rd / "02_vocab").exists()
+    # which stages each stage reads: online training reads no stage 3, an external drafter no stage 4
+    p = load_params(pf)
+    assert [stages_read(s, p) for s in (1, 2, 3, 4, 5)] == [[], [1], [2], [2, 3], [1, 2, 4]]
+    p = load_params(pf, ["train.online=true", "evaluate.drafter_dir=/d"])
+    assert (stages_read(4, p), stages_read(5, p)) == ([2], [1, 2])

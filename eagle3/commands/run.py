@@ -18,6 +18,7 @@ from pathlib import Path
 
 from eagle3.commands.status import ProgressEcho
 from eagle3.errors import ParamsError, RunInterrupted, RunnerError, StageFailed, StaleStage
+from eagle3.io import read_json
 from eagle3.params_file import load_params
 from eagle3.rundir import (
     NOTEBOOKS,
@@ -33,7 +34,7 @@ from eagle3.rundir import (
 from eagle3.stage import RunLock, stage_record, stale_inputs, stale_message, this_command
 
 __all__ = ["KERNEL", "parse_stages", "format_stages", "resume_stages", "params_options", "run_dir_for",
-           "check_prompt_files", "reopen_stage", "run_pipeline"]
+           "check_prompt_files", "reopen_stage", "run_pipeline", "stages_read", "require_earlier_complete"]
 
 # the Jupyter kernel `make venv` registers for the project's virtual environment
 KERNEL = "eagle3"
@@ -285,6 +286,8 @@ def run_pipeline(
         StageFailed: a notebook cell raised (message: stage, cell index, exception).
         RunInterrupted: Ctrl-C while a stage ran (the stage keeps what it wrote).
         RunnerError: the Jupyter kernel ``eagle3`` is not registered (run ``make venv``).
+        RunnerError: a stage to run reads an earlier stage that is not complete and not selected, or
+            that ended incomplete in this call (:func:`require_earlier_complete`).
         RunLocked: another process writes the run directory (:class:`eagle3.stage.RunLock`; the
             stage notebooks this call executes run under its lock).
     """
@@ -298,19 +301,59 @@ def run_pipeline(
     target_dir = run_dir_for(params, params_file, ov)
     if min(selected) > 1 and not (target_dir / PARAMS_FILE).exists():
         raise ParamsError(_not_a_run_yet(target_dir, selected, params_file, run_name, overrides))
-    check_prompt_files(params, [s for s in selected if s in redo_set or force
-                                or not stage_record(target_dir, s).complete])
+    to_run = [s for s in selected if s in redo_set or force or not stage_record(target_dir, s).complete]
+    again = shlex.join([str(params_file), *params_options(run_name, overrides)])
+    for s in to_run:  # an unselected earlier stage left unfinished: refused before anything is written
+        require_earlier_complete(target_dir, s, params, again, selected)
+    check_prompt_files(params, to_run)
     with RunLock(target_dir, this_command()):  # one writer per run folder, from here to the last stage
         run_dir = prepare_run_dir(params, target_dir, redo=redo_set, params_file=params_file, stages=selected,
                                   options=params_options(run_name, overrides))
-        _run_stages(run_dir, params, params_file, selected, redo_set, force, kernel,
-                    Path(notebooks) if notebooks else notebooks_dir())
+        _run_stages(run_dir, params, params_file, selected, (redo_set, force), kernel,
+                    Path(notebooks) if notebooks else notebooks_dir(), again)
     return run_dir
 
 
-def _run_stages(run_dir: Path, params, params_file, selected: list[int], redo: set[int], force: bool, kernel: str,
-                nb_root: Path) -> None:
-    """:func:`run_pipeline`'s stages, in order, under its lock (the run directory is prepared)."""
+def stages_read(stage: int, params) -> list[int]:
+    """The earlier stages whose outputs stage ``stage`` reads (docs/DESIGN.md "Stage contracts"): 2 reads
+    1; 3 reads 2; 4 reads 2 and 3 (not 3 with ``train.online``: the target runs beside training); 5
+    reads 1 and 2, and 4 unless ``evaluate.drafter_dir`` names another drafter."""
+    return {1: [], 2: [1], 3: [2], 4: [2] if params.train.online else [2, 3],
+            5: [1, 2] if params.evaluate.drafter_dir else [1, 2, 4]}[stage]
+
+
+def require_earlier_complete(run_dir: Path, stage: int, params, again: str, selected=()) -> None:
+    """Refuse to run ``stage`` on an earlier stage it reads that is not complete (stopped part-way, or
+    never run): it would run on part of the data and end "complete" (stage 2 on 7 of 960 samples).
+    ``selected``: the stages of this call, which run first and are checked again when their turn
+    comes; ``again``: the params file and options, for the command in the message.
+
+    Raises:
+        RunnerError: names the unfinished stage, its state and the ``eagle3 run`` command that finishes it.
+    """
+    missing = [e for e in stages_read(stage, params) if e not in selected and not stage_record(run_dir, e).complete]
+    if not missing:
+        return
+    states = []
+    for e in missing:
+        prog = read_json(RunDir(run_dir).stage(e) / PROGRESS_FILE, None)
+        prog = prog if isinstance(prog, dict) else {}
+        done = f" at {prog.get('done')}/{prog.get('total')} {prog.get('unit', '')}".rstrip() if prog.get("total") else ""
+        states.append(f"stage {e} ({STAGES[e]}) {prog.get('status', 'not started') if prog else 'not started'}{done}")
+    stages = format_stages(range(min(missing), stage + 1))
+    raise RunnerError(f"stage {stage} ({STAGES[stage]}) reads the outputs of stage {format_stages(missing)}, which "
+                      f"is not complete: {'; '.join(states)}. Finish it first: `eagle3 run {again} --stages {stages}`.")
+
+
+def _run_stages(run_dir: Path, params, params_file, selected: list[int], redo_force: tuple[set[int], bool],
+                kernel: str, nb_root: Path, again: str) -> None:
+    """:func:`run_pipeline`'s stages, in order, under its lock (the run directory is prepared);
+    ``again``: the params file and options, for the commands in messages.
+
+    Raises:
+        RunnerError: a stage's earlier stage did not end complete (:func:`require_earlier_complete`).
+    """
+    redo, force = redo_force
     for trash in run_dir.glob(".redo-*"):  # a stage folder a killed --redo was removing
         shutil.rmtree(trash, ignore_errors=True)
     _require_kernel(kernel)
@@ -320,6 +363,7 @@ def _run_stages(run_dir: Path, params, params_file, selected: list[int], redo: s
         if not nb_in.exists():
             print(f"eagle3: stage {s} ({STAGES[s]}): notebook {nb_in.name} does not exist, skipped", flush=True)
         elif _to_run(run_dir, s, params, params_file, redo, force):
+            require_earlier_complete(run_dir, s, params, again)
             _execute_stage(run_dir, s, nb_in, kernel, next_stage=s + 1 if s + 1 in selected else None)
 
 
