@@ -6,7 +6,7 @@ from pathlib import Path
 
 from eagle3.config import Params
 from eagle3.params_file import load_params
-from eagle3.rundir import NOTEBOOKS, prepare_run_dir, project_root, resolve_run_dir
+from eagle3.rundir import NOTEBOOKS, check_run_location, prepare_run_dir, project_root, resolve_run_dir
 from eagle3.stage import RunLock, stage_record
 
 __all__ = ["setup", "show_table", "run_dir_note"]
@@ -46,6 +46,7 @@ def setup(params_file: str | None, run_dir: str | None = None, overrides: list[s
     pd.set_option("display.max_colwidth", None)
     params = load_params(pf, overrides or None)
     rd = Path(run_dir) if run_dir else resolve_run_dir(params)
+    check_run_location(rd)  # before the lock file is made there
     _hold_lock(rd, stage)
     rd = prepare_run_dir(params, rd, stages=None if stage is None else [stage])
     _say_which_run(rd, chosen=bool(run_dir))

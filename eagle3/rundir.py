@@ -46,6 +46,8 @@ __all__ = [
     "INPUTS_FILE",
     "RunDir",
     "project_root",
+    "source_root",
+    "check_run_location",
     "notebooks_dir",
     "notebook_path",
     "resolve_run_dir",
@@ -116,10 +118,32 @@ START_OVER_KEEPS = {1: (SELF_PROMPTS_DIR,),
                     5: (OFFLINE_RECORDS_FILE, VLLM_RESULT_FILE.format(method="*"), ENGINE_LOGS_DIR)}
 
 
-def project_root() -> Path:
-    """The repository root (the folder holding pyproject.toml above this package), else the cwd."""
+def source_root() -> Path | None:
+    """The repository this package runs from (the folder holding pyproject.toml above it); None for an
+    installed package."""
     here = Path(__file__).resolve().parent.parent
-    return here if (here / "pyproject.toml").exists() else Path.cwd()
+    return here if (here / "pyproject.toml").exists() else None
+
+
+def project_root() -> Path:
+    """The repository root (:func:`source_root`), else the cwd."""
+    return source_root() or Path.cwd()
+
+
+def check_run_location(run_dir: str | Path) -> None:
+    """Refuse a run directory inside the source tree other than its git-ignored ``outputs/``
+    (``run.output_dir: eagle3``): the run's files, gigabytes of them, would show as changes to commit,
+    and stage folders inside ``eagle3/`` would be packaged with the code.
+
+    Raises:
+        ParamsError: names the folder and the way out.
+    """
+    src = source_root()
+    rd = Path(run_dir).expanduser().resolve()
+    if src is not None and rd.is_relative_to(src) and not rd.is_relative_to(src / "outputs"):
+        raise ParamsError(f"run directory {rd} lies inside the project's source tree ({src}): its files would be "
+                          f"committed (or packaged) with the code. Set run.output_dir to outputs (git-ignored) or to "
+                          f"a folder outside {src}.")
 
 
 def notebooks_dir() -> Path:
@@ -177,7 +201,8 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
         Path: the run directory.
 
     Raises:
-        ParamsError: ``params.yaml`` exists with a different fingerprint (the message lists the keys
+        ParamsError: the folder lies in the source tree (:func:`check_run_location`); ``params.yaml``
+            exists with a different fingerprint (the message lists the keys
             and what to do: the ``--redo`` command for a one-stage change, else a new run name).
     """
     # params_file imports config and errors; imported here so that `rundir` stays importable
@@ -186,6 +211,7 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
     from eagle3.params_file import dump_params, load_params
 
     rd = Path(run_dir) if run_dir is not None else resolve_run_dir(params)
+    check_run_location(rd)
     rd.mkdir(parents=True, exist_ok=True)
     pfile = rd / PARAMS_FILE
     if pfile.exists() and not _replaces_recorded(load_params(pfile), params, rd, redo, stages, params_file, options):

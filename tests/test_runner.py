@@ -271,6 +271,7 @@ def test_resume_stages_after_an_interrupt():
 
 def test_failing_stage_shows_cell_error(tmp_params, nbdir):
     _nb(nbdir / NOTEBOOKS[2], "raise ValueError('planted failure in stage 2')")
+    _nb(nbdir / NOTEBOOKS[3], WRITE_STAGE.format(s=3))
     pf = tmp_params()
     with pytest.raises(StageFailed) as e:
         run_pipeline(pf, [1, 2, 3], notebooks=nbdir)
@@ -334,6 +335,8 @@ def test_cli_help_explains_set_and_run_dir(capsys):
     ("x", "'x' is not a stage number"),
     ("2,", "'' is not a stage number"),
     ("0-2", "stage 0 does not exist"),
+    ("-", "'-' is not a stage number"),
+    ("1-2-3", "'1-2-3' is not a stage number"),
 ])
 def test_bad_stage_selection_is_a_clear_error(spec, msg, capsys):
     from eagle3.errors import ParamsError
@@ -645,3 +648,46 @@ def test_a_stage_on_an_unfinished_earlier_stage_is_refused_with_the_command_that
     assert [stages_read(s, p) for s in (1, 2, 3, 4, 5)] == [[], [1], [2], [2, 3], [1, 2, 4]]
     p = load_params(pf, ["train.online=true", "evaluate.drafter_dir=/d"])
     assert (stages_read(4, p), stages_read(5, p)) == ([2], [1, 2])
+
+
+def test_open_stage_ranges_run_to_the_last_stage_or_from_the_first():
+    """`--stages 2-` was read as stage 2 alone."""
+    assert parse_stages("2-") == [2, 3, 4, 5] and parse_stages("-3") == [1, 2, 3]
+    assert parse_stages(" 4 - ") == [4, 5] and parse_stages("-1,4-") == [1, 4, 5]
+    assert parse_stages("3-", "--redo") == [3, 4, 5]
+
+
+def test_a_missing_stage_notebook_is_an_error_before_anything_runs(tmp_params, nbdir, capsys):
+    """A selected stage whose notebook was removed was skipped and the run ended rc 0."""
+    from eagle3.errors import RunnerError
+
+    pf = tmp_params()
+    rd = Path(load_params(pf).run.output_dir) / "t"
+    with pytest.raises(RunnerError, match=r"stage 3 \(03_extract\): notebook .*03_extract_hidden_states.ipynb does "
+                                          r"not exist\. Nothing was run; add it or pass another notebooks folder"):
+        run_pipeline(pf, [1, 2, 3], notebooks=nbdir)
+    assert not rd.exists()
+    assert main_with_notebooks(["run", str(pf), "--stages", "1-", "--no-report"], nbdir) == 2
+    err = capsys.readouterr().err
+    assert "stage 4 (04_train): notebook" in err and "stage 5 (05_evaluate): notebook" in err
+    assert ("restore it: `git checkout -- notebooks/03_extract_hidden_states.ipynb notebooks/04_train_drafter.ipynb "
+            "notebooks/05_evaluate_acceptance.ipynb`") in err and not rd.exists()
+
+
+def test_a_run_directory_inside_the_source_tree_is_refused(tmp_params, capsys):
+    """`run.output_dir: eagle3` put a run's files inside the package; only the git-ignored outputs/ may
+    hold runs inside the repository."""
+    from eagle3.notebook import setup
+    from eagle3.rundir import check_run_location
+
+    pf = tmp_params()
+    for out in ("eagle3", ".", "notebooks"):
+        assert main(["run", str(pf), "--set", f"run.output_dir={out}", "--run-name", "in-tree", "--stages", "1"]) == 2
+        err = capsys.readouterr().err
+        assert f"run directory {(ROOT / out / 'in-tree').resolve()} lies inside the project's source tree ({ROOT})" in err
+        assert "Set run.output_dir to outputs (git-ignored)" in err and not (ROOT / out / "in-tree").exists()
+    with pytest.raises(ParamsError, match="lies inside the project's source tree"):
+        setup(str(pf), str(ROOT / "eagle3" / "in-tree"), stage=1)
+    assert not (ROOT / "eagle3" / "in-tree").exists()
+    check_run_location(ROOT / "outputs" / "in-tree")  # the ignored outputs/ and any folder outside are fine
+    check_run_location(Path(load_params(pf).run.output_dir) / "t")

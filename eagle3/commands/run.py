@@ -27,6 +27,7 @@ from eagle3.rundir import (
     STAGES,
     START_OVER_KEEPS,
     RunDir,
+    check_run_location,
     notebooks_dir,
     prepare_run_dir,
     resolve_run_dir,
@@ -34,28 +35,33 @@ from eagle3.rundir import (
 from eagle3.stage import RunLock, stage_record, stale_inputs, stale_message, this_command
 
 __all__ = ["KERNEL", "parse_stages", "format_stages", "resume_stages", "params_options", "run_dir_for",
-           "check_prompt_files", "reopen_stage", "run_pipeline", "stages_read", "require_earlier_complete"]
+           "check_prompt_files", "reopen_stage", "run_pipeline", "stages_read", "require_earlier_complete",
+           "stage_notebooks"]
 
 # the Jupyter kernel `make venv` registers for the project's virtual environment
 KERNEL = "eagle3"
 
 
 def parse_stages(spec: str | None, flag: str = "--stages") -> list[int]:
-    """'1-5', '2', '1,3-4' -> sorted stage numbers (None or '' -> all); ``flag`` names the option in
-    messages (``--stages``, ``--redo``).
+    """'1-5', '2', '1,3-4', '3-' (3 to 5), '-2' (1 to 2) -> sorted stage numbers (None or '' -> all);
+    ``flag`` names the option in messages (``--stages``, ``--redo``).
 
     Raises:
-        ParamsError: a part that is not a number or a range ``A-B`` with A <= B, or a stage outside 1..5.
+        ParamsError: a part that is not a number or a range ``A-B`` (either end may be left open) with
+            A <= B, or a stage outside 1..5.
     """
     if not spec:
         return list(STAGES)
     out: set[int] = set()
     for part in spec.split(","):
         part = part.strip()
-        a, _, b = part.partition("-")
-        if not (a.strip().isdigit() and (not b or b.strip().isdigit())):
-            raise ParamsError(f"{flag} {spec!r}: {part!r} is not a stage number or a range like 2-4 (stages are 1-5)")
-        lo, hi = int(a), int(b) if b else int(a)
+        a, dash, b = (x.strip() for x in part.partition("-"))
+        if dash:  # an open end is the first or the last stage: '2-' is 2-5, '-3' is 1-3
+            a, b = a or str(min(STAGES)), b or str(max(STAGES))
+        if not (a.isdigit() and (not dash or b.isdigit())) or part == "-":
+            raise ParamsError(f"{flag} {spec!r}: {part!r} is not a stage number or a range like 2-4, 3- or -2 "
+                              "(stages are 1-5)")
+        lo, hi = int(a), int(b) if dash else int(a)
         if lo > hi:
             raise ParamsError(f"{flag} {spec!r}: the range {part!r} is empty; write it low-high, e.g. {hi}-{lo}")
         for s in range(lo, hi + 1):
@@ -279,15 +285,17 @@ def run_pipeline(
         StaleStage: a complete stage with changed inputs, not covered by ``redo``.
         PromptError: a local prompt file of a stage to run has no usable prompt, or a field mapping
             that matches none of its records (:func:`check_prompt_files`; nothing written yet).
-        ParamsError: stages after 1 only on a run folder that has no ``params.yaml`` yet (nothing
+        ParamsError: the run directory lies in the source tree (:func:`eagle3.rundir.check_run_location`);
+            stages after 1 only on a run folder that has no ``params.yaml`` yet (nothing
             is created); invalid params or a run directory created with other params (but for
             ``evaluate.*`` with 5 in ``redo``: :func:`eagle3.rundir.prepare_run_dir`); a ``redo`` stage
             that is not selected.
         StageFailed: a notebook cell raised (message: stage, cell index, exception).
         RunInterrupted: Ctrl-C while a stage ran (the stage keeps what it wrote).
-        RunnerError: the Jupyter kernel ``eagle3`` is not registered (run ``make venv``).
-        RunnerError: a stage to run reads an earlier stage that is not complete and not selected, or
-            that ended incomplete in this call (:func:`require_earlier_complete`).
+        RunnerError: the Jupyter kernel ``eagle3`` is not registered (run ``make venv``); a selected
+            stage's notebook is missing (:func:`stage_notebooks`); a stage to run reads an earlier stage
+            that is not complete and not selected, or that ended incomplete in this call
+            (:func:`require_earlier_complete`).
         RunLocked: another process writes the run directory (:class:`eagle3.stage.RunLock`; the
             stage notebooks this call executes run under its lock).
     """
@@ -305,13 +313,31 @@ def run_pipeline(
     again = shlex.join([str(params_file), *params_options(run_name, overrides)])
     for s in to_run:  # an unselected earlier stage left unfinished: refused before anything is written
         require_earlier_complete(target_dir, s, params, again, selected)
+    nbs = stage_notebooks(Path(notebooks) if notebooks else None, selected)
     check_prompt_files(params, to_run)
+    check_run_location(target_dir)
     with RunLock(target_dir, this_command()):  # one writer per run folder, from here to the last stage
         run_dir = prepare_run_dir(params, target_dir, redo=redo_set, params_file=params_file, stages=selected,
                                   options=params_options(run_name, overrides))
-        _run_stages(run_dir, params, params_file, selected, (redo_set, force), kernel,
-                    Path(notebooks) if notebooks else notebooks_dir(), again)
+        _run_stages(run_dir, params, params_file, nbs, (redo_set, force), kernel, again)
     return run_dir
+
+
+def stage_notebooks(folder: Path | None, stages: list[int]) -> dict[int, Path]:
+    """``{stage: notebook}`` of the stages to run, from ``folder`` (default: the project's ``notebooks/``).
+
+    Raises:
+        RunnerError: a stage's notebook is missing (a run that skipped it would end rc 0 without the stage).
+    """
+    root = folder or notebooks_dir()
+    nbs = {s: root / NOTEBOOKS[s] for s in stages}
+    missing = [s for s, nb in nbs.items() if not nb.is_file()]
+    if missing:
+        fix = (f"restore it: `git checkout -- {' '.join(f'notebooks/{NOTEBOOKS[s]}' for s in missing)}`"
+               if folder is None else "add it or pass another notebooks folder")
+        raise RunnerError("; ".join(f"stage {s} ({STAGES[s]}): notebook {nbs[s]} does not exist" for s in missing)
+                          + f". Nothing was run; {fix}.")
+    return nbs
 
 
 def stages_read(stage: int, params) -> list[int]:
@@ -345,8 +371,8 @@ def require_earlier_complete(run_dir: Path, stage: int, params, again: str, sele
                       f"is not complete: {'; '.join(states)}. Finish it first: `eagle3 run {again} --stages {stages}`.")
 
 
-def _run_stages(run_dir: Path, params, params_file, selected: list[int], redo_force: tuple[set[int], bool],
-                kernel: str, nb_root: Path, again: str) -> None:
+def _run_stages(run_dir: Path, params, params_file, nbs: dict[int, Path], redo_force: tuple[set[int], bool],
+                kernel: str, again: str) -> None:
     """:func:`run_pipeline`'s stages, in order, under its lock (the run directory is prepared);
     ``again``: the params file and options, for the commands in messages.
 
@@ -358,13 +384,10 @@ def _run_stages(run_dir: Path, params, params_file, selected: list[int], redo_fo
         shutil.rmtree(trash, ignore_errors=True)
     _require_kernel(kernel)
     print(f"eagle3: run directory {run_dir}", flush=True)
-    for s in selected:
-        nb_in = nb_root / NOTEBOOKS[s]
-        if not nb_in.exists():
-            print(f"eagle3: stage {s} ({STAGES[s]}): notebook {nb_in.name} does not exist, skipped", flush=True)
-        elif _to_run(run_dir, s, params, params_file, redo, force):
+    for s, nb_in in nbs.items():
+        if _to_run(run_dir, s, params, params_file, redo, force):
             require_earlier_complete(run_dir, s, params, again)
-            _execute_stage(run_dir, s, nb_in, kernel, next_stage=s + 1 if s + 1 in selected else None)
+            _execute_stage(run_dir, s, nb_in, kernel, next_stage=s + 1 if s + 1 in nbs else None)
 
 
 def _not_a_run_yet(target_dir: Path, selected: list[int], params_file, run_name, overrides) -> str:
