@@ -53,6 +53,7 @@ __all__ = [
     "resolve_run_dir",
     "stage_dir",
     "prepare_run_dir",
+    "read_run_params",
 ]
 
 # Stage numbers, for readable call sites: ``rd.stage(EXTRACT)``.
@@ -208,16 +209,43 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
     # params_file imports config and errors; imported here so that `rundir` stays importable
     # from config-free code (the report).
     from eagle3.io import atomic_write_text
-    from eagle3.params_file import dump_params, load_params
+    from eagle3.params_file import dump_params
 
     rd = Path(run_dir) if run_dir is not None else resolve_run_dir(params)
     check_run_location(rd)
     rd.mkdir(parents=True, exist_ok=True)
     pfile = rd / PARAMS_FILE
-    if pfile.exists() and not _replaces_recorded(load_params(pfile), params, rd, redo, stages, params_file, options):
+    if pfile.exists() and not _replaces_recorded(read_run_params(rd), params, rd, redo, stages, params_file, options):
         return rd
     atomic_write_text(pfile, dump_params(_named_after(params, rd.resolve().name)))
     return rd
+
+
+def read_run_params(run_dir: str | Path):
+    """The params a run was made with, from its ``params.yaml``.
+
+    An empty file is not the default params (which an empty params file of the user's means): the
+    run's record was cut (a full disk, a truncated copy), and reading it as the defaults would refuse
+    the run's own params or, worse, accept the defaults on its outputs.
+
+    Raises:
+        ParamsError: the file is empty, missing or unreadable, or not valid params (the loader's message).
+    """
+    from eagle3.params_file import load_params
+
+    pfile = Path(run_dir) / PARAMS_FILE
+    way_out = "restore it from a copy or the executed notebooks' parameters, or delete the run folder to start over"
+    try:
+        empty = pfile.is_file() and not pfile.read_bytes().strip()
+    except OSError as exc:
+        raise ParamsError(f"the run's {PARAMS_FILE} ({pfile}) cannot be read: {exc.strerror}") from None
+    if empty:
+        raise ParamsError(f"the run's {PARAMS_FILE} ({pfile}) is empty, so what the run was made with is unknown: "
+                          f"{way_out}.")
+    try:
+        return load_params(pfile)
+    except ParamsError as exc:
+        raise ParamsError(f"the run's {PARAMS_FILE} cannot be used ({way_out}): {exc}") from None
 
 
 def _replaces_recorded(old, params, rd: Path, redo, stages, params_file, options) -> bool:
