@@ -528,13 +528,15 @@ def test_the_kernel_is_not_sent_sigint_when_papermill_shuts_it_down(monkeypatch)
         calls.append(self.shutting_down)
 
     monkeypatch.setattr(AsyncKernelManager, "_async_interrupt_kernel", interrupt)
-    km = _InterruptForwarder().manager_class()()
-    km.shutting_down = True
-    asyncio.run(km._async_interrupt_kernel())
-    assert calls == []
-    km.shutting_down = False
-    asyncio.run(km._async_interrupt_kernel())
-    assert calls == [False]
+    with _InterruptForwarder() as fwd:  # its exit removes the kernel's socket folder
+        km = fwd.manager_class()()
+        km.shutting_down = True
+        asyncio.run(km._async_interrupt_kernel())
+        assert calls == []
+        km.shutting_down = False
+        asyncio.run(km._async_interrupt_kernel())
+        assert calls == [False]
+    assert not fwd.socket_dir.exists()
 
 
 HOLD = """
@@ -691,3 +693,27 @@ def test_a_run_directory_inside_the_source_tree_is_refused(tmp_params, capsys):
     assert not (ROOT / "eagle3" / "in-tree").exists()
     check_run_location(ROOT / "outputs" / "in-tree")  # the ignored outputs/ and any folder outside are fine
     check_run_location(Path(load_params(pf).run.output_dir) / "t")
+
+
+SOCKETS = """
+import json, os
+from pathlib import Path
+from ipykernel.connect import get_connection_file
+ip = json.loads(Path(get_connection_file()).read_text())["ip"]
+here = sorted(p.name for p in Path.cwd().iterdir() if p.name.startswith("kernel-ipc"))
+Path(run_dir, "sockets.json").write_text(json.dumps({"ip": ip, "cwd": str(Path.cwd()), "here": here,
+                                                     "there": sorted(os.listdir(Path(ip).parent))}))
+"""
+
+
+def test_the_kernel_s_sockets_stay_out_of_the_notebooks_folder(tmp_params, nbdir):
+    """The stage kernel's Unix sockets (kernel-ipc-<port>) were made in its cwd, the project's notebooks/
+    folder, and a killed kernel left them there: they live in a private temp folder, removed after the stage."""
+    _nb(nbdir / NOTEBOOKS[1], SOCKETS + WRITE_STAGE.format(s=1))
+    rd = run_pipeline(tmp_params(), [1], notebooks=nbdir)
+    seen = read_json(rd / "sockets.json")
+    assert seen["cwd"] == str(nbdir) and seen["here"] == []
+    ip = Path(seen["ip"])
+    assert ip.is_absolute() and ip.name == "kernel-ipc" and ip.parent.name.startswith("eagle3-kernel-")
+    assert len([n for n in seen["there"] if n.startswith("kernel-ipc-")]) >= 5  # shell, iopub, stdin, control, hb
+    assert not ip.parent.exists() and not list(nbdir.glob("kernel-ipc*"))

@@ -12,6 +12,7 @@ import shlex
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -169,18 +170,24 @@ class _InterruptForwarder:
         self.managers: list = []
         self.count = 0
         self._old = None
+        # the kernel's Unix sockets: jupyter_client makes them relative to the kernel's cwd (the
+        # project's notebooks/ folder) unless told where, and a killed kernel leaves them behind;
+        # a private temp folder (a socket path must stay under ~107 bytes), removed on exit
+        self.socket_dir: Path | None = None
 
     def manager_class(self):
         """An ``AsyncKernelManager`` subclass that records its instances here (nbclient's default class)."""
         from jupyter_client.manager import AsyncKernelManager
 
-        managers = self.managers
+        self.socket_dir = self.socket_dir or Path(tempfile.mkdtemp(prefix="eagle3-kernel-"))
+        managers, sockets = self.managers, str(self.socket_dir / "kernel-ipc")
 
         class _RecordedKernelManager(AsyncKernelManager):
             def __init__(self, *args, **kwargs):
                 # the kernel talks to this process only: Unix sockets instead of TCP on localhost (over TCP
                 # ipykernel warns "running over TCP without encryption" at every stage's start)
                 kwargs.setdefault("transport", "ipc")
+                kwargs.setdefault("ip", sockets)  # the sockets' path prefix (kernel-ipc-<port>)
                 super().__init__(*args, **kwargs)
                 managers.append(self)
 
@@ -221,6 +228,8 @@ class _InterruptForwarder:
     def __exit__(self, *exc) -> None:
         if self._old is not None:
             signal.signal(signal.SIGINT, self._old)
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 def params_options(run_name: str | None, overrides: list[str] | None) -> list[str]:
