@@ -294,16 +294,13 @@ def run_pipeline(
         StaleStage: a complete stage with changed inputs, not covered by ``redo``.
         PromptError: a local prompt file of a stage to run has no usable prompt, or a field mapping
             that matches none of its records (:func:`check_prompt_files`; nothing written yet).
-        ParamsError: the run directory lies in the source tree (:func:`eagle3.rundir.check_run_location`);
-            stages after 1 only on a run folder that has no ``params.yaml`` yet (nothing
-            is created); invalid params or a run directory created with other params (but for
-            ``evaluate.*`` with 5 in ``redo``: :func:`eagle3.rundir.prepare_run_dir`); a ``redo`` stage
-            that is not selected.
+        ParamsError: a run directory in the source tree (:func:`eagle3.rundir.check_run_location`); stages
+            after 1 only on a folder without ``params.yaml`` (nothing is created); invalid params or a run
+            made with others (:func:`eagle3.rundir.prepare_run_dir`); a ``redo`` stage not selected.
         StageFailed: a notebook cell raised (message: stage, cell index, exception).
         RunInterrupted: Ctrl-C while a stage ran (the stage keeps what it wrote).
-        RunnerError: the Jupyter kernel ``eagle3`` is not registered (run ``make venv``); a selected
-            stage's notebook is missing (:func:`stage_notebooks`); a stage to run reads an earlier stage
-            that is not complete and not selected, or that ended incomplete in this call
+        RunnerError: the kernel ``eagle3`` is not registered (run ``make venv``); a selected stage's
+            notebook is missing (:func:`stage_notebooks`); a stage reads an unfinished earlier stage
             (:func:`require_earlier_complete`).
         RunLocked: another process writes the run directory (:class:`eagle3.stage.RunLock`; the
             stage notebooks this call executes run under its lock).

@@ -138,6 +138,9 @@ def _describe(holder: dict) -> str:
 def _refusal(run_dir: Path, holder: dict) -> str:
     who = _describe(holder) if holder else "another process (its record is not written yet)"
     pid = holder.get("pid")
-    stop = f"stop it (kill {pid}; it keeps what it wrote)" if pid else "stop it"
+    if "Jupyter kernel" in str(holder.get("command", "")):
+        stop = "shut down that notebook's kernel"
+    else:
+        stop = f"stop it (kill {pid}; it keeps what it wrote)" if pid else "stop it"
     return (f"{run_dir} is being written by {who}; one writer at a time. Wait for it to end "
             f"(watch it: `eagle3 status {run_dir}`) or {stop}, then run again.")
