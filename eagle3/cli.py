@@ -37,7 +37,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="execute the stage notebooks with papermill")
     r.add_argument("params", help="params YAML file, e.g. params/smollm2-135m.yaml")
-    r.add_argument("--stages", default="1-5", help="stages to run, e.g. 1-5, 3, 2,4-5 (default 1-5)")
+    r.add_argument("--stages", default="1-5", help="stages to run, e.g. 1-5, 3, 2,4-5, 3- (3 to 5) (default 1-5)")
     r.add_argument("--run-name", default=None, help="run name (default: run.name from params)")
     r.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=_SET_HELP)
     r.add_argument("--kernel", default=KERNEL, help=f"Jupyter kernel (default: {KERNEL})")

@@ -51,6 +51,11 @@ class _Section(BaseModel):
         return data
 
 
+# the longest run name: it is a folder name (file systems allow 255 bytes; a longer one failed with
+# "File name too long" when the run folder was made)
+MAX_RUN_NAME = 128
+
+
 class RunParams(_Section):
     name: str = Field(
         "default",
@@ -66,6 +71,8 @@ class RunParams(_Section):
     def _not_dots(cls, v: str) -> str:
         if v in (".", ".."):
             raise ValueError(f"run name {v!r} is not a folder name inside output_dir")
+        if len(v) > MAX_RUN_NAME:  # file systems allow 255 bytes a name; the run's own files add to it
+            raise ValueError(f"run name is {len(v)} characters long; at most {MAX_RUN_NAME} (it names the run's folder)")
         return v
 
 

@@ -26,6 +26,7 @@ __all__ = [
     "StageFailed",
     "RunnerError",
     "StaleStage",
+    "RunLocked",
     "RunInterrupted",
 ]
 
@@ -97,6 +98,11 @@ class RunnerError(Eagle3Error, RuntimeError):
 class StaleStage(RunnerError):
     """A finished stage whose inputs (earlier stages' files) changed since it ran: the message names
     each changed file with both digests and the ``--redo`` command that redoes the stage."""
+
+
+class RunLocked(RunnerError):
+    """Another live process writes the run directory (``eagle3 run`` or a stage notebook holds its
+    ``run.lock``); the message names its pid, host, command and start, and what to do."""
 
 
 class RunInterrupted(Eagle3Error, RuntimeError):

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from eagle3.config import Params
 from eagle3.params_file import load_params
-from eagle3.rundir import prepare_run_dir, project_root, resolve_run_dir
+from eagle3.rundir import NOTEBOOKS, check_run_location, prepare_run_dir, project_root, resolve_run_dir
+from eagle3.stage import RunLock, stage_record
 
 __all__ = ["setup", "show_table", "run_dir_note"]
 
@@ -15,7 +16,10 @@ def setup(params_file: str | None, run_dir: str | None = None, overrides: list[s
           stage: int | None = None) -> tuple[Params, Path]:
     """Load params (papermill passes the run's resolved ``params.yaml``) and open the run directory.
 
-    ``stage``: the notebook's stage (1..5). Params that only another stage reads may differ from the
+    ``stage``: the notebook's stage (1..5). Unless that stage is complete (the notebook then only
+    reads its results), this kernel becomes the run's one writer (:class:`eagle3.stage.RunLock`, held
+    while the kernel lives or until it opens another run): a run another process writes is refused,
+    one that ``eagle3 run`` executes this notebook for is its own. Params that only another stage reads may differ from the
     run's (a stage-1 notebook opened with the default params on a run whose stage 5 measured other
     sets): :func:`eagle3.rundir.prepare_run_dir` then keeps the run's ``params.yaml``. None: every
     difference is refused.
@@ -28,6 +32,7 @@ def setup(params_file: str | None, run_dir: str | None = None, overrides: list[s
 
     Raises:
         ParamsError: see :func:`eagle3.params_file.load_params` and :func:`eagle3.rundir.prepare_run_dir`.
+        RunLocked: another process (``eagle3 run``, another notebook's kernel) writes the run.
     """
     pf = Path(params_file) if params_file else None
     if pf is not None and not pf.is_absolute() and not pf.exists():
@@ -41,9 +46,27 @@ def setup(params_file: str | None, run_dir: str | None = None, overrides: list[s
     pd.set_option("display.max_colwidth", None)
     params = load_params(pf, overrides or None)
     rd = Path(run_dir) if run_dir else resolve_run_dir(params)
+    check_run_location(rd)  # before the lock file is made there
+    _hold_lock(rd, stage)
     rd = prepare_run_dir(params, rd, stages=None if stage is None else [stage])
     _say_which_run(rd, chosen=bool(run_dir))
     return params, rd
+
+
+# the run lock this kernel holds, by run directory (a notebook kernel writes one run at a time)
+_HELD: dict[Path, RunLock] = {}
+
+
+def _hold_lock(run_dir: Path, stage: int | None) -> None:
+    """Take ``run_dir``'s writer lock for this kernel unless the notebook's stage is complete;
+    a lock held on another run is let go (the kernel now works on this one)."""
+    key = run_dir.resolve()
+    for other in [k for k in _HELD if k != key]:
+        _HELD.pop(other).release()
+    if key in _HELD or (stage is not None and stage_record(key, stage).complete):
+        return
+    what = f"notebook {NOTEBOOKS[stage]}" if stage is not None else "a notebook"
+    _HELD[key] = RunLock(key, f"{what} (Jupyter kernel)").acquire()
 
 
 def run_dir_note(run_dir: str | Path, chosen: bool) -> str:
@@ -54,7 +77,6 @@ def run_dir_note(run_dir: str | Path, chosen: bool) -> str:
     that its complete stages are read, not redone or rewritten.
     """
     from eagle3.rundir import STAGES
-    from eagle3.stage import stage_record
 
     done = [s for s in STAGES if stage_record(run_dir, s).complete]
     how = ("set in the parameters cell" if chosen else

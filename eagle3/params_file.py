@@ -56,6 +56,11 @@ def _model_at(loc: tuple, model: type[BaseModel] = Params) -> type[BaseModel] | 
     return cur
 
 
+def _short(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters (a 300-character value named once, not in full)."""
+    return text if len(text) <= limit else f"{text[:limit - 20]}... ({len(text)} characters)"
+
+
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
@@ -69,7 +74,7 @@ def _format_errors(err: ValidationError, source: str) -> str:
             lines.append(f"  {key}: unknown key.{hint} Allowed here: {', '.join(known)}.")
         else:
             got = e.get("input")
-            got_s = "" if isinstance(got, dict) else f" (got {got!r})"
+            got_s = "" if isinstance(got, dict) else f" (got {_short(repr(got))})"
             lines.append(f"  {key}: {e['msg']}{got_s}.")
     return f"Invalid params in {source}:\n" + "\n".join(lines)
 
@@ -125,6 +130,29 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _read_text(p: Path) -> str:
+    """The text of params file ``p``.
+
+    Raises:
+        ParamsError: ``p`` does not exist, is a folder or no regular file (``/dev/null``, a pipe), cannot
+            be read, or is not UTF-8 text; the message says which.
+    """
+    which = "Pass one of the files in params/ (e.g. params/smollm2-135m.yaml) or a path to your own YAML file."
+    if not p.exists():
+        raise ParamsError(f"Params file not found: {p}. {which}")
+    if p.is_dir():
+        raise ParamsError(f"Params file {p} is a folder, not a YAML file. {which}")
+    if not p.is_file():
+        raise ParamsError(f"Params file {p} is not a regular file (a device, pipe or socket). {which}")
+    try:
+        return p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ParamsError(f"Params file {p} is not UTF-8 text (byte {exc.start} is {exc.object[exc.start]:#04x}): "
+                          f"a params file is YAML. {which}") from None
+    except OSError as exc:
+        raise ParamsError(f"Params file {p} cannot be read: {exc.strerror}.") from None
+
+
 def load_params(
     path: str | Path | None,
     overrides: list[str] | dict | None = None,
@@ -139,7 +167,8 @@ def load_params(
         Params: validated parameters.
 
     Raises:
-        ParamsError: missing file, YAML syntax error (with the line), a top level that is not a
+        ParamsError: missing file, a folder, device or unreadable file, bytes that are not UTF-8,
+            YAML syntax error (with the line), a top level that is not a
             mapping, unknown keys (with a did-you-mean), wrong types or out-of-range values (each
             naming the file and the key).
     """
@@ -147,14 +176,9 @@ def load_params(
     data: dict = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ParamsError(
-                f"Params file not found: {p}. Pass one of the files in params/ "
-                f"(e.g. params/smollm2-135m.yaml) or a path to your own YAML file."
-            )
         try:
             # _UniqueKeyLoader is a yaml.SafeLoader (no arbitrary objects), refusing repeated keys
-            loaded = yaml.load(p.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+            loaded = yaml.load(_read_text(p), Loader=_UniqueKeyLoader)
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -169,7 +193,7 @@ def load_params(
         ov = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
         data = apply_overrides(data, ov)
         if not isinstance(overrides, dict):
-            source += f" with overrides {list(overrides)}"
+            source += f" with overrides {[_short(o) for o in overrides]}"
     try:
         return Params.model_validate(data)
     except ValidationError as exc:

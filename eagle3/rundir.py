@@ -4,6 +4,7 @@ A run directory (``<run.output_dir>/<run.name>``) holds ``params.yaml``, the exe
 folder per stage and ``report/``::
 
     params.yaml
+    run.lock        the writer now (pid, host, command; empty when none: eagle3.stage.lock)
     notebooks/      the executed stage notebooks (eagle3 run)
     01_synthesize/  samples.jsonl, progress.json, stats.json, inputs.json (every stage)
     02_vocab/       train.parquet, heldout.parquet, vocab_mapping.safetensors, mapping.json, ...
@@ -45,11 +46,14 @@ __all__ = [
     "INPUTS_FILE",
     "RunDir",
     "project_root",
+    "source_root",
+    "check_run_location",
     "notebooks_dir",
     "notebook_path",
     "resolve_run_dir",
     "stage_dir",
     "prepare_run_dir",
+    "read_run_params",
 ]
 
 # Stage numbers, for readable call sites: ``rd.stage(EXTRACT)``.
@@ -79,6 +83,7 @@ STATS_FILE = "stats.json"
 INPUTS_FILE = "inputs.json"  # digests of the upstream files a finished stage consumed (eagle3.stage)
 REPORT_DIR = "report"
 EXECUTED_DIR = "notebooks"  # the stage notebooks as `eagle3 run` executed them
+LOCK_FILE = "run.lock"  # the one writer's lock (eagle3.stage.lock.RunLock)
 
 # Stage 1
 SAMPLES_FILE = "samples.jsonl"
@@ -114,10 +119,32 @@ START_OVER_KEEPS = {1: (SELF_PROMPTS_DIR,),
                     5: (OFFLINE_RECORDS_FILE, VLLM_RESULT_FILE.format(method="*"), ENGINE_LOGS_DIR)}
 
 
-def project_root() -> Path:
-    """The repository root (the folder holding pyproject.toml above this package), else the cwd."""
+def source_root() -> Path | None:
+    """The repository this package runs from (the folder holding pyproject.toml above it); None for an
+    installed package."""
     here = Path(__file__).resolve().parent.parent
-    return here if (here / "pyproject.toml").exists() else Path.cwd()
+    return here if (here / "pyproject.toml").exists() else None
+
+
+def project_root() -> Path:
+    """The repository root (:func:`source_root`), else the cwd."""
+    return source_root() or Path.cwd()
+
+
+def check_run_location(run_dir: str | Path) -> None:
+    """Refuse a run directory inside the source tree other than its git-ignored ``outputs/``
+    (``run.output_dir: eagle3``): the run's files, gigabytes of them, would show as changes to commit,
+    and stage folders inside ``eagle3/`` would be packaged with the code.
+
+    Raises:
+        ParamsError: names the folder and the way out.
+    """
+    src = source_root()
+    rd = Path(run_dir).expanduser().resolve()
+    if src is not None and rd.is_relative_to(src) and not rd.is_relative_to(src / "outputs"):
+        raise ParamsError(f"run directory {rd} lies inside the project's source tree ({src}): its files would be "
+                          f"committed (or packaged) with the code. Set run.output_dir to outputs (git-ignored) or to "
+                          f"a folder outside {src}.")
 
 
 def notebooks_dir() -> Path:
@@ -175,21 +202,50 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
         Path: the run directory.
 
     Raises:
-        ParamsError: ``params.yaml`` exists with a different fingerprint (the message lists the keys
+        ParamsError: the folder lies in the source tree (:func:`check_run_location`); ``params.yaml``
+            exists with a different fingerprint (the message lists the keys
             and what to do: the ``--redo`` command for a one-stage change, else a new run name).
     """
     # params_file imports config and errors; imported here so that `rundir` stays importable
     # from config-free code (the report).
     from eagle3.io import atomic_write_text
-    from eagle3.params_file import dump_params, load_params
+    from eagle3.params_file import dump_params
 
     rd = Path(run_dir) if run_dir is not None else resolve_run_dir(params)
+    check_run_location(rd)
     rd.mkdir(parents=True, exist_ok=True)
     pfile = rd / PARAMS_FILE
-    if pfile.exists() and not _replaces_recorded(load_params(pfile), params, rd, redo, stages, params_file, options):
+    if pfile.exists() and not _replaces_recorded(read_run_params(rd), params, rd, redo, stages, params_file, options):
         return rd
     atomic_write_text(pfile, dump_params(_named_after(params, rd.resolve().name)))
     return rd
+
+
+def read_run_params(run_dir: str | Path):
+    """The params a run was made with, from its ``params.yaml``.
+
+    An empty file is not the default params (which an empty params file of the user's means): the
+    run's record was cut (a full disk, a truncated copy), and reading it as the defaults would refuse
+    the run's own params or, worse, accept the defaults on its outputs.
+
+    Raises:
+        ParamsError: the file is empty, missing or unreadable, or not valid params (the loader's message).
+    """
+    from eagle3.params_file import load_params
+
+    pfile = Path(run_dir) / PARAMS_FILE
+    way_out = "restore it from a copy or the executed notebooks' parameters, or delete the run folder to start over"
+    try:
+        empty = pfile.is_file() and not pfile.read_bytes().strip()
+    except OSError as exc:
+        raise ParamsError(f"the run's {PARAMS_FILE} ({pfile}) cannot be read: {exc.strerror}") from None
+    if empty:
+        raise ParamsError(f"the run's {PARAMS_FILE} ({pfile}) is empty, so what the run was made with is unknown: "
+                          f"{way_out}.")
+    try:
+        return load_params(pfile)
+    except ParamsError as exc:
+        raise ParamsError(f"the run's {PARAMS_FILE} cannot be used ({way_out}): {exc}") from None
 
 
 def _replaces_recorded(old, params, rd: Path, redo, stages, params_file, options) -> bool:
@@ -298,6 +354,11 @@ class RunDir:
     def params_file(self) -> Path:
         """``params.yaml``: the resolved params the run was made with."""
         return self.root / PARAMS_FILE
+
+    @property
+    def lock_file(self) -> Path:
+        """``run.lock``: who writes the run now (:class:`eagle3.stage.lock.RunLock`)."""
+        return self.root / LOCK_FILE
 
     @property
     def executed_dir(self) -> Path:

@@ -235,7 +235,8 @@ def test_params_show_each_source_with_the_fields_of_its_kind(tmp_path, capsys):
 def test_evaluate_section_is_read_by_stage_5_only():
     """STAGE_OWN_SECTIONS' claim: no module outside eagle3/evaluate/ reads params.evaluate (stage/inputs.py's
     consumed_files only for stage 5's record; rundir.py's evaluated_drafter, which only stage 5 and that
-    record call; commands/run.py's check_prompt_files, which reads stage 5's prompt files before stage 5 runs),
+    record call; commands/run.py's check_prompt_files, which reads stage 5's prompt files before stage 5 runs,
+    and stages_read, where evaluate.drafter_dir says whether stage 5 reads stage 4),
     and no notebook of stages 1-4 mentions it."""
     import ast
 
@@ -252,7 +253,8 @@ def test_evaluate_section_is_read_by_stage_5_only():
         for fn in ast.walk(tree):
             if isinstance(fn, ast.FunctionDef) and (rel, fn.name) in {("eagle3/stage/inputs.py", "consumed_files"),
                                                                        ("eagle3/rundir.py", "evaluated_drafter"),
-                                                                       ("eagle3/commands/run.py", "check_prompt_files")}:
+                                                                       ("eagle3/commands/run.py", "check_prompt_files"),
+                                                                       ("eagle3/commands/run.py", "stages_read")}:
                 allowed |= {n.lineno for n in ast.walk(fn) if hasattr(n, "lineno")}
         for n in ast.walk(tree):
             reads = (isinstance(n, ast.Attribute) and n.attr == "evaluate"
@@ -385,3 +387,34 @@ def test_a_changed_source_field_is_named_by_its_own_key_not_by_both_lists():
     assert changed_stage(a, c) == 5
     d = Params.model_validate({"evaluate": {"sources": [src | {"path": "other.jsonl"}, src]}})
     assert [x.split(":")[0] for x in diff_params(a, d)] == ["evaluate.sources"]  # not an append: both whole
+
+
+def test_params_files_that_cannot_be_read_are_one_line_errors(tmp_path, tmp_params, capsys):
+    """Binary bytes (a UnicodeDecodeError traceback), a folder or /dev/null ("Params file not found", which
+    they are not) and a 300-character run name (OSError: File name too long) are one-line errors
+    saying what the path or value is."""
+    from eagle3.cli import main
+
+    binary = tmp_path / "b.yaml"
+    binary.write_bytes(b"run:\n  name: x\n\x89PNG\r\n\x1a\n\x00\xff")
+    cases = {binary: f"Params file {binary} is not UTF-8 text (byte 15 is 0x89): a params file is YAML.",
+             tmp_path: f"Params file {tmp_path} is a folder, not a YAML file.",
+             Path("/dev/null"): "Params file /dev/null is not a regular file (a device, pipe or socket).",
+             tmp_path / "nope.yaml": f"Params file not found: {tmp_path / 'nope.yaml'}."}
+    for path, msg in cases.items():
+        with pytest.raises(ParamsError) as e:
+            load_params(path)
+        assert msg in str(e.value)
+        assert main(["params", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    long = "a" * 300
+    with pytest.raises(ParamsError) as e:
+        load_params(None, [f"run.name={long}"])
+    assert "run.name: Value error, run name is 300 characters long; at most 128 (it names the run's folder)" in str(e.value)
+    assert load_params(None, [f"run.name={'a' * 128}"]).run.name == "a" * 128
+    pf = tmp_params()
+    assert main(["run", str(pf), "--run-name", long, "--stages", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "run name is 300 characters long" in err and "Traceback" not in err
+    assert max(len(line) for line in err.splitlines()) < 400 and not (tmp_path / "outputs" / long).exists()

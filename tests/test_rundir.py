@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from eagle3 import rundir
@@ -44,3 +46,24 @@ def test_stage_complete_and_notebooks(tmp_path):
     assert sorted(rundir.STAGES) == sorted(rundir.NOTEBOOKS) == [1, 2, 3, 4, 5]
     for n in rundir.NOTEBOOKS:
         assert rundir.notebook_path(n).is_file()
+
+
+def test_an_empty_params_yaml_of_a_run_is_an_error_not_the_defaults(tmp_params, capsys):
+    """A 0-byte params.yaml in a run folder (a cut write) was read as the default params."""
+    from eagle3.cli import main
+    from eagle3.errors import ParamsError
+    from eagle3.params_file import load_params
+
+    params = load_params(tmp_params())
+    rd = rundir.prepare_run_dir(params)
+    (rd / "params.yaml").write_bytes(b"")
+    msg = f"the run's params.yaml ({rd / 'params.yaml'}) is empty, so what the run was made with is unknown"
+    with pytest.raises(ParamsError, match=re.escape(msg)):
+        rundir.prepare_run_dir(params)
+    with pytest.raises(ParamsError, match=re.escape(msg)):
+        rundir.read_run_params(rd)
+    assert main(["verify", str(rd)]) == 2 and msg in capsys.readouterr().err
+    assert (rd / "params.yaml").read_bytes() == b""
+    (rd / "params.yaml").write_text("train:\n  lr: [1\n")
+    with pytest.raises(ParamsError, match="the run's params.yaml cannot be used .*YAML syntax error in"):
+        rundir.read_run_params(rd)

@@ -86,12 +86,16 @@ def test_later_stages_on_a_new_run_name_stop_before_the_folder_exists(tmp_params
     assert read_json(rd / "02_vocab" / "progress.json")["done"] == 3
 
 
+# stage 5 measures a drafter made elsewhere: it reads stages 1-2 only (eagle3.commands.run.stages_read)
+EXTERNAL_DRAFTER = "evaluate:\n  drafter_dir: elsewhere/drafter\n"
+
+
 def test_evaluate_only_params_on_an_existing_run_redo_stage_5_only(tmp_params, nbdir, capsys):
     """Own prompts on a finished run: `--set evaluate.*` is refused with the --redo 5 command, then
     accepted with it; stages 1-2 are neither rerun nor changed, stage 5 runs on the new params."""
     _nb(nbdir / NOTEBOOKS[5], WRITE_STAGE.replace('"lr": params.train.lr', '"num_prompts": params.evaluate.num_prompts')
         .format(s=5))
-    pf = tmp_params()
+    pf = tmp_params(EXTERNAL_DRAFTER)  # stage 5 without stages 3-4
     rd = run_pipeline(pf, [1, 2, 5], notebooks=nbdir)
     assert read_json(rd / "05_evaluate" / "stats.json")["num_prompts"] is None
     s1 = (rd / "01_synthesize" / "stats.json").read_bytes()
@@ -122,7 +126,7 @@ def test_a_run_with_its_own_evaluate_params_opens_for_stages_1_4_and_by_its_own_
 
     _nb(nbdir / NOTEBOOKS[5], WRITE_STAGE.replace('"lr": params.train.lr', '"num_prompts": params.evaluate.num_prompts')
         .format(s=5))
-    pf = tmp_params()
+    pf = tmp_params(EXTERNAL_DRAFTER)  # stage 5 without stages 3-4
     rd = run_pipeline(pf, [1, 2, 5], overrides=["evaluate.num_prompts=5"], notebooks=nbdir)
     record = (rd / "params.yaml").read_text()
     assert "num_prompts: 5" in record
@@ -267,6 +271,7 @@ def test_resume_stages_after_an_interrupt():
 
 def test_failing_stage_shows_cell_error(tmp_params, nbdir):
     _nb(nbdir / NOTEBOOKS[2], "raise ValueError('planted failure in stage 2')")
+    _nb(nbdir / NOTEBOOKS[3], WRITE_STAGE.format(s=3))
     pf = tmp_params()
     with pytest.raises(StageFailed) as e:
         run_pipeline(pf, [1, 2, 3], notebooks=nbdir)
@@ -330,6 +335,8 @@ def test_cli_help_explains_set_and_run_dir(capsys):
     ("x", "'x' is not a stage number"),
     ("2,", "'' is not a stage number"),
     ("0-2", "stage 0 does not exist"),
+    ("-", "'-' is not a stage number"),
+    ("1-2-3", "'1-2-3' is not a stage number"),
 ])
 def test_bad_stage_selection_is_a_clear_error(spec, msg, capsys):
     from eagle3.errors import ParamsError
@@ -521,10 +528,192 @@ def test_the_kernel_is_not_sent_sigint_when_papermill_shuts_it_down(monkeypatch)
         calls.append(self.shutting_down)
 
     monkeypatch.setattr(AsyncKernelManager, "_async_interrupt_kernel", interrupt)
-    km = _InterruptForwarder().manager_class()()
-    km.shutting_down = True
-    asyncio.run(km._async_interrupt_kernel())
-    assert calls == []
-    km.shutting_down = False
-    asyncio.run(km._async_interrupt_kernel())
-    assert calls == [False]
+    with _InterruptForwarder() as fwd:  # its exit removes the kernel's socket folder
+        km = fwd.manager_class()()
+        km.shutting_down = True
+        asyncio.run(km._async_interrupt_kernel())
+        assert calls == []
+        km.shutting_down = False
+        asyncio.run(km._async_interrupt_kernel())
+        assert calls == [False]
+    assert not fwd.socket_dir.exists()
+
+
+HOLD = """
+import sys, time
+from eagle3.stage import RunLock
+RunLock(sys.argv[1], "eagle3 run params/other.yaml --stages 3").acquire()
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def _holder(run_dir: Path) -> subprocess.Popen:
+    """Another process that holds ``run_dir``'s writer lock (as a second `eagle3 run` would)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _snapshot(run_dir: Path) -> dict:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_a_second_writer_of_a_run_folder_is_refused_naming_the_holder(tmp_params, nbdir, capsys):
+    """Two writers on one run folder destroy each other's files: while another process holds the run's
+    lock, `eagle3 run` and a stage notebook's setup are refused at once (exit 2, the holder's pid, host,
+    command and start named), nothing in the folder changes; status, verify and report neither take it
+    nor wait."""
+    import socket
+
+    from eagle3.errors import RunLocked
+    from eagle3.notebook import setup
+
+    pf = tmp_params()
+    rd = run_pipeline(pf, [1], notebooks=nbdir)
+    (rd / "01_synthesize" / "stats.json").unlink()  # stage 1 unfinished: its notebook would write
+    before = _snapshot(rd)
+    proc = _holder(rd)
+    try:
+        capsys.readouterr()
+        assert main_with_notebooks(["run", str(pf), "--stages", "1", "--no-report"], nbdir) == 2
+        err = capsys.readouterr().err
+        assert f"{rd} is being written by pid {proc.pid} on {socket.gethostname()} " in err
+        assert "(`eagle3 run params/other.yaml --stages 3`, since 20" in err and f"kill {proc.pid}" in err
+        assert len(err.strip().splitlines()) == 1
+        with pytest.raises(RunLocked, match=f"pid {proc.pid}"):
+            setup(str(pf), str(rd), stage=1)
+        assert main(["status", str(rd)]) == 0
+        assert main(["verify", str(rd)]) in (0, 1)
+        main(["report", str(rd)])
+        lock_record = (rd / "run.lock").read_bytes()
+        after = _snapshot(rd)
+        after.pop("run.lock"), before.pop("run.lock")
+        assert [k for k in after if not k.startswith("report/")] == list(before) and all(after[k] == v for k, v in before.items())
+        assert str(proc.pid).encode() in lock_record
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_dead_writer_s_lock_is_taken_over_and_the_stage_notebook_runs_under_its_parent_s(tmp_params, nbdir, capsys):
+    """The kernel frees a killed writer's lock: the next `eagle3 run` takes the run over with one line
+    naming the gone writer. The stage notebook it executes (a child kernel) is not refused by its
+    parent's lock: it finds the lock held by its parent, with the token it inherited. Released at the end."""
+    from eagle3.stage import LOCK_ENV
+
+    _nb(nbdir / NOTEBOOKS[1], "import json, os\nrec = json.loads((run_dir / 'run.lock').read_text())\n"
+        "assert rec['pid'] == os.getppid() and rec['token'] == os.environ['EAGLE3_RUN_LOCK'], rec\n"
+        + WRITE_STAGE.format(s=1))
+    pf = tmp_params()
+    rd = Path(load_params(pf).run.output_dir) / "t"
+    proc = _holder(rd)
+    proc.kill()
+    proc.wait()
+    capsys.readouterr()
+    assert run_pipeline(pf, [1, 2], notebooks=nbdir) == rd
+    out = capsys.readouterr().out
+    assert f"named pid {proc.pid} on " in out and "which is gone: taking the run over" in out
+    assert read_json(rd / "01_synthesize" / "stats.json")["complete"] and read_json(rd / "02_vocab" / "stats.json")["complete"]
+    assert (rd / "run.lock").read_text() == "" and LOCK_ENV not in os.environ
+
+
+def test_a_stage_on_an_unfinished_earlier_stage_is_refused_with_the_command_that_finishes_it(tmp_params, nbdir,
+                                                                                              capsys):
+    """`--stages 2` after stage 1 stopped part-way ran stage 2 on the 7 samples there and ended complete:
+    refused (exit 2) before anything is written, naming the unfinished stage, its progress and the
+    command; a stage of the same call that ends incomplete stops the next one too."""
+    from eagle3.commands.run import stages_read
+    from eagle3.errors import RunnerError
+
+    pf = tmp_params()
+    rd = run_pipeline(pf, [1], notebooks=nbdir)
+    s1 = rd / "01_synthesize"
+    (s1 / "stats.json").unlink()
+    (s1 / "progress.json").write_text('{"status": "interrupted", "done": 7, "total": 20, "unit": "samples"}')
+    before = _snapshot(rd)
+    capsys.readouterr()
+    assert main_with_notebooks(["run", str(pf), "--stages", "2", "--set", "train.lr=0.003", "--no-report"], nbdir) == 2
+    err = capsys.readouterr().err
+    assert ("stage 2 (02_vocab) reads the outputs of stage 1, which is not complete: stage 1 (01_synthesize) "
+            f"interrupted at 7/20 samples. Finish it first: `eagle3 run {pf} --set train.lr=0.003 --stages 1-2`.") in err
+    assert _snapshot(rd) == before and not (rd / "02_vocab").exists()
+    # stage 1 of the same call ends incomplete (stats.json complete: false): stage 2 is not run on it
+    _nb(nbdir / NOTEBOOKS[1], WRITE_STAGE.format(s=1).replace("write_stats(d, {", "write_stats(d, complete=False, "
+                                                                "stats={"))
+    with pytest.raises(RunnerError, match=r"stage 1 \(01_synthesize\) done at 3/3 items"):
+        run_pipeline(pf, [1, 2], notebooks=nbdir)
+    assert not (rd / "02_vocab").exists()
+    # which stages each stage reads: online training reads no stage 3, an external drafter no stage 4
+    p = load_params(pf)
+    assert [stages_read(s, p) for s in (1, 2, 3, 4, 5)] == [[], [1], [2], [2, 3], [1, 2, 4]]
+    p = load_params(pf, ["train.online=true", "evaluate.drafter_dir=/d"])
+    assert (stages_read(4, p), stages_read(5, p)) == ([2], [1, 2])
+
+
+def test_open_stage_ranges_run_to_the_last_stage_or_from_the_first():
+    """`--stages 2-` was read as stage 2 alone."""
+    assert parse_stages("2-") == [2, 3, 4, 5] and parse_stages("-3") == [1, 2, 3]
+    assert parse_stages(" 4 - ") == [4, 5] and parse_stages("-1,4-") == [1, 4, 5]
+    assert parse_stages("3-", "--redo") == [3, 4, 5]
+
+
+def test_a_missing_stage_notebook_is_an_error_before_anything_runs(tmp_params, nbdir, capsys):
+    """A selected stage whose notebook was removed was skipped and the run ended rc 0."""
+    from eagle3.errors import RunnerError
+
+    pf = tmp_params()
+    rd = Path(load_params(pf).run.output_dir) / "t"
+    with pytest.raises(RunnerError, match=r"stage 3 \(03_extract\): notebook .*03_extract_hidden_states.ipynb does "
+                                          r"not exist\. Nothing was run; add it or pass another notebooks folder"):
+        run_pipeline(pf, [1, 2, 3], notebooks=nbdir)
+    assert not rd.exists()
+    assert main_with_notebooks(["run", str(pf), "--stages", "1-", "--no-report"], nbdir) == 2
+    err = capsys.readouterr().err
+    assert "stage 4 (04_train): notebook" in err and "stage 5 (05_evaluate): notebook" in err
+    assert ("restore it: `git checkout -- notebooks/03_extract_hidden_states.ipynb notebooks/04_train_drafter.ipynb "
+            "notebooks/05_evaluate_acceptance.ipynb`") in err and not rd.exists()
+
+
+def test_a_run_directory_inside_the_source_tree_is_refused(tmp_params, capsys):
+    """`run.output_dir: eagle3` put a run's files inside the package; only the git-ignored outputs/ may
+    hold runs inside the repository."""
+    from eagle3.notebook import setup
+    from eagle3.rundir import check_run_location
+
+    pf = tmp_params()
+    for out in ("eagle3", ".", "notebooks"):
+        assert main(["run", str(pf), "--set", f"run.output_dir={out}", "--run-name", "in-tree", "--stages", "1"]) == 2
+        err = capsys.readouterr().err
+        assert f"run directory {(ROOT / out / 'in-tree').resolve()} lies inside the project's source tree ({ROOT})" in err
+        assert "Set run.output_dir to outputs (git-ignored)" in err and not (ROOT / out / "in-tree").exists()
+    with pytest.raises(ParamsError, match="lies inside the project's source tree"):
+        setup(str(pf), str(ROOT / "eagle3" / "in-tree"), stage=1)
+    assert not (ROOT / "eagle3" / "in-tree").exists()
+    check_run_location(ROOT / "outputs" / "in-tree")  # the ignored outputs/ and any folder outside are fine
+    check_run_location(Path(load_params(pf).run.output_dir) / "t")
+
+
+SOCKETS = """
+import json, os
+from pathlib import Path
+from ipykernel.connect import get_connection_file
+ip = json.loads(Path(get_connection_file()).read_text())["ip"]
+here = sorted(p.name for p in Path.cwd().iterdir() if p.name.startswith("kernel-ipc"))
+Path(run_dir, "sockets.json").write_text(json.dumps({"ip": ip, "cwd": str(Path.cwd()), "here": here,
+                                                     "there": sorted(os.listdir(Path(ip).parent))}))
+"""
+
+
+def test_the_kernel_s_sockets_stay_out_of_the_notebooks_folder(tmp_params, nbdir):
+    """The stage kernel's Unix sockets (kernel-ipc-<port>) were made in its cwd, the project's notebooks/
+    folder, and a killed kernel left them there: they live in a private temp folder, removed after the stage."""
+    _nb(nbdir / NOTEBOOKS[1], SOCKETS + WRITE_STAGE.format(s=1))
+    rd = run_pipeline(tmp_params(), [1], notebooks=nbdir)
+    seen = read_json(rd / "sockets.json")
+    assert seen["cwd"] == str(nbdir) and seen["here"] == []
+    ip = Path(seen["ip"])
+    assert ip.is_absolute() and ip.name == "kernel-ipc" and ip.parent.name.startswith("eagle3-kernel-")
+    assert len([n for n in seen["there"] if n.startswith("kernel-ipc-")]) >= 5  # shell, iopub, stdin, control, hb
+    assert not ip.parent.exists() and not list(nbdir.glob("kernel-ipc*"))

@@ -12,12 +12,14 @@ import shlex
 import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 from eagle3.commands.status import ProgressEcho
 from eagle3.errors import ParamsError, RunInterrupted, RunnerError, StageFailed, StaleStage
+from eagle3.io import read_json
 from eagle3.params_file import load_params
 from eagle3.rundir import (
     NOTEBOOKS,
@@ -26,35 +28,41 @@ from eagle3.rundir import (
     STAGES,
     START_OVER_KEEPS,
     RunDir,
+    check_run_location,
     notebooks_dir,
     prepare_run_dir,
     resolve_run_dir,
 )
-from eagle3.stage import stage_record, stale_inputs, stale_message
+from eagle3.stage import RunLock, stage_record, stale_inputs, stale_message, this_command
 
 __all__ = ["KERNEL", "parse_stages", "format_stages", "resume_stages", "params_options", "run_dir_for",
-           "check_prompt_files", "reopen_stage", "run_pipeline"]
+           "check_prompt_files", "reopen_stage", "run_pipeline", "stages_read", "require_earlier_complete",
+           "stage_notebooks"]
 
 # the Jupyter kernel `make venv` registers for the project's virtual environment
 KERNEL = "eagle3"
 
 
 def parse_stages(spec: str | None, flag: str = "--stages") -> list[int]:
-    """'1-5', '2', '1,3-4' -> sorted stage numbers (None or '' -> all); ``flag`` names the option in
-    messages (``--stages``, ``--redo``).
+    """'1-5', '2', '1,3-4', '3-' (3 to 5), '-2' (1 to 2) -> sorted stage numbers (None or '' -> all);
+    ``flag`` names the option in messages (``--stages``, ``--redo``).
 
     Raises:
-        ParamsError: a part that is not a number or a range ``A-B`` with A <= B, or a stage outside 1..5.
+        ParamsError: a part that is not a number or a range ``A-B`` (either end may be left open) with
+            A <= B, or a stage outside 1..5.
     """
     if not spec:
         return list(STAGES)
     out: set[int] = set()
     for part in spec.split(","):
         part = part.strip()
-        a, _, b = part.partition("-")
-        if not (a.strip().isdigit() and (not b or b.strip().isdigit())):
-            raise ParamsError(f"{flag} {spec!r}: {part!r} is not a stage number or a range like 2-4 (stages are 1-5)")
-        lo, hi = int(a), int(b) if b else int(a)
+        a, dash, b = (x.strip() for x in part.partition("-"))
+        if dash:  # an open end is the first or the last stage: '2-' is 2-5, '-3' is 1-3
+            a, b = a or str(min(STAGES)), b or str(max(STAGES))
+        if not (a.isdigit() and (not dash or b.isdigit())) or part == "-":
+            raise ParamsError(f"{flag} {spec!r}: {part!r} is not a stage number or a range like 2-4, 3- or -2 "
+                              "(stages are 1-5)")
+        lo, hi = int(a), int(b) if dash else int(a)
         if lo > hi:
             raise ParamsError(f"{flag} {spec!r}: the range {part!r} is empty; write it low-high, e.g. {hi}-{lo}")
         for s in range(lo, hi + 1):
@@ -162,18 +170,24 @@ class _InterruptForwarder:
         self.managers: list = []
         self.count = 0
         self._old = None
+        # the kernel's Unix sockets: jupyter_client makes them relative to the kernel's cwd (the
+        # project's notebooks/ folder) unless told where, and a killed kernel leaves them behind;
+        # a private temp folder (a socket path must stay under ~107 bytes), removed on exit
+        self.socket_dir: Path | None = None
 
     def manager_class(self):
         """An ``AsyncKernelManager`` subclass that records its instances here (nbclient's default class)."""
         from jupyter_client.manager import AsyncKernelManager
 
-        managers = self.managers
+        self.socket_dir = self.socket_dir or Path(tempfile.mkdtemp(prefix="eagle3-kernel-"))
+        managers, sockets = self.managers, str(self.socket_dir / "kernel-ipc")
 
         class _RecordedKernelManager(AsyncKernelManager):
             def __init__(self, *args, **kwargs):
                 # the kernel talks to this process only: Unix sockets instead of TCP on localhost (over TCP
                 # ipykernel warns "running over TCP without encryption" at every stage's start)
                 kwargs.setdefault("transport", "ipc")
+                kwargs.setdefault("ip", sockets)  # the sockets' path prefix (kernel-ipc-<port>)
                 super().__init__(*args, **kwargs)
                 managers.append(self)
 
@@ -214,6 +228,8 @@ class _InterruptForwarder:
     def __exit__(self, *exc) -> None:
         if self._old is not None:
             signal.signal(signal.SIGINT, self._old)
+        if self.socket_dir is not None:
+            shutil.rmtree(self.socket_dir, ignore_errors=True)
 
 
 def params_options(run_name: str | None, overrides: list[str] | None) -> list[str]:
@@ -278,13 +294,16 @@ def run_pipeline(
         StaleStage: a complete stage with changed inputs, not covered by ``redo``.
         PromptError: a local prompt file of a stage to run has no usable prompt, or a field mapping
             that matches none of its records (:func:`check_prompt_files`; nothing written yet).
-        ParamsError: stages after 1 only on a run folder that has no ``params.yaml`` yet (nothing
-            is created); invalid params or a run directory created with other params (but for
-            ``evaluate.*`` with 5 in ``redo``: :func:`eagle3.rundir.prepare_run_dir`); a ``redo`` stage
-            that is not selected.
+        ParamsError: a run directory in the source tree (:func:`eagle3.rundir.check_run_location`); stages
+            after 1 only on a folder without ``params.yaml`` (nothing is created); invalid params or a run
+            made with others (:func:`eagle3.rundir.prepare_run_dir`); a ``redo`` stage not selected.
         StageFailed: a notebook cell raised (message: stage, cell index, exception).
         RunInterrupted: Ctrl-C while a stage ran (the stage keeps what it wrote).
-        RunnerError: the Jupyter kernel ``eagle3`` is not registered (run ``make venv``).
+        RunnerError: the kernel ``eagle3`` is not registered (run ``make venv``); a selected stage's
+            notebook is missing (:func:`stage_notebooks`); a stage reads an unfinished earlier stage
+            (:func:`require_earlier_complete`).
+        RunLocked: another process writes the run directory (:class:`eagle3.stage.RunLock`; the
+            stage notebooks this call executes run under its lock).
     """
     ov = [*(overrides or []), *([f"run.name={run_name}"] if run_name else [])]
     params = load_params(params_file, ov)
@@ -296,22 +315,85 @@ def run_pipeline(
     target_dir = run_dir_for(params, params_file, ov)
     if min(selected) > 1 and not (target_dir / PARAMS_FILE).exists():
         raise ParamsError(_not_a_run_yet(target_dir, selected, params_file, run_name, overrides))
-    check_prompt_files(params, [s for s in selected if s in redo_set or force
-                                or not stage_record(target_dir, s).complete])
-    run_dir = prepare_run_dir(params, target_dir, redo=redo_set, params_file=params_file, stages=selected,
-                              options=params_options(run_name, overrides))
+    to_run = [s for s in selected if s in redo_set or force or not stage_record(target_dir, s).complete]
+    again = shlex.join([str(params_file), *params_options(run_name, overrides)])
+    for s in to_run:  # an unselected earlier stage left unfinished: refused before anything is written
+        require_earlier_complete(target_dir, s, params, again, selected)
+    nbs = stage_notebooks(Path(notebooks) if notebooks else None, selected)
+    check_prompt_files(params, to_run)
+    check_run_location(target_dir)
+    with RunLock(target_dir, this_command()):  # one writer per run folder, from here to the last stage
+        run_dir = prepare_run_dir(params, target_dir, redo=redo_set, params_file=params_file, stages=selected,
+                                  options=params_options(run_name, overrides))
+        _run_stages(run_dir, params, params_file, nbs, (redo_set, force), kernel, again)
+    return run_dir
+
+
+def stage_notebooks(folder: Path | None, stages: list[int]) -> dict[int, Path]:
+    """``{stage: notebook}`` of the stages to run, from ``folder`` (default: the project's ``notebooks/``).
+
+    Raises:
+        RunnerError: a stage's notebook is missing (a run that skipped it would end rc 0 without the stage).
+    """
+    root = folder or notebooks_dir()
+    nbs = {s: root / NOTEBOOKS[s] for s in stages}
+    missing = [s for s, nb in nbs.items() if not nb.is_file()]
+    if missing:
+        fix = (f"restore it: `git checkout -- {' '.join(f'notebooks/{NOTEBOOKS[s]}' for s in missing)}`"
+               if folder is None else "add it or pass another notebooks folder")
+        raise RunnerError("; ".join(f"stage {s} ({STAGES[s]}): notebook {nbs[s]} does not exist" for s in missing)
+                          + f". Nothing was run; {fix}.")
+    return nbs
+
+
+def stages_read(stage: int, params) -> list[int]:
+    """The earlier stages whose outputs stage ``stage`` reads (docs/DESIGN.md "Stage contracts"): 2 reads
+    1; 3 reads 2; 4 reads 2 and 3 (not 3 with ``train.online``: the target runs beside training); 5
+    reads 1 and 2, and 4 unless ``evaluate.drafter_dir`` names another drafter."""
+    return {1: [], 2: [1], 3: [2], 4: [2] if params.train.online else [2, 3],
+            5: [1, 2] if params.evaluate.drafter_dir else [1, 2, 4]}[stage]
+
+
+def require_earlier_complete(run_dir: Path, stage: int, params, again: str, selected=()) -> None:
+    """Refuse to run ``stage`` on an earlier stage it reads that is not complete (stopped part-way, or
+    never run): it would run on part of the data and end "complete" (stage 2 on 7 of 960 samples).
+    ``selected``: the stages of this call, which run first and are checked again when their turn
+    comes; ``again``: the params file and options, for the command in the message.
+
+    Raises:
+        RunnerError: names the unfinished stage, its state and the ``eagle3 run`` command that finishes it.
+    """
+    missing = [e for e in stages_read(stage, params) if e not in selected and not stage_record(run_dir, e).complete]
+    if not missing:
+        return
+    states = []
+    for e in missing:
+        prog = read_json(RunDir(run_dir).stage(e) / PROGRESS_FILE, None)
+        prog = prog if isinstance(prog, dict) else {}
+        done = f" at {prog.get('done')}/{prog.get('total')} {prog.get('unit', '')}".rstrip() if prog.get("total") else ""
+        states.append(f"stage {e} ({STAGES[e]}) {prog.get('status', 'not started') if prog else 'not started'}{done}")
+    stages = format_stages(range(min(missing), stage + 1))
+    raise RunnerError(f"stage {stage} ({STAGES[stage]}) reads the outputs of stage {format_stages(missing)}, which "
+                      f"is not complete: {'; '.join(states)}. Finish it first: `eagle3 run {again} --stages {stages}`.")
+
+
+def _run_stages(run_dir: Path, params, params_file, nbs: dict[int, Path], redo_force: tuple[set[int], bool],
+                kernel: str, again: str) -> None:
+    """:func:`run_pipeline`'s stages, in order, under its lock (the run directory is prepared);
+    ``again``: the params file and options, for the commands in messages.
+
+    Raises:
+        RunnerError: a stage's earlier stage did not end complete (:func:`require_earlier_complete`).
+    """
+    redo, force = redo_force
     for trash in run_dir.glob(".redo-*"):  # a stage folder a killed --redo was removing
         shutil.rmtree(trash, ignore_errors=True)
     _require_kernel(kernel)
-    nb_root = Path(notebooks) if notebooks else notebooks_dir()
     print(f"eagle3: run directory {run_dir}", flush=True)
-    for s in selected:
-        nb_in = nb_root / NOTEBOOKS[s]
-        if not nb_in.exists():
-            print(f"eagle3: stage {s} ({STAGES[s]}): notebook {nb_in.name} does not exist, skipped", flush=True)
-        elif _to_run(run_dir, s, params, params_file, redo_set, force):
-            _execute_stage(run_dir, s, nb_in, kernel, next_stage=s + 1 if s + 1 in selected else None)
-    return run_dir
+    for s, nb_in in nbs.items():
+        if _to_run(run_dir, s, params, params_file, redo, force):
+            require_earlier_complete(run_dir, s, params, again)
+            _execute_stage(run_dir, s, nb_in, kernel, next_stage=s + 1 if s + 1 in nbs else None)
 
 
 def _not_a_run_yet(target_dir: Path, selected: list[int], params_file, run_name, overrides) -> str:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from eagle3.io import format_bytes, read_json
-from eagle3.rundir import STAGES, RunDir
+from eagle3.rundir import STAGES, RunDir, read_run_params
 from eagle3.stage import stage_record, stale_inputs
 
 __all__ = ["ProgressEcho", "status_rows", "format_status"]
@@ -137,10 +137,8 @@ def _done_text(prog: dict) -> str:
 
 def _run_params(run_dir: str | Path):
     """The run's resolved params (which files a stage consumes depends on a few), None if unreadable."""
-    from eagle3.params_file import load_params
-
     try:
-        return load_params(RunDir(run_dir).params_file)
+        return read_run_params(run_dir)
     except Exception:  # noqa: BLE001 - status must show what it can of a damaged run directory
         return None
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3.errors import RunnerError
-from eagle3.params_file import load_params
-from eagle3.rundir import EXTRACT, STAGES, TRAIN, RunDir
+from eagle3.rundir import EXTRACT, STAGES, TRAIN, RunDir, read_run_params
 from eagle3.stage import stage_record, stale_inputs
 
 __all__ = ["verify_run"]
@@ -31,7 +30,7 @@ def verify_run(run_dir: str | Path, check_values: bool = True) -> list[str]:
     rd = RunDir(run_dir)
     if not rd.params_file.exists():
         raise RunnerError(f"{rd.root}: no {rd.params_file.name}; not a run directory")
-    params = load_params(rd.params_file)
+    params = read_run_params(rd.root)
     problems = []
     for s in STAGES:
         if stage_record(rd.root, s).complete:

@@ -21,7 +21,8 @@ touches it opens none.
 
 Modules: :mod:`~eagle3.stage.progress` (``progress.json``), :mod:`~eagle3.stage.record`
 (``stats.json``), :mod:`~eagle3.stage.inputs` (``inputs.json`` and stale stages),
-:mod:`~eagle3.stage.lifecycle` (:class:`StageRun`, which drives the three).
+:mod:`~eagle3.stage.lifecycle` (:class:`StageRun`, which drives the three), :mod:`~eagle3.stage.lock`
+(``run.lock``: one writer per run directory).
 """
 
 from eagle3.stage.inputs import (
@@ -33,8 +34,10 @@ from eagle3.stage.inputs import (
            stale_message,
 )
 from eagle3.stage.lifecycle import StageRun
+from eagle3.stage.lock import LOCK_ENV, RunLock, this_command
 from eagle3.stage.progress import Progress
 from eagle3.stage.record import StageRecord, Stats, completed_stats, stage_record, write_stats
 
 __all__ = ["Stats", "StageRun", "StageRecord", "Progress", "stage_record", "completed_stats", "write_stats",
-           "consumed_files", "input_digests", "stale_inputs", "stale_message", "check_fresh", "QUICK_HASH_BYTES"]
+           "consumed_files", "input_digests", "stale_inputs", "stale_message", "check_fresh", "QUICK_HASH_BYTES", "RunLock", "LOCK_ENV",
+           "this_command"]
