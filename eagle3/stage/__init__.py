@@ -29,6 +29,8 @@ from eagle3.stage.inputs import (
            check_fresh,
            consumed_files,
            input_digests,
+           record_shared,
+           shared_from,
            stale_inputs,
            stale_message,
 )
@@ -37,4 +39,5 @@ from eagle3.stage.progress import Progress
 from eagle3.stage.record import StageRecord, Stats, completed_stats, stage_record, write_stats
 
 __all__ = ["Stats", "StageRun", "StageRecord", "Progress", "stage_record", "completed_stats", "write_stats",
-           "consumed_files", "input_digests", "stale_inputs", "stale_message", "check_fresh", "QUICK_HASH_BYTES"]
+           "consumed_files", "input_digests", "stale_inputs", "stale_message", "check_fresh", "QUICK_HASH_BYTES",
+           "record_shared", "shared_from"]
