@@ -72,6 +72,20 @@ def test_bad_vary_and_stage_selections_are_refused(tmp_params):
     assert not (tmp_params().parent / "outputs").exists()
 
 
+def test_ctrl_c_in_a_sweep_says_the_same_command_resumes_and_exits_130(tmp_params, monkeypatch, capsys):
+    import eagle3.commands.sweep
+    from eagle3.errors import RunInterrupted
+
+    def interrupted(*args, **kwargs):
+        raise RunInterrupted("stage 4 (04_train) was interrupted (Ctrl-C)", stage=4, run_dir=tmp_params().parent)
+
+    monkeypatch.setattr(eagle3.commands.sweep, "run_pipeline", interrupted)
+    assert main(["sweep", str(tmp_params()), "--vary", "train.lr=1e-3,2e-3"]) == 130
+    err = capsys.readouterr().err
+    assert ("eagle3: stage 4 (04_train) was interrupted (Ctrl-C); the same `eagle3 sweep` command resumes every "
+            "run where it stopped (finished ones are skipped)") in err and "Traceback" not in err
+
+
 # ----------------------------------------------------------------------------- a sweep on fake stages
 
 PARAMS_CELL = 'params_file = None\nrun_dir = None\noverrides = []'

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from eagle3.commands.run import KERNEL, format_stages, params_options, run_pipeline
 from eagle3.errors import ParamsError, RunInterrupted, RunnerError
+from eagle3.io import atomic_write_text
 from eagle3.params_file import load_params, params_fingerprint
 from eagle3.rundir import EVALUATE, EXTRACT, STAGES, STATS_FILE, SYNTHESIZE, TRAIN, VOCAB, RunDir, prepare_run_dir
 from eagle3.stage import record_shared, shared_from, stage_record
@@ -268,8 +269,6 @@ def run_sweep(params_file: str | Path, vary: list[str], stages: list[int] | None
 
 def _write_comparison(base_dir: Path, runs: list[Path], keys: list[str], notes: list[str]) -> Path:
     """Write and print the comparison of ``runs`` (:func:`comparison_table`); returns its file."""
-    from eagle3.io import atomic_write_text
-
     text = comparison_table(base_dir.name, sweep_rows(runs, keys), keys, notes)
     out = base_dir.parent / SWEEP_FILE.format(base=base_dir.name)
     atomic_write_text(out, text)
