@@ -200,9 +200,8 @@ def share_stages(base_dir: str | Path, run_dir: str | Path) -> None:
             why = (f"holds an earlier state of the base's stage (the base's {STAGES[s]} finished again since the "
                    f"variant shared it), so its stages 4-5 were made from other data" if shared_from(run_dir, s)
                    else "is a stage of its own, not the base's shared one")
-            raise RunnerError(f"{dst} {why}. Remove {rd.root} (or name the sweep's base with another --run-name) "
-                              f"and run the sweep again: the variant then shares the base's stages and runs "
-                              f"stages 4-5 on them.")
+            raise RunnerError(f"{dst} {why}. Remove {rd.root} and run the sweep again: the variant then shares "
+                              f"the base's stages and runs stages 4-5 on them.")
         if shared_from(run_dir, s) is None:
             record_shared(run_dir, s, src)
 
