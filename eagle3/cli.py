@@ -1,4 +1,4 @@
-"""The ``eagle3`` command line: ``run``, ``status``, ``verify``, ``report``, ``params``.
+"""The ``eagle3`` command line: ``run``, ``sweep``, ``status``, ``verify``, ``report``, ``params``.
 
 Exit codes: 0 success; 2 a usage error or an :class:`eagle3.errors.Eagle3Error` (bad params, a
 missing target, a failed stage, a stale stage, ...: one clean message on stderr, no traceback);
@@ -58,6 +58,15 @@ def _build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="render the executed notebooks and an index page to HTML")
     rep.add_argument("run_dir", help="the run directory, <run.output_dir>/<run.name>, e.g. outputs/ci")
 
+    sw = sub.add_parser("sweep", help="recipe variants of a run (train.*, evaluate.*): stages 4-5 each, one comparison")
+    sw.add_argument("params", help="params YAML file of the base run, e.g. params/ci.yaml")
+    sw.add_argument("--vary", action="append", default=[], metavar="SECTION.KEY=V1,V2",
+                    help="values of one train.* or evaluate.* key (repeatable: one variant per combination)")
+    sw.add_argument("--stages", default="4-5", help="the variants' stages: 4, 5 or 4-5 (default 4-5)")
+    sw.add_argument("--run-name", default=None, help="the base run's name (default: run.name from params)")
+    sw.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=_SET_HELP)
+    sw.add_argument("--kernel", default=KERNEL, help=f"Jupyter kernel (default: {KERNEL})")
+
     pp = sub.add_parser("params", help="validate a params file and print the resolved params")
     pp.add_argument("params", help="params YAML file, e.g. params/ci.yaml")
     pp.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=_SET_HELP)
@@ -74,6 +83,14 @@ def _run(args: argparse.Namespace) -> int:
     if not args.no_report:
         index = render_report(run_dir)
         print(f"eagle3: report {index}")
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from eagle3.commands.run import parse_stages
+    from eagle3.commands.sweep import run_sweep
+
+    run_sweep(args.params, args.vary, parse_stages(args.stages), args.overrides, args.run_name, args.kernel)
     return 0
 
 
@@ -120,7 +137,8 @@ def _params(args: argparse.Namespace) -> int:
     return 0
 
 
-_COMMANDS = {"run": _run, "status": _status, "verify": _verify, "report": _report, "params": _params}
+_COMMANDS = {"run": _run, "status": _status, "verify": _verify, "report": _report, "params": _params,
+             "sweep": _sweep}
 
 
 def invocation() -> list[str]:
@@ -175,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _COMMANDS[args.cmd](args)
     except RunInterrupted as exc:
-        print(_interrupted_message(args, exc), file=sys.stderr, flush=True)
+        print(_interrupted_message(args, exc) if args.cmd == "run" else f"\neagle3: {exc}", file=sys.stderr, flush=True)
         return 130  # 128 + SIGINT, as a shell reports a Ctrl-C'd program
     except KeyboardInterrupt:  # outside a stage (run: before the first one, the report), status --watch, ...
         print(_interrupted_message(args, None) if args.cmd == "run" else "\neagle3: interrupted (Ctrl-C)",

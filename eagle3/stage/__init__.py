@@ -30,6 +30,8 @@ from eagle3.stage.inputs import (
            check_fresh,
            consumed_files,
            input_digests,
+           record_shared,
+           shared_from,
            stale_inputs,
            stale_message,
 )
@@ -40,4 +42,4 @@ from eagle3.stage.record import StageRecord, Stats, completed_stats, stage_recor
 
 __all__ = ["Stats", "StageRun", "StageRecord", "Progress", "stage_record", "completed_stats", "write_stats",
            "consumed_files", "input_digests", "stale_inputs", "stale_message", "check_fresh", "QUICK_HASH_BYTES", "RunLock", "LOCK_ENV",
-           "this_command"]
+           "this_command", "record_shared", "shared_from"]

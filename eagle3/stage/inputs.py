@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3.io import file_sha256, read_json
-from eagle3.rundir import EVALUATE, EXTRACT, STAGES, SYNTHESIZE, TRAIN, VOCAB, RunDir
+from eagle3.io import atomic_write_json, file_sha256, read_json
+from eagle3.rundir import EVALUATE, EXTRACT, INPUTS_FILE, STAGES, SYNTHESIZE, TRAIN, VOCAB, RunDir
 
-__all__ = ["QUICK_HASH_BYTES", "consumed_files", "input_digests", "stale_inputs", "stale_message", "check_fresh"]
+__all__ = ["QUICK_HASH_BYTES", "consumed_files", "input_digests", "stale_inputs", "stale_message", "check_fresh",
+           "record_shared", "shared_from"]
 
 
 def consumed_files(run_dir: str | Path, stage: int, params=None) -> list[Path]:
@@ -143,3 +144,18 @@ def check_fresh(run_dir: str | Path, stage: int, params, error: type[Exception])
     if reasons:
         raise error(stale_message(stage, reasons))
 
+
+
+def record_shared(run_dir: str | Path, stage: int, source: str | Path) -> None:
+    """Put on record that stage ``stage`` of ``run_dir`` is the finished stage folder ``source`` of
+    another run, shared by hard links (``eagle3 sweep``): ``inputs.json`` is ``source``'s record (the
+    same inputs, the same stale check) plus ``"shared_from"``, ``source``'s absolute path."""
+    rec = read_json(Path(source) / INPUTS_FILE, None) or {"stage": stage, "complete": True, "files": {}}
+    atomic_write_json(RunDir(run_dir).inputs(stage), {**rec, "shared_from": str(Path(source).resolve())})
+
+
+def shared_from(run_dir: str | Path, stage: int) -> Path | None:
+    """The stage folder of another run that stage ``stage`` of ``run_dir`` shares (:func:`record_shared`),
+    or None for a stage of its own (or one not started)."""
+    rec = read_json(RunDir(run_dir).inputs(stage), None)
+    return Path(rec["shared_from"]) if isinstance(rec, dict) and rec.get("shared_from") else None

@@ -1,0 +1,324 @@
+"""``eagle3 sweep``: recipe variants of one run (stages 4-5 only), compared in one table.
+
+A recipe study (learning rate, drafter depth, TTT steps, ...) changes only what stages 4 and 5 read
+(``train.*``, ``evaluate.*``), so every variant trains on the same samples, vocab mapping and hidden
+states as its base run. ``eagle3 sweep PARAMS --vary train.lr=1e-3,2e-3 --vary train.num_layers=1,2``
+runs:
+
+1. the base run (``PARAMS``, ``--set``, ``--run-name``) through :func:`eagle3.commands.run.run_pipeline`:
+   its stages 1-3 and the selected stages 4-5, each skipped when finished;
+2. one variant run per combination of the ``--vary`` values (their cartesian product), named by
+   :func:`variant_name`, beside the base in the same output folder. Its stages 1-3 are the base's
+   finished stage folders shared by hard links (hidden states are never copied: where a hard link is
+   impossible, another file system, the sweep stops with :class:`eagle3.errors.RunnerError`); each
+   shared stage's ``inputs.json`` is the base's record plus ``shared_from``
+   (:func:`eagle3.stage.record_shared`). Its stages 4-5 then run through ``run_pipeline`` as those of
+   any run: a finished stage skipped, a stale one refused, an interrupted one resumed, so the same
+   command after a kill resumes every variant where it stopped;
+3. the comparison (:func:`comparison_table`): ``<output_dir>/<base>--sweep.md``, printed too.
+
+A variant's shared stages are the base's: redo stages 1-3 in the base, never in a variant (a stage
+resuming in place would append to files the base holds too). A base stage finished again since a
+variant shared it is refused for that variant (:func:`share_stages`), with the folder to remove.
+
+The variants run one after another. On one GPU, small drafters could train side by side when
+memory allows (each variant is its own run folder and process); that is not built.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3.commands.run import KERNEL, format_stages, params_options, run_pipeline
+from eagle3.errors import ParamsError, RunInterrupted, RunnerError
+from eagle3.io import atomic_write_text
+from eagle3.params_file import load_params, params_fingerprint
+from eagle3.rundir import EVALUATE, EXTRACT, STAGES, STATS_FILE, SYNTHESIZE, TRAIN, VOCAB, RunDir, prepare_run_dir
+from eagle3.stage import record_shared, shared_from, stage_record
+
+__all__ = ["SWEEP_SECTIONS", "SHARED_STAGES", "Variant", "parse_vary", "variant_name", "plan_variants",
+           "share_stages", "sweep_rows", "comparison_table", "run_sweep"]
+
+# the params sections that only stages 4 and 5 read: the ones a variant may change
+SWEEP_SECTIONS = ("train", "evaluate")
+# the stages a variant shares with its base run
+SHARED_STAGES = (SYNTHESIZE, VOCAB, EXTRACT)
+SWEEP_FILE = "{base}--sweep.md"  # beside the runs, in the base's output folder
+_SHARING = ".sharing-"  # a stage folder being linked (renamed into place when complete)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One combination of ``--vary`` values.
+
+    Attributes:
+        name: the run name (:func:`variant_name`).
+        values: ``{dotted key: value as typed}``, in ``--vary`` order.
+    """
+
+    name: str
+    values: dict[str, str]
+
+    @property
+    def overrides(self) -> list[str]:
+        """The ``--set`` items of this variant (``["train.lr=1e-3", ...]``)."""
+        return [f"{k}={v}" for k, v in self.values.items()]
+
+
+def _split_values(raw: str) -> list[str]:
+    """``'1e-3,2e-3'`` -> ``['1e-3', '2e-3']``; commas inside ``[]`` / ``{}`` stay (a YAML list is one value)."""
+    out, depth, cur = [], 0, ""
+    for ch in raw:
+        depth += (ch in "[{") - (ch in "]}")
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [*out, cur.strip()]
+
+
+def parse_vary(items: list[str], overrides: list[str] | None = None) -> dict[str, list[str]]:
+    """``["train.lr=1e-3,2e-3", ...]`` -> ``{"train.lr": ["1e-3", "2e-3"], ...}`` (values as typed,
+    parsed as YAML later, as ``--set`` values are).
+
+    Raises:
+        ParamsError: an item without ``=`` or a value; a key outside :data:`SWEEP_SECTIONS` (it is read
+            by stages 1-3, which a variant shares with its base: such a change needs a run of its own);
+            a key varied twice or also given by ``--set``.
+    """
+    out: dict[str, list[str]] = {}
+    fixed = {o.split("=", 1)[0].strip() for o in overrides or []}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        values = _split_values(raw) if eq else []
+        if not key or not values or "" in values:
+            raise ParamsError(f"--vary {item!r} must look like section.key=VALUE1,VALUE2 (e.g. train.lr=1e-3,2e-3)")
+        section = key.split(".", 1)[0]
+        if section not in SWEEP_SECTIONS or "." not in key:
+            raise ParamsError(
+                f"--vary {key}: {section}.* is read by stages 1-3, which every variant shares with the base run "
+                f"(hard links); a variant of it needs stages 1-3 of its own: make it a run of its own "
+                f"(`eagle3 run PARAMS --set {key}=VALUE --run-name NAME`). A sweep varies "
+                f"{' and '.join(s + '.*' for s in SWEEP_SECTIONS)} (read by stages 4-5 only).")
+        if key in out or key in fixed:
+            raise ParamsError(f"--vary {key}: the key is given twice (another --vary or a --set); list every value "
+                              f"in one --vary {key}=A,B")
+        out[key] = values
+    if not out:
+        raise ParamsError("eagle3 sweep needs at least one --vary section.key=VALUE1,VALUE2")
+    return out
+
+
+def _short_keys(keys: list[str]) -> dict[str, str]:
+    """Each dotted key's last part (``train.lr`` -> ``lr``), the whole key where two share it."""
+    last = [k.rsplit(".", 1)[-1] for k in keys]
+    return {k: (s if last.count(s) == 1 else k) for k, s in zip(keys, last)}
+
+
+def variant_name(base: str, values: dict[str, str]) -> str:
+    """The run name of a variant: ``<base>--<key>-<value>`` per varied key, in ``--vary`` order, e.g.
+    ``ci--lr-1e-3--num_layers-2``. ``<key>`` is the key's last part (``train.lr`` -> ``lr``; the whole
+    dotted key where two varied keys end alike); ``<value>`` is the value as typed, every character
+    other than a letter, digit, ``.``, ``_`` or ``-`` replaced by ``_`` (a folder name on any system)."""
+    short = _short_keys(list(values))
+    parts = [f"{short[k]}-{re.sub(r'[^A-Za-z0-9._-]+', '_', v).strip('_') or '_'}" for k, v in values.items()]
+    return "--".join([base, *parts])
+
+
+def plan_variants(base: str, vary: dict[str, list[str]]) -> list[Variant]:
+    """One :class:`Variant` per combination of the values (the cartesian product, first key slowest).
+
+    Raises:
+        ParamsError: two combinations whose names are the same (values that differ only in characters
+            a folder name cannot hold).
+    """
+    out = [Variant(variant_name(base, dict(zip(vary, combo))), dict(zip(vary, combo)))
+           for combo in itertools.product(*vary.values())]
+    names = [v.name for v in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ParamsError(f"--vary: values that differ only in characters a folder name cannot hold give the same "
+                          f"run name {dup[0]}; write them so that they differ in letters, digits, '.', '_' or '-'")
+    return out
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """Recreate ``src``'s folders under ``dst`` and hard-link every file (symlinks copied as links).
+
+    Raises:
+        RunnerError: a hard link is impossible (another file system, a file system without them).
+    """
+    for root, dirs, files in os.walk(src):  # a symlink to a folder is listed in dirs, never entered
+        here = dst / Path(root).relative_to(src)
+        here.mkdir(parents=True, exist_ok=True)
+        for name in [*(d for d in dirs if (Path(root) / d).is_symlink()), *files]:
+            s = Path(root) / name
+            try:
+                if s.is_symlink():
+                    os.symlink(os.readlink(s), here / name)
+                else:
+                    os.link(s, here / name)
+            except OSError as exc:
+                raise RunnerError(
+                    f"cannot hard-link {s} into {here} ({exc.strerror}): a sweep shares the base run's stages "
+                    f"1-3 by hard links and never copies them (hidden states can be hundreds of GiB). Put the "
+                    f"variants on the base run's file system (the same run.output_dir).") from None
+
+
+def share_stages(base_dir: str | Path, run_dir: str | Path) -> None:
+    """Give the variant ``run_dir`` the base run's finished stages 1-3 (:data:`SHARED_STAGES`) as hard
+    links, each stage folder linked under a temporary name and renamed into place (a killed sweep
+    leaves no half-linked stage folder: the next one removes the rest), its ``inputs.json`` recorded
+    by :func:`eagle3.stage.record_shared`. A stage already there is checked instead: its
+    ``stats.json`` must be the base's own file (the same inode; a base stage finished again since
+    writes a new one).
+
+    Raises:
+        RunnerError: a base stage not complete; a stage of ``run_dir`` that is not (or no longer)
+            the base's (the message names the folder to remove); a hard link impossible.
+    """
+    base, rd = RunDir(base_dir), RunDir(run_dir)
+    for trash in rd.root.glob(_SHARING + "*"):
+        shutil.rmtree(trash)
+    for s in SHARED_STAGES:
+        src, dst = base.stage(s), rd.stage(s)
+        if not stage_record(base_dir, s).complete:
+            raise RunnerError(f"stage {s} ({STAGES[s]}) of the base run {base.root} is not complete: a variant "
+                              f"shares only finished stages (run the base's stages 1-3 first)")
+        if not dst.exists():
+            tmp = rd.root / f"{_SHARING}{dst.name}"
+            _link_tree(src, tmp)
+            tmp.rename(dst)
+        elif not (dst / STATS_FILE).exists() or not os.path.samefile(src / STATS_FILE, dst / STATS_FILE):
+            why = (f"holds an earlier state of the base's stage (the base's {STAGES[s]} finished again since the "
+                   f"variant shared it), so its stages 4-5 were made from other data" if shared_from(run_dir, s)
+                   else "is a stage of its own, not the base's shared one")
+            raise RunnerError(f"{dst} {why}. Remove {rd.root} and run the sweep again: the variant then shares "
+                              f"the base's stages and runs stages 4-5 on them.")
+        if shared_from(run_dir, s) is None:
+            record_shared(run_dir, s, src)
+
+
+def _variant_stages(stages: list[int] | None) -> list[int]:
+    """The variants' stages (default 4-5). Raises ParamsError for a stage 1-3 (shared, never run)."""
+    sel = sorted(set(stages or (TRAIN, EVALUATE)))
+    if set(sel) - {TRAIN, EVALUATE}:
+        raise ParamsError(f"eagle3 sweep --stages {format_stages(sel)}: a sweep runs stages 4-5 of its variants "
+                          f"(their stages 1-3 are the base run's, shared); use --stages 4, 5 or 4-5")
+    return sel
+
+
+def _run_variant(base_dir: Path, variant: Variant, params_file, stages: list[int], overrides: list[str],
+                 kernel: str, notebooks) -> Path:
+    """Create the variant's run folder beside the base (its ``params.yaml``; refused when the folder
+    holds a run of other params), share stages 1-3, then run ``stages`` through ``run_pipeline``."""
+    ov = [*overrides, f"run.output_dir={base_dir.parent}", *variant.overrides]
+    params = load_params(params_file, [*ov, f"run.name={variant.name}"])
+    run_dir = base_dir.parent / variant.name
+    print(f"eagle3 sweep: variant {variant.name} ({', '.join(variant.overrides)})", flush=True)
+    prepare_run_dir(params, run_dir, params_file=params_file, stages=stages,
+                    options=params_options(variant.name, ov))
+    share_stages(base_dir, run_dir)
+    return run_pipeline(params_file, stages, variant.name, ov, kernel, notebooks=notebooks)
+
+
+def run_sweep(params_file: str | Path, vary: list[str], stages: list[int] | None = None,
+              overrides: list[str] | None = None, run_name: str | None = None, kernel: str = KERNEL,
+              notebooks: str | Path | None = None) -> Path:
+    """``eagle3 sweep`` (module docstring): the base run, each variant's stages 4-5, the comparison;
+    returns the comparison file ``<output_dir>/<base>--sweep.md``.
+
+    Every variant's params are validated before anything runs. A combination equal to the base's
+    params (a ``--vary`` value that is the base's own) is the base run: not run twice.
+
+    Raises:
+        ParamsError: a ``--vary`` refused (:func:`parse_vary`), ``--stages`` outside 4-5, invalid params.
+        RunInterrupted: Ctrl-C (the message says that the same command resumes every run).
+        RunnerError, StaleStage, StageFailed: as :func:`eagle3.commands.run.run_pipeline` and
+            :func:`share_stages` raise them.
+    """
+    overrides = list(overrides or [])
+    stages = _variant_stages(stages)
+    keys = parse_vary(vary, overrides)
+    base_ov = [*overrides, *([f"run.name={run_name}"] if run_name else [])]
+    base_print = params_fingerprint(load_params(params_file, base_ov))
+    same = [v.values for v in plan_variants("", keys)
+            if params_fingerprint(load_params(params_file, [*base_ov, *v.overrides])) == base_print]
+    try:
+        base_dir = run_pipeline(params_file, sorted({*SHARED_STAGES, *stages}), run_name, overrides, kernel,
+                                notebooks=notebooks)
+        runs, notes = [base_dir], []
+        for v in plan_variants(base_dir.name, keys):
+            if v.values in same:
+                notes.append(f"{v.name}: the base's own params, its row is the base run's")
+                continue
+            runs.append(_run_variant(base_dir, v, params_file, stages, overrides, kernel, notebooks))
+    except RunInterrupted as exc:
+        raise RunInterrupted(f"{exc}; the same `eagle3 sweep` command resumes every run where it stopped "
+                             f"(finished ones are skipped)", stage=exc.stage, run_dir=exc.run_dir) from None
+    return _write_comparison(base_dir, runs, list(keys), notes)
+
+
+def _write_comparison(base_dir: Path, runs: list[Path], keys: list[str], notes: list[str]) -> Path:
+    """Write and print the comparison of ``runs`` (:func:`comparison_table`); returns its file."""
+    text = comparison_table(base_dir.name, sweep_rows(runs, keys), keys, notes)
+    out = base_dir.parent / SWEEP_FILE.format(base=base_dir.name)
+    atomic_write_text(out, text)
+    print(text, flush=True)
+    print(f"eagle3 sweep: comparison written to {out}", flush=True)
+    return out
+
+
+def sweep_rows(run_dirs: list[Path], keys: list[str]) -> list[dict]:
+    """One row per run: ``run`` (folder name), ``values`` (``{key: value}`` of its ``params.yaml``),
+    ``val_tau_hat`` (stage 4's best validation τ̂, the exported drafter's), ``train_time_s`` and ``sets``
+    (``{set: {"tau", "tpf", "tpf_ngram"}}``: vLLM τ of the drafter, tokens per target forward of the
+    drafter and of vLLM's n-gram lookup); a number is None where its stage is not complete. Read
+    through :func:`eagle3.stage.stage_record` and :func:`eagle3.evaluate.stats.read_stats`."""
+    from eagle3.evaluate.methods import VLLM_EAGLE3, VLLM_NGRAM
+    from eagle3.evaluate.stats import read_stats, value_at
+
+    rows = []
+    for rd in map(Path, run_dirs):
+        dump = load_params(RunDir(rd).params_file).model_dump(mode="json")
+        train = stage_record(rd, TRAIN)
+        st = read_stats(rd) if stage_record(rd, EVALUATE).complete else None
+        sets = {name: {"tau": s.get(VLLM_EAGLE3, "tau"), "tpf": s.get(VLLM_EAGLE3, "tokens_per_forward"),
+                       "tpf_ngram": s.get(VLLM_NGRAM, "tokens_per_forward")} for name, s in (st.sets if st else {}).items()}
+        rows.append({"run": rd.name, "values": {k: value_at(dump, k) for k in keys},
+                     "val_tau_hat": train.stats.get("best_val_tau_hat") if train.complete else None,
+                     "train_time_s": train.stats.get("train_time_s") if train.complete else None, "sets": sets})
+    return rows
+
+
+def _num(x, fmt: str = "{:.3f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def comparison_table(base: str, rows: list[dict], keys: list[str], notes: list[str] = ()) -> str:
+    """The sweep's Markdown page: a title, a table with one row per run (:func:`sweep_rows`; the
+    evaluation sets as the runs name them, in their order) and what the columns mean."""
+    sets = list(dict.fromkeys(name for r in rows for name in r["sets"]))
+    short = _short_keys(keys)
+    head = ["run", *(short[k] for k in keys), "val τ̂", "train time",
+            *(c for s in sets for c in (f"{s}: vLLM τ", f"{s}: tokens/forward (n-gram)"))]
+    lines = [f"# Sweep of {base}", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        cells = [f"`{r['run']}`", *(str(r["values"][k]) for k in keys), _num(r["val_tau_hat"]),
+                 _num(r["train_time_s"], "{:.0f} s")]
+        for s in sets:
+            m = r["sets"].get(s, {})
+            cells += [_num(m.get("tau")), f"{_num(m.get('tpf'))} ({_num(m.get('tpf_ngram'))})"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "val τ̂: stage 4's best validation τ̂ (the exported drafter's); train time: stage 4's training "
+              "time; per evaluation set, stage 5's vLLM τ of the drafter and its tokens per target forward, "
+              "vLLM's n-gram lookup's in brackets; —: the stage has not finished.",
+              *(f"- {n}" for n in notes), ""]
+    return "\n".join(lines)
