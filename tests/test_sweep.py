@@ -15,6 +15,7 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from eagle3.cli import main
+from eagle3.commands.run import run_pipeline
 from eagle3.commands.sweep import parse_vary, plan_variants, run_sweep, share_stages, variant_name
 from eagle3.errors import ParamsError, RunnerError, StageFailed
 from eagle3.io import read_json
@@ -203,6 +204,12 @@ def test_a_sweep_shares_stages_1_3_by_hard_links_resumes_and_compares(tmp_params
     assert "| `t--lr-0.004` | 0.004 | 1.400 | 40 s | 2.400 | 1.900 (1.100) |" in text
     assert "| `t--lr-0.005` | 0.005 | 1.500 | 50 s | 2.500 | 2.000 (1.100) |" in text
     assert "- t--lr-0.003: the base's own params, its row is the base run's" in text
+
+    # redoing a shared stage in a variant would write into the base's files: refused, nothing changed
+    before = (base / STAGES[3] / "stats.json").read_bytes()
+    with pytest.raises(RunnerError, match=r"stage 3 of .*t--lr-0.004 is .*shared by hard links"):
+        run_pipeline(v4 / "params.yaml", stages=[3], redo=[3], notebooks=nbdir)
+    assert (base / STAGES[3] / "stats.json").read_bytes() == before
 
 
 def test_a_variant_refuses_base_stages_finished_again_and_never_copies(tmp_path, monkeypatch):

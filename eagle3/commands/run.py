@@ -33,7 +33,7 @@ from eagle3.rundir import (
     prepare_run_dir,
     resolve_run_dir,
 )
-from eagle3.stage import RunLock, stage_record, stale_inputs, stale_message, this_command
+from eagle3.stage import RunLock, shared_from, stage_record, stale_inputs, stale_message, this_command
 
 __all__ = ["KERNEL", "parse_stages", "format_stages", "resume_stages", "params_options", "run_dir_for",
            "check_prompt_files", "reopen_stage", "run_pipeline", "stages_read", "require_earlier_complete",
@@ -317,8 +317,7 @@ def run_pipeline(
         raise ParamsError(_not_a_run_yet(target_dir, selected, params_file, run_name, overrides))
     to_run = [s for s in selected if s in redo_set or force or not stage_record(target_dir, s).complete]
     again = shlex.join([str(params_file), *params_options(run_name, overrides)])
-    for s in to_run:  # an unselected earlier stage left unfinished: refused before anything is written
-        require_earlier_complete(target_dir, s, params, again, selected)
+    _refuse_before_writing(target_dir, to_run, params, again, selected)
     nbs = stage_notebooks(Path(notebooks) if notebooks else None, selected)
     check_prompt_files(params, to_run)
     check_run_location(target_dir)
@@ -327,6 +326,23 @@ def run_pipeline(
                                   options=params_options(run_name, overrides))
         _run_stages(run_dir, params, params_file, nbs, (redo_set, force), kernel, again)
     return run_dir
+
+
+def _refuse_before_writing(run_dir: Path, to_run: list[int], params, again: str, selected: list[int]) -> None:
+    """Refuse, before anything is written, a stage to run whose earlier stage is unfinished
+    (:func:`require_earlier_complete`), or whose folder is another run's, shared by hard links
+    (:func:`eagle3.stage.shared_from`, an ``eagle3 sweep`` variant): writing there would change the
+    files of the run it shares them with.
+
+    Raises:
+        RunnerError: naming the stage and what to run instead.
+    """
+    for s in to_run:
+        base = shared_from(run_dir, s)
+        if base is not None:
+            raise RunnerError(f"stage {s} of {run_dir} is {base}'s, shared by hard links (eagle3 sweep): run it in "
+                              f"that run, then the sweep again; a variant runs only stages 4-5")
+        require_earlier_complete(run_dir, s, params, again, selected)
 
 
 def stage_notebooks(folder: Path | None, stages: list[int]) -> dict[int, Path]:
