@@ -367,6 +367,31 @@ def test_cli_eagle3_errors_are_clean_and_bugs_keep_their_traceback(monkeypatch, 
         main(["report", "somewhere"])
 
 
+def test_a_report_that_cannot_be_rendered_after_finished_stages_is_a_warning(monkeypatch, tmp_path, capsys):
+    """Four finished stages, then nbconvert without its 'lab' template: one line with the reason and the
+    command that renders the report again; the stages' results stand, so the run exits 0."""
+    import eagle3.commands.report
+    import eagle3.commands.run
+
+    monkeypatch.setattr(eagle3.commands.run, "run_pipeline", lambda *a, **k: tmp_path / "run")
+
+    def no_lab(run_dir):
+        raise ValueError("No template sub-directory with name 'lab' found in the following paths:\n\t/x/share")
+
+    monkeypatch.setattr(eagle3.commands.report, "render_report", no_lab)
+    assert main(["run", "p.yaml", "--stages", "1-4"]) == 0
+    out, err = capsys.readouterr()
+    assert err == (f"eagle3: warning: the report could not be rendered (ValueError: No template sub-directory with "
+                   f"name 'lab' found in the following paths:); the stages' results stand in {tmp_path / 'run'}; "
+                   f"render it again with `eagle3 report {tmp_path / 'run'}`\n")
+    assert "Traceback" not in out + err
+    # rendered: the index is printed, as before
+    monkeypatch.setattr(eagle3.commands.report, "render_report", lambda d: Path(d) / "report" / "index.html")
+    assert main(["run", "p.yaml"]) == 0
+    assert capsys.readouterr().out == f"eagle3: report {tmp_path / 'run' / 'report' / 'index.html'}\n"
+    # `eagle3 report` alone keeps the full error (test_cli_eagle3_errors_are_clean_and_bugs_keep_their_traceback)
+
+
 def test_status_into_a_closed_pipe_is_quiet(tmp_path):
     rd = tmp_path / "run"
     (rd / "01_synthesize").mkdir(parents=True)
