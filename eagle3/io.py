@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +33,7 @@ __all__ = [
     "format_bytes",
     "json_digest",
     "is_disk_full",
+    "path_kind",
 ]
 
 
@@ -194,6 +196,34 @@ def is_disk_full(exc: BaseException, folder: str | Path | None = None) -> bool:
         return free_bytes(folder) < 64 * 2**20
     except OSError:
         return False
+
+
+_NOT_FILES = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+              (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"))
+
+
+def path_kind(path: str | Path) -> tuple[str, str]:
+    """What ``path`` is, for a message about a file the user named (a params file, a prompt file).
+
+    Returns:
+        tuple: ``(kind, words)``; ``kind`` is ``"file"`` (a regular file), ``"missing"``, ``"folder"``
+        or ``"other"`` (a device, pipe or socket: reading it blocks or never ends); ``words`` says it
+        in a sentence's terms ("a folder", "a character device", "a named pipe (FIFO)"), with the
+        link followed named ("a character device (a link to /dev/zero)").
+    """
+    p = Path(path)
+    link = f" (a link to {os.readlink(p)})" if p.is_symlink() else ""
+    try:
+        mode = p.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing", f"missing{link}"
+    except OSError as exc:  # a link loop, a folder without search permission
+        return "other", f"not accessible{link}: {exc.strerror}"
+    if stat.S_ISREG(mode):
+        return "file", f"a regular file{link}"
+    if stat.S_ISDIR(mode):
+        return "folder", f"a folder{link}"
+    return "other", next(w for test, w in _NOT_FILES if test(mode)) + link
 
 
 def free_bytes(path: str | Path) -> int:
