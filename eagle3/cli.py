@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         # A full disk or a read-only / foreign run directory is the machine's state, not a bug.
         if exc.errno not in _ENVIRONMENT_ERRNOS:
             raise
-        print(f"eagle3: {exc.strerror}: {exc.filename or ''} ({_ENVIRONMENT_ERRNOS[exc.errno]})", file=sys.stderr)
+        where = f": {exc.filename}" if exc.filename else ""  # a failed write() names no file
+        print(f"eagle3: {exc.strerror}{where} ({_ENVIRONMENT_ERRNOS[exc.errno]})", file=sys.stderr)
         return 2
 
 

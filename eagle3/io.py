@@ -34,6 +34,7 @@ __all__ = [
     "json_digest",
     "is_disk_full",
     "path_kind",
+    "naming_file",
 ]
 
 
@@ -67,7 +68,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (temp file in the same folder, fsync, rename)."""
-    with atomic_path(path) as tmp:
+    with atomic_path(path) as tmp, naming_file(path):
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
@@ -224,6 +225,21 @@ def path_kind(path: str | Path) -> tuple[str, str]:
     if stat.S_ISDIR(mode):
         return "folder", f"a folder{link}"
     return "other", next(w for test, w in _NOT_FILES if test(mode)) + link
+
+
+@contextmanager
+def naming_file(path: str | Path) -> Iterator[None]:
+    """Re-raise an ``OSError`` without a file name as the same error naming ``path``.
+
+    Python names the file of a failed ``open()``, not of a failed ``write()``/``flush()`` (a full
+    disk: ``[Errno 28] No space left on device`` and nothing else); wrap the writes of a file with it.
+    """
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
 
 
 def free_bytes(path: str | Path) -> int:

@@ -439,6 +439,27 @@ def test_a_full_disk_is_a_clean_error(monkeypatch, capsys):
                                        "free space or set run.output_dir to a larger disk)\n")
 
 
+def test_a_full_disk_while_a_stage_runs_names_the_notebook_being_written(tmp_params, nbdir, monkeypatch, capsys):
+    """The stage's kernel died on a full disk, then papermill's save of the executed notebook failed
+    with an ENOSPC that names no file: the one line names the notebook, never 'device:  (the disk'."""
+    import errno
+
+    import papermill
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(papermill, "execute_notebook", full)
+    pf = tmp_params()
+    assert main_with_notebooks(["run", str(pf), "--stages", "1", "--no-report"], nbdir) == 2
+    err = capsys.readouterr().err
+    rd = load_params(pf).run
+    out_nb = Path(rd.output_dir) / rd.name / "notebooks" / NOTEBOOKS[1]
+    assert err.endswith(f"eagle3: No space left on device: {out_nb} (the disk is full: free space or set "
+                        f"run.output_dir to a larger disk)\n"), err
+    assert "device:  (" not in err and "Traceback" not in err
+
+
 def test_the_resume_hint_names_the_command_as_it_was_started(monkeypatch, tmp_path):
     """After `make run`, which starts `.venv/bin/python -m eagle3` (the venv's bin need not be on PATH),
     `eagle3 run ...` would not run: the hint repeats how eagle3 was started."""
