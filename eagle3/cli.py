@@ -74,15 +74,16 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from eagle3.commands.report import render_report
+    """The stages, then the report; a report that cannot be rendered is a warning, exit 0 (the stages'
+    results stand: :func:`eagle3.commands.report.render_after_run`)."""
+    from eagle3.commands.report import render_after_run
     from eagle3.commands.run import parse_stages, run_pipeline
 
     redo = parse_stages(args.redo, "--redo") if args.redo else None
     run_dir = run_pipeline(args.params, parse_stages(args.stages), args.run_name, args.overrides, args.kernel,
                            redo=redo)
     if not args.no_report:
-        index = render_report(run_dir)
-        print(f"eagle3: report {index}")
+        render_after_run(run_dir)
     return 0
 
 
@@ -212,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         # A full disk or a read-only / foreign run directory is the machine's state, not a bug.
         if exc.errno not in _ENVIRONMENT_ERRNOS:
             raise
-        print(f"eagle3: {exc.strerror}: {exc.filename or ''} ({_ENVIRONMENT_ERRNOS[exc.errno]})", file=sys.stderr)
+        where = f": {exc.filename}" if exc.filename else ""  # a failed write() names no file
+        print(f"eagle3: {exc.strerror}{where} ({_ENVIRONMENT_ERRNOS[exc.errno]})", file=sys.stderr)
         return 2
 
 

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,6 +33,8 @@ __all__ = [
     "format_bytes",
     "json_digest",
     "is_disk_full",
+    "path_kind",
+    "naming_file",
 ]
 
 
@@ -65,7 +68,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically (temp file in the same folder, fsync, rename)."""
-    with atomic_path(path) as tmp:
+    with atomic_path(path) as tmp, naming_file(path):
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
@@ -194,6 +197,49 @@ def is_disk_full(exc: BaseException, folder: str | Path | None = None) -> bool:
         return free_bytes(folder) < 64 * 2**20
     except OSError:
         return False
+
+
+_NOT_FILES = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+              (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"))
+
+
+def path_kind(path: str | Path) -> tuple[str, str]:
+    """What ``path`` is, for a message about a file the user named (a params file, a prompt file).
+
+    Returns:
+        tuple: ``(kind, words)``; ``kind`` is ``"file"`` (a regular file), ``"missing"``, ``"folder"``
+        or ``"other"`` (a device, pipe or socket: reading it blocks or never ends); ``words`` says it
+        in a sentence's terms ("a folder", "a character device", "a named pipe (FIFO)"), with the
+        link followed named ("a character device (a link to /dev/zero)").
+    """
+    p = Path(path)
+    link = f" (a link to {os.readlink(p)})" if p.is_symlink() else ""
+    try:
+        mode = p.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return "missing", f"missing{link}"
+    except OSError as exc:  # a link loop, a folder without search permission
+        return "other", f"not accessible{link}: {exc.strerror}"
+    if stat.S_ISREG(mode):
+        return "file", f"a regular file{link}"
+    if stat.S_ISDIR(mode):
+        return "folder", f"a folder{link}"
+    return "other", next(w for test, w in _NOT_FILES if test(mode)) + link
+
+
+@contextmanager
+def naming_file(path: str | Path) -> Iterator[None]:
+    """Re-raise an ``OSError`` without a file name as the same error naming ``path``.
+
+    Python names the file of a failed ``open()``, not of a failed ``write()``/``flush()`` (a full
+    disk: ``[Errno 28] No space left on device`` and nothing else); wrap the writes of a file with it.
+    """
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
 
 
 def free_bytes(path: str | Path) -> int:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from eagle3.config import Params
 from eagle3.errors import ParamsError
+from eagle3.io import path_kind
 
 __all__ = [
     "ParamsError",
@@ -138,12 +139,13 @@ def _read_text(p: Path) -> str:
             be read, or is not UTF-8 text; the message says which.
     """
     which = "Pass one of the files in params/ (e.g. params/smollm2-135m.yaml) or a path to your own YAML file."
-    if not p.exists():
+    kind, words = path_kind(p)
+    if kind == "missing":
         raise ParamsError(f"Params file not found: {p}. {which}")
-    if p.is_dir():
+    if kind == "folder":
         raise ParamsError(f"Params file {p} is a folder, not a YAML file. {which}")
-    if not p.is_file():
-        raise ParamsError(f"Params file {p} is not a regular file (a device, pipe or socket). {which}")
+    if kind == "other":
+        raise ParamsError(f"Params file {p} is not a regular file (a device, pipe or socket). It is {words}. {which}")
     try:
         return p.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:

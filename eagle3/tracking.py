@@ -16,7 +16,7 @@ from typing import Any
 
 from eagle3.config import Params
 
-__all__ = ["Tracker", "resolve_mode", "scrub_secrets"]
+__all__ = ["Tracker", "resolve_mode", "scrub_secrets", "offline_fallback_id"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,19 @@ def _env_names(obj: Any) -> list[str]:
     return []
 
 
+def offline_fallback_id(run_id: str) -> dict:
+    """The ``id`` and ``resume`` of the offline run that 'auto' falls back to: a fresh id
+    (``<run_id>-offline-<6 hex>``, at most 64 characters), not resumed.
+
+    The online attempt that timed out may still hold ``run_id`` in wandb's service process, where a
+    second ``init`` with it fails about a minute later (``ServerResponseError: run ID ... is in
+    use``); offline runs cannot resume anyway. ``wandb sync`` uploads the files as a run of their own.
+    """
+    import secrets
+
+    return {"id": f"{run_id[:48]}-offline-{secrets.token_hex(3)}", "resume": None}
+
+
 class Tracker:
     """Log a stage's numbers and figures to W&B (or nowhere) and its figures to PNG files.
 
@@ -127,7 +140,7 @@ class Tracker:
                             str(exc).splitlines()[0] if str(exc) else "", self.run_dir)
                 self.mode = "offline"
                 self.run = wandb.init(mode="offline", settings=wandb.Settings(console="off", x_disable_stats=True),
-                                      **kwargs)
+                                      **(kwargs | offline_fallback_id(kwargs["id"])))
 
     def _run_id_suffix(self) -> str:
         from eagle3.params_file import params_fingerprint

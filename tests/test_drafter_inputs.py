@@ -17,9 +17,11 @@ from eagle3.drafters.eagle3 import check_hidden_size, hidden_size_problems
 from eagle3.errors import EvaluateError
 from eagle3.evaluate.drafter import load_drafter
 from eagle3.evaluate.layer_ids import (
+    DECLARED_RULE,
     RULE,
     aux_layer_id_warnings,
     candidate_layer_ids,
+    declared_id_warnings,
     layer_id_warnings,
     probe_sequences,
 )
@@ -90,6 +92,72 @@ def test_probe_sequences_match_records_to_prompts_by_id():
     prompts = [{"id": "a", "prompt_ids": [1, 2]}, {"id": "b", "prompt_ids": [3]}]
     recs = [{"id": "b", "tokens": [9, 8]}, {"id": "a", "tokens": [7]}, {"id": "c", "tokens": [5]}]
     assert probe_sequences(prompts, recs) == [[3, 9, 8], [1, 2, 7]]
+
+
+def test_declared_ids_against_stage3_and_the_convention():
+    """What needs no statistics: the config's ids against the run's stage-3 ids (both lists named),
+    else against EAGLE-3's default shifted by one (the other meaning of 'layer k')."""
+    (w,) = declared_id_warnings([3, 16, 28], 30, [2, 15, 27], "03_extract/meta.json")
+    assert w["rule"] == DECLARED_RULE and w["numbers"] == {"config_ids": [3, 16, 28], "stage3_ids": [2, 15, 27]}
+    assert "config lists aux layer ids [3, 16, 28], but this run's stage 3 extracted [2, 15, 27]" in w["message"]
+    assert "eagle_aux_hidden_state_layer_ids in {drafter}/config.json" in w["fix"] and "[2, 15, 27]" in w["fix"]
+    assert declared_id_warnings([2, 15, 27], 30, [2, 15, 27]) == []
+    # no stage 3: the default shifted by +1 or -1 is named; any other list is left to the measurement
+    (w,) = declared_id_warnings([3, 16, 28], 30, None)
+    assert w["numbers"] == {"config_ids": [3, 16, 28], "default_ids": [2, 15, 27], "shift": 1, "num_layers": 30}
+    assert declared_id_warnings([1, 14, 26], 30, None)[0]["numbers"]["shift"] == -1
+    assert declared_id_warnings([4, 18, 29], 30, None) == []
+    assert declared_id_warnings([2, 15, 27], 30, None) == []
+    assert declared_id_warnings([3, 16, 28], None, None) == []  # layer count unknown (vLLM only)
+    assert declared_id_warnings([], 30, [2, 15, 27]) == []  # missing ids: check_drafter's problem
+
+
+def test_external_drafter_ids_checked_against_stage3_without_measuring(tmp_path):
+    """A drafter trained on [2, 15, 27] whose config says [3, 16, 28]: named from stage 3's meta.json
+    alone, with no offline record (few or no prompts decoded)."""
+    from eagle3.contracts.hidden_states import write_meta
+    from eagle3.rundir import EXTRACT, RunDir
+
+    d = tmp_path / "external"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": [3, 16, 28]}))
+    write_meta(RunDir(tmp_path / "run").stage(EXTRACT, create=True), {"aux_layer_ids": [2, 15, 27]})
+    params = Params.model_validate({"evaluate": {"drafter_dir": str(d)}})
+    (w,) = aux_layer_id_warnings(params, tmp_path / "run", d, None, None, [], None)
+    assert w["rule"] == DECLARED_RULE and w["numbers"] == {"config_ids": [3, 16, 28], "stage3_ids": [2, 15, 27]}
+    assert f"{RunDir(tmp_path / 'run').extract_meta.relative_to(tmp_path / 'run')}" in w["message"]
+    assert f"eagle_aux_hidden_state_layer_ids in {d}/config.json" in w["fix"]
+    # this run's own drafter: diagnose compares it with stage 3 (reference_problems), not this check
+    assert aux_layer_id_warnings(Params.model_validate({}), tmp_path / "run", d, None, None, [], None) == []
+
+
+def test_a_measurement_too_small_to_decide_says_so(monkeypatch):
+    """9 positions where only the ids one below (the default) are right: z = 3 < 4, no warning, but a
+    diagnosis line that the check could not decide (not silence, which reads as 'nothing found')."""
+    import eagle3.evaluate.layer_ids as li
+
+    def fit(target, dm, seqs, cands):
+        return {name: [ids == [2, 15, 27]] * 9 + [True] * 11 for name, ids in cands.items()}
+
+    monkeypatch.setattr(li, "layer_fit", fit)
+    notes: list[str] = []
+    warns, acc = layer_id_warnings(None, None, [3, 16, 28], [[1, 2, 3]], 30, notes=notes)
+    assert warns == [] and acc["default"] == 1.0 and acc["config"] == 0.55
+    assert notes == ["layer ids: the measured check could not decide: 20 positions, 9 where [2, 15, 27] (default, "
+                     "first-draft accuracy 1.000) and the config's [3, 16, 28] (0.550) disagree, z = 3.0; the rule "
+                     "needs z >= 4 and a gain >= 0.05 (decode more prompts: evaluate.offline_prompts)"]
+    # enough positions: the warning, no note
+    monkeypatch.setattr(li, "layer_fit", lambda t, d, s, cands: {n: [n == "default"] * 16 + [True] * 4 for n in cands})
+    notes.clear()
+    warns, _ = layer_id_warnings(None, None, [3, 16, 28], [[1, 2, 3]], 30, notes=notes)
+    assert [w["rule"] for w in warns] == [RULE] and notes == []
+    # the config's ids clearly best: decided, no note
+    monkeypatch.setattr(li, "layer_fit", lambda t, d, s, cands: {n: [n == "config"] * 20 for n in cands})
+    warns, _ = layer_id_warnings(None, None, [3, 16, 28], [[1, 2, 3]], 30, notes=notes)
+    assert warns == [] and notes == []
+    monkeypatch.setattr(li, "layer_fit", lambda t, d, s, cands: {n: [] for n in cands})
+    assert layer_id_warnings(None, None, [3, 16, 28], [[1, 2]], 30, notes=notes) == ([], {})
+    assert notes == ["layer ids: the measured check scored no position (1 sequences): not decided"]
 
 
 TRAINED_IDS = [3, 5, 6]  # of the tiny target's 8 layers; its default [2, 4, 5] is one below each
@@ -204,8 +272,9 @@ def test_stage5_puts_the_layer_id_warning_into_stats_and_results(random_drafter,
 
     seen = {}
 
-    def spy(target, dm, ids, seqs, n_layers, extra=None, **kw):
+    def spy(target, dm, ids, seqs, n_layers, extra=None, notes=None, **kw):
         seen.update(ids=list(ids), sequences=len(seqs), layers=n_layers, extra=extra)
+        notes.append("planted note")  # an undecided measurement: a diagnosis line
         return [{"rule": li.RULE, "message": "planted", "numbers": {"best_ids": [2, 15, 27]}, "fix": "see {drafter}"}], {}
 
     monkeypatch.setattr(li, "layer_id_warnings", spy)
@@ -226,3 +295,5 @@ def test_stage5_puts_the_layer_id_warning_into_stats_and_results(random_drafter,
     assert planted in stats.warnings
     assert planted in read_json(RunDir(run_dir).stats(EVALUATE))["warnings"]
     assert planted in read_json(RunDir(run_dir).evaluate_results)["warnings"]
+    assert "planted note" in read_json(RunDir(run_dir).evaluate_results)["diagnosis"]
+    assert "planted note" in stats.diagnosis

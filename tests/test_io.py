@@ -250,3 +250,28 @@ def test_the_token_based_eta_of_extraction_follows_the_recent_rate(tmp_path):
     assert snap["tokens"] == 261_000 and 365.0 <= snap["eta_s"] <= 372.0  # 739,000 tokens at 2,000/s
     assert snap["tokens_per_s"] < 1_650  # the execution's average (261,000 over 160 s) stays the reported rate
     prog.close()
+
+
+def test_a_failed_write_names_the_file(tmp_path, monkeypatch):
+    """A write or fsync on a full disk raises ENOSPC naming no file; the atomic writers name the file
+    being written (the destination, not the temp file), and the old file stays."""
+    import errno
+    import json
+
+    import eagle3.io
+    from eagle3.io import naming_file
+
+    dst = tmp_path / "stats.json"
+    atomic_write_json(dst, {"a": 1})
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(eagle3.io.os, "fsync", full)
+    with pytest.raises(OSError) as e:
+        atomic_write_json(dst, {"a": 2})
+    assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(dst))
+    assert json.loads(dst.read_text()) == {"a": 1} and [p.name for p in tmp_path.iterdir()] == ["stats.json"]
+    with pytest.raises(FileNotFoundError) as e, naming_file("elsewhere"):
+        open(tmp_path / "nope" / "x")
+    assert e.value.filename == str(tmp_path / "nope" / "x")  # a name of its own is kept

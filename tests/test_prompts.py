@@ -398,3 +398,41 @@ def test_the_jsonl_example_in_usage_loads_every_layout(tmp_path):
     assert len(prompts) == len(block.strip().splitlines()) == 4
     assert prompts[1].turns[0][0] == {"role": "system", "content": "Be brief."}
     assert prompts[3].turns[0][-1]["content"].startswith("Summarize the text.\n\n")
+
+
+def test_a_prompt_path_that_is_no_file_says_what_it_is(tmp_path, capsys):
+    """A folder, a link to /dev/zero or a named pipe as the prompt file: the message says what the path
+    is (it exists: 'does not exist' sent people looking for a typo), before any read blocks on it; the
+    same words as a params file's (eagle3.io.path_kind), and `eagle3 run` stops with them in one line."""
+    import os
+
+    from eagle3.cli import main
+    from eagle3.errors import ParamsError
+    from eagle3.io import path_kind
+    from eagle3.params_file import load_params
+
+    (tmp_path / "folder.jsonl").mkdir()
+    (tmp_path / "zero.jsonl").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    (tmp_path / "dangling.jsonl").symlink_to(tmp_path / "nowhere.jsonl")
+    cases = {"folder.jsonl": "is a folder, not a regular file",
+             "zero.jsonl": "is a character device (a link to /dev/zero), not a regular file",
+             "pipe.jsonl": "is a named pipe (FIFO), not a regular file",
+             "dangling.jsonl": "does not exist"}
+    for name, words in cases.items():
+        path = tmp_path / name
+        with pytest.raises(PromptError) as e:
+            load_source(PromptSource(kind="file", path=str(path)), field="synthesize.sources")
+        assert str(e.value).startswith(f"synthesize.sources: prompt file {path} {words}"), str(e.value)
+    assert path_kind(tmp_path / "zero.jsonl") == ("other", "a character device (a link to /dev/zero)")
+    assert path_kind(tmp_path / "nowhere") == ("missing", "missing")
+    # the params file helper says the same
+    pf = tmp_path / "p.yaml"
+    pf.write_text(f"synthesize:\n  sources:\n    - {{kind: file, path: {tmp_path / 'pipe.jsonl'}}}\n")
+    assert main(["run", str(pf), "--set", f"run.output_dir={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert f"prompt file {tmp_path / 'pipe.jsonl'} is a named pipe (FIFO), not a regular file" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+    with pytest.raises(ParamsError, match=r"is not a regular file \(a device, pipe or socket\)\. It is a character "
+                                          r"device \(a link to /dev/zero\)\."):
+        load_params(tmp_path / "zero.jsonl")

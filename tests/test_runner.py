@@ -367,6 +367,31 @@ def test_cli_eagle3_errors_are_clean_and_bugs_keep_their_traceback(monkeypatch, 
         main(["report", "somewhere"])
 
 
+def test_a_report_that_cannot_be_rendered_after_finished_stages_is_a_warning(monkeypatch, tmp_path, capsys):
+    """Four finished stages, then nbconvert without its 'lab' template: one line with the reason and the
+    command that renders the report again; the stages' results stand, so the run exits 0."""
+    import eagle3.commands.report
+    import eagle3.commands.run
+
+    monkeypatch.setattr(eagle3.commands.run, "run_pipeline", lambda *a, **k: tmp_path / "run")
+
+    def no_lab(run_dir):
+        raise ValueError("No template sub-directory with name 'lab' found in the following paths:\n\t/x/share")
+
+    monkeypatch.setattr(eagle3.commands.report, "render_report", no_lab)
+    assert main(["run", "p.yaml", "--stages", "1-4"]) == 0
+    out, err = capsys.readouterr()
+    assert err == (f"eagle3: warning: the report could not be rendered (ValueError: No template sub-directory with "
+                   f"name 'lab' found in the following paths:); the stages' results stand in {tmp_path / 'run'}; "
+                   f"render it again with `eagle3 report {tmp_path / 'run'}`\n")
+    assert "Traceback" not in out + err
+    # rendered: the index is printed, as before
+    monkeypatch.setattr(eagle3.commands.report, "render_report", lambda d: Path(d) / "report" / "index.html")
+    assert main(["run", "p.yaml"]) == 0
+    assert capsys.readouterr().out == f"eagle3: report {tmp_path / 'run' / 'report' / 'index.html'}\n"
+    # `eagle3 report` alone keeps the full error (test_cli_eagle3_errors_are_clean_and_bugs_keep_their_traceback)
+
+
 def test_status_into_a_closed_pipe_is_quiet(tmp_path):
     rd = tmp_path / "run"
     (rd / "01_synthesize").mkdir(parents=True)
@@ -412,6 +437,27 @@ def test_a_full_disk_is_a_clean_error(monkeypatch, capsys):
     assert main(["report", "x"]) == 2
     assert capsys.readouterr().err == ("eagle3: No space left on device: /data/run/params.yaml (the disk is full: "
                                        "free space or set run.output_dir to a larger disk)\n")
+
+
+def test_a_full_disk_while_a_stage_runs_names_the_notebook_being_written(tmp_params, nbdir, monkeypatch, capsys):
+    """The stage's kernel died on a full disk, then papermill's save of the executed notebook failed
+    with an ENOSPC that names no file: the one line names the notebook, never 'device:  (the disk'."""
+    import errno
+
+    import papermill
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(papermill, "execute_notebook", full)
+    pf = tmp_params()
+    assert main_with_notebooks(["run", str(pf), "--stages", "1", "--no-report"], nbdir) == 2
+    err = capsys.readouterr().err
+    rd = load_params(pf).run
+    out_nb = Path(rd.output_dir) / rd.name / "notebooks" / NOTEBOOKS[1]
+    assert err.endswith(f"eagle3: No space left on device: {out_nb} (the disk is full: free space or set "
+                        f"run.output_dir to a larger disk)\n"), err
+    assert "device:  (" not in err and "Traceback" not in err
 
 
 def test_the_resume_hint_names_the_command_as_it_was_started(monkeypatch, tmp_path):

@@ -459,3 +459,30 @@ def test_a_second_writer_is_refused(tmp_path):
     again = SampleStore(path)  # the lock is released on close (and by the OS when a process dies)
     assert again.done == {"a": 3}
     again.close()
+
+
+def test_a_full_disk_names_the_file_being_written(tmp_path, monkeypatch):
+    """A write on a full disk raises ENOSPC with no file name (Python names the file of an open(), not
+    of a write()); stage 1 re-raises it naming samples.jsonl, so `eagle3 run` says which file."""
+    import errno
+
+    from eagle3.contracts.samples import SampleStore
+
+    real = SampleStore.append
+
+    def append(self, sample):
+        if self.done:  # the second sample meets a full disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, sample)
+
+    monkeypatch.setattr(SampleStore, "append", append)
+    prompts = _prompt_file(tmp_path, 3)
+    with FakeChatServer() as srv:
+        params = _params(tmp_path, srv.base_url, prompts)
+        with pytest.raises(OSError) as e:
+            _go(params)
+    rd = Path(params.run.output_dir) / params.run.name
+    assert (e.value.errno, e.value.strerror, e.value.filename) == (errno.ENOSPC, "No space left on device",
+                                                                   str(RunDir(rd).samples))
+    prog = read_json(RunDir(rd).progress(SYNTHESIZE))
+    assert prog["status"] == "failed" and str(RunDir(rd).samples) in json.dumps(prog)

@@ -81,3 +81,41 @@ def test_auto_mode_falls_back_to_offline_when_wandb_is_unreachable(tmp_params, m
         assert "W&B is not reachable (CommError: no such host: api.wandb.ai)" in caplog.text
     finally:
         t.finish()
+
+
+def test_auto_fallback_to_offline_takes_a_fresh_run_id(tmp_params, monkeypatch):
+    """A key but no network: the online attempt times out and may keep the run's id in wandb's service,
+    where a second init with it fails ('run ID ... is in use'); the offline fallback uses another id,
+    not resumed, and the next stage's fallback yet another. No network: wandb.init is replaced."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    held: set[str] = set()
+    calls = []
+
+    class FakeRun:
+        def finish(self):
+            pass
+
+    def init(*, mode, id, resume, **kw):
+        calls.append((mode, id, resume))
+        if id in held:
+            raise RuntimeError(f"ServerResponseError: run ID {id} is in use")
+        held.add(id)
+        if mode == "online":
+            raise TimeoutError("Run initialization has timed out after 20.0 sec.")
+        return FakeRun()
+
+    monkeypatch.setattr(wandb, "init", init)
+    p = load_params(tmp_params("tracking:\n  mode: auto\n"))
+    ids = []
+    for stage in ("01_synthesize", "02_vocab"):
+        t = Tracker(p, Path(p.run.output_dir) / "t", stage)
+        assert t.mode == "offline" and isinstance(t.run, FakeRun)
+        (m1, online_id, r1), (m2, offline_id, r2) = calls[-2:]
+        assert (m1, r1, m2, r2) == ("online", "allow", "offline", None)
+        assert offline_id.startswith(online_id[:48] + "-offline-") and len(offline_id) <= 64
+        ids.append(offline_id)
+        held.discard(online_id)  # the next stage is another process: the timed-out attempt is gone
+        t.finish()
+    assert ids[0] != ids[1]

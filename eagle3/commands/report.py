@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 from pathlib import Path
 
 from eagle3.errors import RunnerError
 from eagle3.rundir import NOTEBOOKS, STAGES, RunDir
 
-__all__ = ["render_report", "static_widgets", "offline_html"]
+__all__ = ["render_report", "render_after_run", "static_widgets", "offline_html"]
 
 
 _REMOTE_SCRIPT = re.compile(r"<script[^>]*\bsrc=[\"']https?://[^>]*>\s*</script>", re.I)
@@ -105,4 +106,27 @@ def render_report(run_dir: str | Path) -> Path:
             figures.setdefault(name, []).append(f"figures/{dst.name}")
     index = rep / "index.html"
     index.write_text(index_html(run_dir, pages, figures), encoding="utf-8")
+    return index
+
+
+def render_after_run(run_dir: str | Path) -> Path | None:
+    """The report at the end of ``eagle3 run``: :func:`render_report`, its index printed; or, when it
+    cannot be rendered (e.g. nbconvert installed without its ``lab`` template, a full disk), one
+    warning line on stderr with the reason and the command that renders it again.
+
+    The stages finished and their results stand, so a failed report is not a failed run: ``eagle3
+    run`` exits 0 after the warning. ``eagle3 report RUN`` renders the report alone and keeps the
+    full error (a bug's traceback included). Ctrl-C is not caught.
+
+    Returns:
+        Path | None: ``<run_dir>/report/index.html``, or None when it could not be rendered.
+    """
+    try:
+        index = render_report(run_dir)
+    except Exception as exc:  # noqa: BLE001 - the stages' results stand whatever broke the rendering
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        print(f"eagle3: warning: the report could not be rendered ({reason}); the stages' results stand in "
+              f"{run_dir}; render it again with `eagle3 report {run_dir}`", file=sys.stderr, flush=True)
+        return None
+    print(f"eagle3: report {index}", flush=True)
     return index

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from eagle3.commands.status import ProgressEcho
 from eagle3.errors import ParamsError, RunInterrupted, RunnerError, StageFailed, StaleStage
-from eagle3.io import read_json
+from eagle3.io import naming_file, read_json
 from eagle3.params_file import load_params
 from eagle3.rundir import (
     NOTEBOOKS,
@@ -450,6 +450,7 @@ def _execute_stage(run_dir: Path, s: int, nb_in: Path, kernel: str, next_stage: 
     Raises:
         StageFailed: a cell raised (the stage, the cell as the executed notebook labels it, the error).
         RunInterrupted: Ctrl-C during the stage (``stage``: the one to resume from).
+        OSError: without a file name of its own (a write on a full disk), named ``out_nb``.
     """
     import papermill as pm
 
@@ -460,7 +461,10 @@ def _execute_stage(run_dir: Path, s: int, nb_in: Path, kernel: str, next_stage: 
     stopped = RunInterrupted(f"stage {s} ({STAGES[s]}) was interrupted (Ctrl-C)", stage=s, run_dir=run_dir)
     fwd = _InterruptForwarder()
     try:
-        with fwd, ProgressEcho(run_dir / STAGES[s] / PROGRESS_FILE, f"stage {s} ({STAGES[s][3:]})"):
+        # papermill saves the executed notebook after every cell and once more when the kernel died: on
+        # a full disk that write fails with an OSError that names no file (naming_file names it)
+        with fwd, ProgressEcho(run_dir / STAGES[s] / PROGRESS_FILE, f"stage {s} ({STAGES[s][3:]})"), \
+                naming_file(out_nb):
             pm.execute_notebook(
                 str(nb_in),
                 str(out_nb),

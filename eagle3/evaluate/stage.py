@@ -387,9 +387,11 @@ def _first_phase(params, inp: _Inputs) -> tuple[int, str]:
     return (len(ev.vllm_methods), "vLLM measurements") if "vllm" in ev.backends else (0, "jobs")
 
 
-def _check(params, inp: _Inputs, rd: RunDir, m: _Measured) -> tuple[dict, list[str] | None, list[str]]:
-    """``(parity, drafter_check, diagnosis)``: offline vs vLLM τ on the same prompts, the drafter's
-    checkpoint problems, and what explains a gap (:func:`eagle3.evaluate.diagnosis.diagnose`)."""
+def _check(params, inp: _Inputs, rd: RunDir, m: _Measured) -> tuple[dict, list[str] | None, list[str], list[dict]]:
+    """``(parity, drafter_check, diagnosis, layer_warnings)``: offline vs vLLM τ on the same prompts, the
+    drafter's checkpoint problems, what explains a gap (:func:`eagle3.evaluate.diagnosis.diagnose`),
+    and an external drafter's aux layer id warnings (:func:`eagle3.evaluate.layer_ids.aux_layer_id_warnings`;
+    a measurement that could not decide is a diagnosis line)."""
     ev = params.evaluate
     off, vl = m.backends.get(OFFLINE_EAGLE3), _parity_vllm(inp, m.vllm_results, ev.num_speculative_tokens)
     parity = parity_result(off, vl, ev.temperature, ev.parity_tolerance)
@@ -399,7 +401,9 @@ def _check(params, inp: _Inputs, rd: RunDir, m: _Measured) -> tuple[dict, list[s
     diagnosis = diagnose(inp.drafter_dir, inp.resolved.path, reference=inp.ref, run_dir=rd.root, target=inp.model,
                          drafter_model=m.dm, offline=off, vllm=vllm_eagle3, prompts=inp.prompts,
                          offline_records=m.offline_recs, drafter_problems=drafter_check, offline_dtype=inp.t_dtype)
-    return parity, drafter_check, diagnosis
+    layer_warnings = aux_layer_id_warnings(params, rd.root, inp.drafter_dir, inp.model, m.dm, inp.offline_prompts,
+                                           m.offline_recs, notes=diagnosis)
+    return parity, drafter_check, diagnosis, layer_warnings
 
 
 def _serve_command(params, inp: _Inputs, rd: RunDir) -> tuple[str, str]:
@@ -448,12 +452,10 @@ def run(params, run_dir: str | Path) -> EvaluateStats:
     with StageRun(params, rd.root, EVALUATE, total=total, unit=unit) as st:
         m = _measure(params, inp, rd, st)
         sets = _per_set(inp, m.offline_recs, m.vllm_results, ev.num_speculative_tokens)
-        parity, drafter_check, diagnosis = _check(params, inp, rd, m)
+        parity, drafter_check, diagnosis, layer_warnings = _check(params, inp, rd, m)
         cmd = _serve_command(params, inp, rd)
         stats = _stats(params, inp, m.backends, sets, parity, diagnosis, cmd)
-        stats.warnings = mismatch_warnings(stats.sets, inp.training, ev)
-        stats.warnings += aux_layer_id_warnings(params, rd.root, inp.drafter_dir, inp.model, m.dm, inp.offline_prompts,
-                                                m.offline_recs)
+        stats.warnings = mismatch_warnings(stats.sets, inp.training, ev) + layer_warnings
         results = _results(params, inp, m.backends, sets, parity, diagnosis, drafter_check, stats.warnings, cmd)
         atomic_write_json(rd.evaluate_results, results)
         # The W&B run opens only now, once the results exist (StageRun.tracker is lazy).

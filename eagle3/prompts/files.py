@@ -10,6 +10,7 @@ from pathlib import Path
 
 from eagle3.config import PromptSource
 from eagle3.data import general_chat_messages, load_general_chat
+from eagle3.io import path_kind
 from eagle3.prompts.prompt import LoadReport, PromptError
 from eagle3.prompts.schemas import get_path
 from eagle3.rundir import project_root
@@ -94,8 +95,12 @@ def _iter_file(source: PromptSource, report: LoadReport, on_bad_line: str, field
     if not source.path:
         raise PromptError(f"{field}: kind 'file' needs a path (JSON, JSONL or Parquet)")
     path = source_file(source)
-    if not path.is_file():
+    kind, words = path_kind(path)
+    if kind == "missing":
         raise PromptError(f"{field}: prompt file {path} does not exist")
+    if kind != "file":  # reading a folder fails, a device or pipe blocks or never ends
+        raise PromptError(f"{field}: prompt file {path} is {words}, not a regular file: a prompt file is "
+                          f"JSON, JSONL or Parquet")
     suffix = "".join(path.suffixes[-1:]).lower()
     if suffix in (".jsonl", ".ndjson", ".json"):
         with open(path, "rb") as f:

@@ -16,6 +16,7 @@ from typing import Any
 from eagle3.chat import ChatRenderer
 from eagle3.contracts.samples import SampleStore
 from eagle3.errors import SynthesisError
+from eagle3.io import naming_file
 from eagle3.prompts import Prompt
 from eagle3.stage import Progress
 from eagle3.synthesize.turns import TurnRequest, TurnResult
@@ -118,10 +119,12 @@ class Session:
             self.progress.update(1)
             return
         s = conv.sample(self.settings)
-        self.store.append(s)
-        self.timeline.write(json.dumps({"t": round(time.time(), 3), "id": s["id"],
-                                        "completion_tokens": s["completion_tokens"]}) + "\n")
-        self.timeline.flush()
+        with naming_file(self.store.path):  # a full disk: the error names the file
+            self.store.append(s)
+        with naming_file(self.timeline.name):
+            self.timeline.write(json.dumps({"t": round(time.time(), 3), "id": s["id"],
+                                            "completion_tokens": s["completion_tokens"]}) + "\n")
+            self.timeline.flush()
         self.written += 1
         self.tokens += s["completion_tokens"]
         self.progress.update(1, tokens=s["completion_tokens"], written=self.written, skipped=len(self.skipped))
