@@ -33,6 +33,7 @@ __all__ = [
     "diff_params",
     "changed_stage",
     "STAGE_OWN_SECTIONS",
+    "semantic_sections",
 ]
 
 
@@ -232,6 +233,13 @@ def _semantic(d: dict, prefix: tuple = ()) -> dict:
             continue
         out[k] = _semantic(v, key) if isinstance(v, dict) else v
     return out
+
+
+def semantic_sections(params: Params, sections: tuple[str, ...]) -> dict:
+    """The params ``sections`` as JSON values, without what does not change results (tracking, the run's
+    name and folder, ``train.supervised_rows``: :func:`params_fingerprint`'s rule)."""
+    dump = _semantic(params.model_dump(mode="json"))
+    return {k: dump[k] for k in sections if k in dump}
 
 
 def params_fingerprint(params: Params) -> str:

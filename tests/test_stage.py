@@ -69,10 +69,13 @@ def test_inputs_are_recorded_and_a_change_is_named(tmp_path):
     (tmp_path / "02_vocab").mkdir()
     dead = tmp_path / "02_vocab" / ".train.parquet.k3j2.tmp"  # a killed atomic write
     dead.write_bytes(b"half")
+    from eagle3.stage import params_read
+
     with StageRun(_params(tmp_path), tmp_path, 2, total=1) as st:
         rec = json.loads((tmp_path / "02_vocab" / "inputs.json").read_text())
         assert rec == {"stage": 2, "complete": False,
-                       "files": {"01_synthesize/samples.jsonl": {"sha256": file_sha256(samples), "bytes": 24}}}
+                       "files": {"01_synthesize/samples.jsonl": {"sha256": file_sha256(samples), "bytes": 24}},
+                       "params": params_read(2, _params(tmp_path))}
         assert not dead.exists()
         st.finish(_Stats(samples=2, coverage=1.0))
     rec = json.loads((tmp_path / "02_vocab" / "inputs.json").read_text())
@@ -132,3 +135,32 @@ def test_the_stage_record_answers_complete_and_gives_the_stats(tmp_path):
             assert stage_record(tmp_path, 2).complete is False
         finally:
             (sd / "stats.json").chmod(0o644)
+
+
+def test_a_params_edit_after_a_stage_ran_makes_that_stage_stale(tmp_path):
+    """A run's params.yaml edited by hand after stage 2 finished (vocab.draft_vocab_size): the stage's
+    inputs.json holds the params it read, so stale_inputs names the key with both values; params it
+    does not read (train.lr), the run's name and tracking change nothing; a record written without
+    params (an older run) is checked for its files only."""
+    from eagle3.stage import params_read, stale_inputs
+
+    params = _params(tmp_path)
+    with StageRun(params, tmp_path, 2, total=1, unit="samples") as st:
+        st.progress.update(1)
+        st.finish(_Stats(samples=1, coverage=1.0))
+    record = json.loads((tmp_path / "02_vocab" / "inputs.json").read_text())
+    assert record["params"] == params_read(2, params) and set(record["params"]) == {"run", "target", "vocab"}
+    assert "name" not in record["params"]["run"]
+
+    same = _params(tmp_path)
+    same.train.lr, same.run.name, same.tracking.mode = 0.5, "renamed", "offline"
+    assert stale_inputs(tmp_path, 2, same) == []
+    edited = _params(tmp_path)
+    edited.vocab.draft_vocab_size = 4096
+    assert stale_inputs(tmp_path, 2, edited) == [
+        f"params.yaml: vocab.draft_vocab_size {params.vocab.draft_vocab_size!r} when stage 2 ran, 4096 now"]
+    assert stale_inputs(tmp_path, 2, edited, quick=True) == stale_inputs(tmp_path, 2, edited)
+
+    del record["params"]
+    (tmp_path / "02_vocab" / "inputs.json").write_text(json.dumps(record))
+    assert stale_inputs(tmp_path, 2, edited) == []

@@ -26,10 +26,12 @@ Modules: :mod:`~eagle3.stage.progress` (``progress.json``), :mod:`~eagle3.stage.
 """
 
 from eagle3.stage.inputs import (
+           PARAMS_READ,
            QUICK_HASH_BYTES,
            check_fresh,
            consumed_files,
            input_digests,
+           params_read,
            record_shared,
            shared_from,
            stale_inputs,
@@ -42,4 +44,5 @@ from eagle3.stage.record import StageRecord, Stats, completed_stats, stage_recor
 
 __all__ = ["Stats", "StageRun", "StageRecord", "Progress", "stage_record", "completed_stats", "write_stats",
            "consumed_files", "input_digests", "stale_inputs", "stale_message", "check_fresh", "QUICK_HASH_BYTES", "RunLock", "LOCK_ENV",
-           "this_command", "record_shared", "shared_from"]
+           "this_command", "record_shared", "shared_from",
+           "PARAMS_READ", "params_read"]

@@ -13,9 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3.io import atomic_write_json, file_sha256, read_json
+from eagle3.params_file import semantic_sections
 from eagle3.rundir import EVALUATE, EXTRACT, INPUTS_FILE, STAGES, SYNTHESIZE, TRAIN, VOCAB, RunDir
 
-__all__ = ["QUICK_HASH_BYTES", "consumed_files", "input_digests", "stale_inputs", "stale_message", "check_fresh",
+__all__ = ["QUICK_HASH_BYTES", "PARAMS_READ", "params_read", "consumed_files", "input_digests",
+           "stale_inputs", "stale_message", "check_fresh",
            "record_shared", "shared_from"]
 
 
@@ -57,6 +59,38 @@ def consumed_files(run_dir: str | Path, stage: int, params=None) -> list[Path]:
     raise ValueError(f"no stage {stage}")
 
 
+# The params sections each stage reads (beyond the earlier stages' files, which consumed_files covers):
+# recorded in inputs.json, so that a run's params.yaml edited after a stage ran makes that stage stale.
+PARAMS_READ: dict[int, tuple[str, ...]] = {SYNTHESIZE: ("run", "target", "synthesize"), VOCAB: ("run", "target", "vocab"),
+                                         EXTRACT: ("run", "target", "extract"), TRAIN: ("run", "target", "train"),
+                                         EVALUATE: ("run", "target", "evaluate")}
+
+
+def params_read(stage: int, params) -> dict | None:
+    """The params stage ``stage`` reads (:data:`PARAMS_READ`, as JSON values without names and tracking),
+    None without params (a stage called on a bare folder by a test)."""
+    return semantic_sections(params, PARAMS_READ[stage]) if params is not None and hasattr(params, "model_dump") else None
+
+
+def _leaves(d, prefix: str = "") -> dict[str, object]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        out.update(_leaves(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _params_changes(then: dict | None, params, stage: int) -> list[str]:
+    """One line per params key the stage reads whose value differs from its record."""
+    now = params_read(stage, params)
+    if then is None or now is None:
+        return []
+    a, b = _leaves(then), _leaves(now)
+    return [f"params.yaml: {k} {a.get(k, '(absent)')!r} when stage {stage} ran, {b.get(k, '(absent)')!r} now"
+            for k in sorted(set(a) | set(b)) if a.get(k, "(absent)") != b.get(k, "(absent)")]
+
+
 # eagle3 status hashes an input of at most this size (sha256 ~450 MiB/s per core on the CI machine)
 QUICK_HASH_BYTES = 32 * 2**20
 
@@ -81,9 +115,11 @@ def input_digests(run_dir: str | Path, stage: int, params=None) -> dict[str, dic
 
 
 def stale_inputs(run_dir: str | Path, stage: int, params=None, quick: bool = False) -> list[str]:
-    """Why a stage's outputs (finished or partial) no longer match its inputs: one line per changed,
-    new or removed input (empty: unchanged, or no ``inputs.json``: a stage that never started, or one
-    that ran before stages recorded their inputs, which is not checked).
+    """Why a stage's outputs (finished or partial) no longer match its inputs: one line per params key
+    it reads whose value changed (:data:`PARAMS_READ`: the run's ``params.yaml`` edited by hand after the
+    stage ran) and per changed, new or removed input file (empty: unchanged, or no ``inputs.json``: a
+    stage that never started, or one that ran before stages recorded their inputs, which is not checked;
+    a record without ``params`` is checked for its files only).
 
     ``quick`` (``eagle3 status``) compares the sizes and hashes only files of at most
     :data:`QUICK_HASH_BYTES` (prompt files, splits, mappings, the drafter: well under a second in
@@ -92,7 +128,11 @@ def stale_inputs(run_dir: str | Path, stage: int, params=None, quick: bool = Fal
     rec = read_json(RunDir(run_dir).inputs(stage), None)
     if not rec or "files" not in rec:
         return []
-    then = rec["files"]
+    return _params_changes(rec.get("params"), params, stage) + _file_changes(run_dir, stage, rec["files"], params, quick)
+
+
+def _file_changes(run_dir: str | Path, stage: int, then: dict, params, quick: bool) -> list[str]:
+    """:func:`stale_inputs` for the consumed files: one line per changed, new or removed file."""
     if quick:
         run_dir = Path(run_dir)
         now = {_key(run_dir, f): ({"sha256": None, "bytes": f.stat().st_size} if f.is_file() else None)

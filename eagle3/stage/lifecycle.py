@@ -9,7 +9,7 @@ from typing import Any
 
 from eagle3.io import atomic_write_json
 from eagle3.rundir import STAGES, RunDir, stage_dir
-from eagle3.stage.inputs import input_digests
+from eagle3.stage.inputs import input_digests, params_read
 from eagle3.stage.progress import Progress
 from eagle3.stage.record import Stats, write_stats
 
@@ -121,8 +121,11 @@ class StageRun:
 
     def _write_inputs(self, complete: bool) -> None:
         # no timestamp: re-running a finished stage on the same inputs rewrites the same bytes
-        atomic_write_json(RunDir(self.run_dir).inputs(self.stage),
-                          {"stage": self.stage, "complete": complete, "files": self.inputs})
+        record = {"stage": self.stage, "complete": complete, "files": self.inputs}
+        read = params_read(self.stage, self.params)
+        if read is not None:  # the params the stage reads: a hand edit of params.yaml makes it stale
+            record["params"] = read
+        atomic_write_json(RunDir(self.run_dir).inputs(self.stage), record)
 
     # ------------------------------------------------------------------ results
     @property
