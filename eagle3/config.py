@@ -368,6 +368,11 @@ class TrainParams(_Section):
         1.4e-3, gt=0.0, description="peak lr (AdamW, linear warmup, cosine to min_lr_ratio x lr); 1.4e-3 on the CPU "
         "default: validation tau-hat 1.527 vs 1.506 (2e-3) after 240 steps of 1,024-token batches on the same batches, "
         "3e-3 lower (1.225 vs 1.297 at step 80), benchmarks/RESULTS.md, token budget and lr at equal tokens")
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="'adamw'; 'muon' = speculators' split (torch.optim.Muon on the 2-D weight matrices "
+        "other than embedding and lm head, with speculators' momentum, weight decay and match_rms_adamw lr "
+        "scaling; AdamW on the rest), eagle3.train.optim")
+    muon_lr: float | None = Field(None, gt=0.0, description="optimizer: muon: the Muon group's peak lr (None: lr)")
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_steps: int = Field(20, ge=0)
     epochs: int = Field(

@@ -146,7 +146,7 @@ def test_draft_chains_reproduce_speculators_accuracy_counts(ref_run):
 
 
 def test_warmup_then_cosine_schedule():
-    from eagle3.train.loop import WarmupCosine
+    from eagle3.train.optim import WarmupCosine
 
     f = WarmupCosine(warmup=4, total=14, min_ratio=0.1)
     assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
@@ -428,6 +428,36 @@ def test_resume_after_stop_is_bitwise_exact(ref_run, tmp_path):
     # running a finished stage again changes nothing
     finished = read_json(rd2 / TRAIN_DIR / "stats.json")["finished_at"]
     assert run(params, rd2) == final and read_json(rd2 / TRAIN_DIR / "stats.json")["finished_at"] == finished
+
+
+def test_muon_trains_the_matrices_and_resumes_bitwise(ref_run, tiny_target, tmp_path):
+    """train.optimizer: muon = speculators' split: torch.optim.Muon on the 2-D matrices other than the lm
+    head and embedding, AdamW on the rest; a stopped run resumes to the uninterrupted run's weights."""
+    from eagle3.train import run
+    from eagle3.train.optim import OptimizerSet, build_optimizer
+
+    rd, ref_stats, _ = ref_run
+    params = tiny_params(tiny_target, optimizer="muon")
+    full = run(params, _fresh_copy(rd, tmp_path / "full"))
+    rd2 = _fresh_copy(rd, tmp_path / "resumed")
+    assert run(params, rd2, stop_after=5).step == 5
+    assert run(params, rd2).total_steps == full.total_steps
+    last = f"step_{full.total_steps:06d}"
+    a = load_file(str(tmp_path / "full" / TRAIN_DIR / "checkpoints" / last / "model.safetensors"))
+    b = load_file(str(rd2 / TRAIN_DIR / "checkpoints" / last / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    states = torch.load(rd2 / TRAIN_DIR / "checkpoints" / last / "optimizer.pt", weights_only=True)
+    assert isinstance(states, list) and len(states) == 2  # Muon's state, then AdamW's
+    # the matrices went to Muon, the lm head and the vectors to AdamW
+    model = torch.nn.Module()
+    model.fc, model.lm_head, model.norm = torch.nn.Linear(8, 4), torch.nn.Linear(4, 16), torch.nn.LayerNorm(4)
+    opt, sched = build_optimizer(model, params.train, total_steps=10, device_type="cpu")
+    assert isinstance(opt, OptimizerSet) and isinstance(opt.optimizers[0], torch.optim.Muon)
+    assert [p.shape for g in opt.optimizers[0].param_groups for p in g["params"]] == [torch.Size([4, 8])]
+    assert opt.param_groups[0]["lr"] == pytest.approx(params.train.lr / params.train.warmup_steps)
+    # another optimizer: other weights than AdamW's reference run
+    ref = load_file(str(rd / TRAIN_DIR / "checkpoints" / last / "model.safetensors"))
+    assert not all(torch.equal(a[k], ref[k]) for k in a)
 
 
 def test_sigterm_saves_a_checkpoint_then_resumes(ref_run, tmp_path):

@@ -1,7 +1,8 @@
 """Stage 4's training loop, nanoGPT-style, around speculators' ``Eagle3DraftModel``.
 
 One optimizer step = ``grad_accum`` micro-batches on each of ``world_size`` ranks (DDP: gloo on CPU,
-NCCL on GPU). AdamW (betas 0.9, 0.95), linear warmup then cosine decay to ``min_lr_ratio * lr``,
+NCCL on GPU). AdamW (betas 0.9, 0.95), or Muon on the matrices (``train.optimizer``,
+:mod:`eagle3.train.optim`), linear warmup then cosine decay to ``min_lr_ratio * lr``,
 gradient clipping, bf16 autocast on GPU (``train.autocast``). Every step appends a line to ``metrics.jsonl`` (and W&B):
 loss, per-TTT-step loss, full and conditional accuracy, lr, grad norm, tokens/s. Validation runs
 every ``eval_every`` steps and at every checkpoint; it reports the simulated acceptance length
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import signal
 import time
 from dataclasses import dataclass
@@ -33,30 +33,14 @@ from eagle3.errors import TrainError
 from eagle3.params_file import params_fingerprint
 from eagle3.rundir import TRAIN, RunDir
 from eagle3.train.metrics import StepMetrics, chain_lengths, draft_positions, metric_keys, simulate_rounds, summarize
+from eagle3.train.optim import build_optimizer
 from eagle3.train.signals import StepAborted, StepSignals, TrainingInterrupted
 
-__all__ = ["TrainingDiverged", "WarmupCosine", "Trainer", "LoopResult", "autocast_dtype"]
+__all__ = ["TrainingDiverged", "Trainer", "LoopResult", "autocast_dtype"]
 
 
 class TrainingDiverged(TrainError):
     """The loss or the gradient became NaN/Inf; the message names the step and the samples."""
-
-
-class WarmupCosine:
-    """lr multiplier: linear warmup over ``warmup`` steps, then cosine to ``min_ratio`` at ``total``.
-
-    ``m(s) = (s+1)/warmup`` for ``s < warmup``; then ``min_ratio + (1-min_ratio) * (1+cos(pi p))/2``
-    with ``p = (s-warmup)/(total-warmup)`` (nanoGPT's schedule; ``s`` = completed optimizer steps).
-    """
-
-    def __init__(self, warmup: int, total: int, min_ratio: float) -> None:
-        self.warmup, self.total, self.min_ratio = int(warmup), int(total), float(min_ratio)
-
-    def __call__(self, s: int) -> float:
-        if s < self.warmup:
-            return (s + 1) / self.warmup
-        p = min(1.0, (s - self.warmup) / max(1, self.total - self.warmup))
-        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
 def autocast_dtype(mode: str, device_type: str):
@@ -174,8 +158,8 @@ class Trainer:
         self.digest = plan_digest(self.train_refs)
 
     def _model(self):
-        """The drafter of ``train.drafter``'s kind (seeded), AdamW with decay on matrices only, the lr
-        schedule, the loss config."""
+        """The drafter of ``train.drafter``'s kind (seeded), the optimizer and lr schedule of
+        ``train.optimizer`` (:func:`eagle3.train.optim.build_optimizer`), the loss config."""
         import torch
 
         from eagle3.train.model import configure_compile, default_attn_implementation, loss_config, use_supervised_rows
@@ -187,14 +171,7 @@ class Trainer:
         # what torch.compile covers (train.compile, model.configure_compile): by default only flex
         # attention; 'speculators' restores speculators' whole compiled forward
         self.compile_mode = configure_compile(model, train_params.compile, attn, train_params.ttt_steps)
-        decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.dim() < 2]
-        opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": train_params.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=train_params.lr, betas=(0.9, 0.95), eps=1e-8, fused=dev.type == "cuda" or None,
-        )
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, WarmupCosine(train_params.warmup_steps, len(self.schedule), train_params.min_lr_ratio))
+        opt, sched = build_optimizer(model, train_params, len(self.schedule), dev.type)
         impl = (train_params.loss_implementation if train_params.loss_implementation != "auto"
                 else ("fused" if dev.type == "cuda" else "eager"))
         losses = loss_config(train_params.loss, impl)
