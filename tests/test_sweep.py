@@ -212,6 +212,32 @@ def test_a_sweep_shares_stages_1_3_by_hard_links_resumes_and_compares(tmp_params
     assert (base / STAGES[3] / "stats.json").read_bytes() == before
 
 
+def test_a_parallel_sweep_runs_processes_names_a_failure_by_its_log_and_resumes(tmp_params, nbdir, capsys):
+    """--parallel 2: after the base's stages 1-3, the base's stage 4 and the variants' run in processes
+    of their own, each printing into <run folder>/sweep.log; a failed one is named with its log's last
+    line while the others finish; the same call resumes it; the comparison equals a sequential sweep's."""
+    pf = tmp_params("train:\n  lr: 0.003\n")
+    out = pf.parent / "outputs"
+    out.mkdir()
+    (out / "fail-0.005").touch()
+    with pytest.raises(RunnerError, match=r"1 of 3 sweep run\(s\) failed; the others finished: t--lr-0.005: "
+                                          r"eagle3 sweep: StageFailed: .*planned failure.*sweep.log"):
+        run_sweep(pf, ["train.lr=0.003,0.004,0.005"], stages=[4], notebooks=nbdir, parallel=2)
+    base, v4, v5 = out / "t", out / "t--lr-0.004", out / "t--lr-0.005"
+    printed = capsys.readouterr().out
+    assert "eagle3 sweep: t started (1 running" in printed and "t--lr-0.004 started (2 running" in printed
+    assert "t--lr-0.005 exited 1 after" in printed
+    assert read_json(base / STAGES[4] / "stats.json")["complete"] and read_json(v4 / STAGES[4] / "stats.json")["complete"]
+    assert "stage 4 (04_train) finished" in (v4 / "sweep.log").read_text()
+    assert os.path.samefile(base / STAGES[3] / "manifest.jsonl", v5 / STAGES[3] / "manifest.jsonl")
+    (out / "fail-0.005").unlink()
+    md = run_sweep(pf, ["train.lr=0.003,0.004,0.005"], stages=[4], notebooks=nbdir, parallel=2)
+    assert [(d / STAGES[4] / "runs.txt").read_text() for d in (base, v4, v5)] == ["x", "x", "x"]
+    assert "| `t--lr-0.005` | 0.005 | 1.500 | 50 s |" in md.read_text()
+    with pytest.raises(ParamsError, match="--parallel 0"):
+        run_sweep(pf, ["train.lr=0.003,0.004"], parallel=0)
+
+
 def test_a_variant_refuses_base_stages_finished_again_and_never_copies(tmp_path, monkeypatch):
     """share_stages on folders made here: a base stage finished again since (a new stats.json) is
     refused for the variant that shared the old one, with the folder to remove; a file system without

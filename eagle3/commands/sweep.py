@@ -21,16 +21,21 @@ A variant's shared stages are the base's: redo stages 1-3 in the base, never in 
 resuming in place would append to files the base holds too). A base stage finished again since a
 variant shared it is refused for that variant (:func:`share_stages`), with the folder to remove.
 
-The variants run one after another. On one GPU, small drafters could train side by side when
-memory allows (each variant is its own run folder and process); that is not built.
+The variants run one after another, or ``--parallel N`` at a time (:func:`run_parallel`): each its own
+process, its output in ``<variant>/sweep.log``. A small drafter leaves most of a GPU idle (four variants
+of the GPU recipe's 135M-target drafter train side by side on one H100 in about the time of two); on a
+CPU the variants share the cores, so one at a time is as fast.
 """
 
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import os
 import re
 import shutil
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,13 +47,14 @@ from eagle3.rundir import EVALUATE, EXTRACT, STAGES, STATS_FILE, SYNTHESIZE, TRA
 from eagle3.stage import record_shared, shared_from, stage_record
 
 __all__ = ["SWEEP_SECTIONS", "SHARED_STAGES", "Variant", "parse_vary", "variant_name", "plan_variants",
-           "share_stages", "sweep_rows", "comparison_table", "run_sweep"]
+           "share_stages", "run_parallel", "sweep_rows", "comparison_table", "run_sweep"]
 
 # the params sections that only stages 4 and 5 read: the ones a variant may change
 SWEEP_SECTIONS = ("train", "evaluate")
 # the stages a variant shares with its base run
 SHARED_STAGES = (SYNTHESIZE, VOCAB, EXTRACT)
 SWEEP_FILE = "{base}--sweep.md"  # beside the runs, in the base's output folder
+SWEEP_LOG = "sweep.log"  # in each run folder of a --parallel sweep: its process's output
 _SHARING = ".sharing-"  # a stage folder being linked (renamed into place when complete)
 
 
@@ -215,55 +221,124 @@ def _variant_stages(stages: list[int] | None) -> list[int]:
     return sel
 
 
-def _run_variant(base_dir: Path, variant: Variant, params_file, stages: list[int], overrides: list[str],
-                 kernel: str, notebooks) -> Path:
+def _prepare_variant(base_dir: Path, variant: Variant, params_file, stages: list[int],
+                     overrides: list[str]) -> list[str]:
     """Create the variant's run folder beside the base (its ``params.yaml``; refused when the folder
-    holds a run of other params), share stages 1-3, then run ``stages`` through ``run_pipeline``."""
+    holds a run of other params) and share stages 1-3; returns the variant's ``--set`` items."""
     ov = [*overrides, f"run.output_dir={base_dir.parent}", *variant.overrides]
     params = load_params(params_file, [*ov, f"run.name={variant.name}"])
-    run_dir = base_dir.parent / variant.name
     print(f"eagle3 sweep: variant {variant.name} ({', '.join(variant.overrides)})", flush=True)
-    prepare_run_dir(params, run_dir, params_file=params_file, stages=stages,
+    prepare_run_dir(params, base_dir.parent / variant.name, params_file=params_file, stages=stages,
                     options=params_options(variant.name, ov))
-    share_stages(base_dir, run_dir)
-    return run_pipeline(params_file, stages, variant.name, ov, kernel, notebooks=notebooks)
+    share_stages(base_dir, base_dir.parent / variant.name)
+    return ov
+
+
+def _pipeline_process(job: dict, log: str) -> None:
+    """A ``--parallel`` sweep's child process: ``run_pipeline(**job)`` with stdout and stderr in ``log``;
+    exit code 0, 130 after Ctrl-C, 1 after an error (its message the log's last line)."""
+    from eagle3.errors import Eagle3Error
+
+    with open(log, "a", encoding="utf-8") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    sys.stdout = open(1, "w", encoding="utf-8", buffering=1, closefd=False)
+    sys.stderr = sys.stdout
+    try:
+        run_pipeline(**job)
+    except (RunInterrupted, KeyboardInterrupt) as exc:
+        print(f"eagle3 sweep: {exc or 'interrupted (Ctrl-C)'}", flush=True)
+        sys.exit(130)
+    except Eagle3Error as exc:
+        first = (str(exc).splitlines() or [""])[0]
+        print(f"{exc}\neagle3 sweep: {type(exc).__name__}: {first}", flush=True)  # the last line: what failed
+        sys.exit(1)
+
+
+def _last_line(path: Path) -> str:
+    lines = [ln for ln in path.read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else "(no output)"
+
+
+def run_parallel(jobs: dict[Path, dict], parallel: int) -> None:
+    """Run ``run_pipeline(**job)`` for every ``{run_dir: job}``, at most ``parallel`` processes at once,
+    each printing into ``<run_dir>/sweep.log``; a line when each starts and ends.
+
+    Raises:
+        RunInterrupted: Ctrl-C (the children stop their stages too: they share the terminal's signal).
+        RunnerError: a run failed; the message names each with its log's last line and the log.
+    """
+    ctx, waiting, active, failed = multiprocessing.get_context("spawn"), list(jobs), {}, []
+    try:
+        while waiting or active:
+            while waiting and len(active) < parallel:
+                rd = waiting.pop(0)
+                proc = ctx.Process(target=_pipeline_process, args=(jobs[rd], str(rd / SWEEP_LOG)), daemon=False)
+                proc.start()
+                active[rd] = (proc, time.time())
+                print(f"eagle3 sweep: {rd.name} started ({len(active)} running; output: {rd / SWEEP_LOG})", flush=True)
+            for rd, (proc, t0) in list(active.items()):
+                if proc.exitcode is None:
+                    continue
+                del active[rd]
+                print(f"eagle3 sweep: {rd.name} {'finished' if proc.exitcode == 0 else f'exited {proc.exitcode}'} "
+                      f"after {time.time() - t0:.0f} s", flush=True)
+                if proc.exitcode:
+                    failed.append(f"{rd.name}: {_last_line(rd / SWEEP_LOG)} (log: {rd / SWEEP_LOG})")
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        for proc, _ in active.values():
+            proc.join()
+        raise RunInterrupted("the sweep was interrupted (Ctrl-C)", stage=None, run_dir=None) from None
+    if failed:
+        raise RunnerError(f"{len(failed)} of {len(jobs)} sweep run(s) failed; the others finished: " + "; ".join(failed))
 
 
 def run_sweep(params_file: str | Path, vary: list[str], stages: list[int] | None = None,
               overrides: list[str] | None = None, run_name: str | None = None, kernel: str = KERNEL,
-              notebooks: str | Path | None = None) -> Path:
-    """``eagle3 sweep`` (module docstring): the base run, each variant's stages 4-5, the comparison;
-    returns the comparison file ``<output_dir>/<base>--sweep.md``.
+              notebooks: str | Path | None = None, parallel: int = 1) -> Path:
+    """``eagle3 sweep`` (module docstring): the base run, each variant's stages 4-5 (``parallel`` runs at
+    a time: :func:`run_parallel`, the base's stages 4-5 among them), the comparison; returns the
+    comparison file ``<output_dir>/<base>--sweep.md``.
 
     Every variant's params are validated before anything runs. A combination equal to the base's
     params (a ``--vary`` value that is the base's own) is the base run: not run twice.
 
     Raises:
-        ParamsError: a ``--vary`` refused (:func:`parse_vary`), ``--stages`` outside 4-5, invalid params.
+        ParamsError: a ``--vary`` refused (:func:`parse_vary`), ``--stages`` outside 4-5, invalid params,
+            ``parallel`` below 1.
         RunInterrupted: Ctrl-C (the message says that the same command resumes every run).
         RunnerError, StaleStage, StageFailed: as :func:`eagle3.commands.run.run_pipeline` and
-            :func:`share_stages` raise them.
+            :func:`share_stages` raise them; with ``parallel`` > 1 a failed run is a RunnerError naming its log.
     """
     overrides = list(overrides or [])
     stages = _variant_stages(stages)
     keys = parse_vary(vary, overrides)
+    if parallel < 1:
+        raise ParamsError(f"eagle3 sweep --parallel {parallel}: give 1 (one run at a time) or more")
     base_ov = [*overrides, *([f"run.name={run_name}"] if run_name else [])]
     base_print = params_fingerprint(load_params(params_file, base_ov))
     same = [v.values for v in plan_variants("", keys)
             if params_fingerprint(load_params(params_file, [*base_ov, *v.overrides])) == base_print]
+    job = {"params_file": params_file, "stages": stages, "kernel": kernel, "notebooks": notebooks}
     try:
-        base_dir = run_pipeline(params_file, sorted({*SHARED_STAGES, *stages}), run_name, overrides, kernel,
-                                notebooks=notebooks)
-        runs, notes = [base_dir], []
+        base_dir = run_pipeline(params_file, sorted({*SHARED_STAGES, *([] if parallel > 1 else stages)}), run_name,
+                                overrides, kernel, notebooks=notebooks)
+        jobs, notes = {base_dir: {**job, "run_name": run_name, "overrides": overrides}}, []
         for v in plan_variants(base_dir.name, keys):
             if v.values in same:
                 notes.append(f"{v.name}: the base's own params, its row is the base run's")
                 continue
-            runs.append(_run_variant(base_dir, v, params_file, stages, overrides, kernel, notebooks))
+            ov = _prepare_variant(base_dir, v, params_file, stages, overrides)
+            if parallel == 1:
+                run_pipeline(**job, run_name=v.name, overrides=ov)
+            jobs[base_dir.parent / v.name] = {**job, "run_name": v.name, "overrides": ov}
+        if parallel > 1:
+            run_parallel(jobs, parallel)
     except RunInterrupted as exc:
         raise RunInterrupted(f"{exc}; the same `eagle3 sweep` command resumes every run where it stopped "
                              f"(finished ones are skipped)", stage=exc.stage, run_dir=exc.run_dir) from None
-    return _write_comparison(base_dir, runs, list(keys), notes)
+    return _write_comparison(base_dir, list(jobs), list(keys), notes)
 
 
 def _write_comparison(base_dir: Path, runs: list[Path], keys: list[str], notes: list[str]) -> Path:
