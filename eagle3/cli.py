@@ -66,6 +66,9 @@ def _build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--run-name", default=None, help="the base run's name (default: run.name from params)")
     sw.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=_SET_HELP)
     sw.add_argument("--kernel", default=KERNEL, help=f"Jupyter kernel (default: {KERNEL})")
+    sw.add_argument("--variant", dest="variants", action="append", default=[], metavar="NAME:SECTION.KEY=V[,...]",
+                    help="a named variant beside the grid: one setting or several changed together, run <base>--NAME "
+                    "(e.g. ttt7:train.ttt_steps=7,train.ttt_step_loss_decay=0.9); repeatable")
     sw.add_argument("--parallel", type=int, default=1, metavar="N",
                     help="runs at a time (stages 4-5 of the base and the variants; default 1): on one GPU a small "
                     "drafter leaves room for several, e.g. 4; each run's output goes to <run folder>/sweep.log")
@@ -95,7 +98,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from eagle3.commands.sweep import run_sweep
 
     run_sweep(args.params, args.vary, parse_stages(args.stages), args.overrides, args.run_name, args.kernel,
-              parallel=args.parallel)
+              parallel=args.parallel, variants=args.variants)
     return 0
 
 

@@ -64,8 +64,8 @@ def test_bad_vary_and_stage_selections_are_refused(tmp_params):
         parse_vary(["train.lr=1,2", "train.lr=3"])
     with pytest.raises(ParamsError, match="must look like section.key=VALUE1,VALUE2"):
         parse_vary(["train.lr"])
-    with pytest.raises(ParamsError, match="at least one --vary"):
-        parse_vary([])
+    with pytest.raises(ParamsError, match="at least one --vary .* or --variant"):
+        run_sweep(tmp_params(), [])
     with pytest.raises(ParamsError, match="--stages 3-5: a sweep runs stages 4-5 of its variants"):
         run_sweep(tmp_params(), ["train.lr=1,2"], stages=[3, 4, 5])
     with pytest.raises(ParamsError, match="num_layer"):  # an unknown key: the params' own did-you-mean, before any run
@@ -212,28 +212,44 @@ def test_a_sweep_shares_stages_1_3_by_hard_links_resumes_and_compares(tmp_params
     assert (base / STAGES[3] / "stats.json").read_bytes() == before
 
 
+def test_named_variants_change_settings_together_and_are_checked():
+    from eagle3.commands.sweep import parse_variants
+
+    v = parse_variants("b", ["ttt7:train.ttt_steps=7,train.ttt_step_loss_decay=0.9", "l:train.loss={kl_div: 1, jsd: 1}"])
+    assert [(x.name, x.values) for x in v] == [
+        ("b--ttt7", {"train.ttt_steps": "7", "train.ttt_step_loss_decay": "0.9"}),
+        ("b--l", {"train.loss": "{kl_div: 1, jsd: 1}"})]
+    for bad, msg in [("no-colon", "must look like NAME:"), ("a b:train.lr=1", "must look like NAME:"),
+                     ("x:train.lr", "must be section.key=VALUE"), ("x:vocab.draft_vocab_size=32768", "read by stages 1-3"),
+                     ("x:train.epochs=2", "also given by --set")]:
+        with pytest.raises(ParamsError, match=msg):
+            parse_variants("b", [bad], ["train.epochs=3"])
+    with pytest.raises(ParamsError, match="NAME of its own"):
+        parse_variants("b", ["x:train.lr=1", "x:train.lr=2"])
+
+
 def test_a_parallel_sweep_runs_processes_names_a_failure_by_its_log_and_resumes(tmp_params, nbdir, capsys):
-    """--parallel 2: after the base's stages 1-3, the base's stage 4 and the variants' run in processes
+    """--parallel 2 with a named --variant: after the base's stages 1-3, the base's stage 4 and the variants' run in processes
     of their own, each printing into <run folder>/sweep.log; a failed one is named with its log's last
     line while the others finish; the same call resumes it; the comparison equals a sequential sweep's."""
     pf = tmp_params("train:\n  lr: 0.003\n")
     out = pf.parent / "outputs"
     out.mkdir()
     (out / "fail-0.005").touch()
-    with pytest.raises(RunnerError, match=r"1 of 3 sweep run\(s\) failed; the others finished: t--lr-0.005: "
+    with pytest.raises(RunnerError, match=r"1 of 3 sweep run\(s\) failed; the others finished: t--big: "
                                           r"eagle3 sweep: StageFailed: .*planned failure.*sweep.log"):
-        run_sweep(pf, ["train.lr=0.003,0.004,0.005"], stages=[4], notebooks=nbdir, parallel=2)
-    base, v4, v5 = out / "t", out / "t--lr-0.004", out / "t--lr-0.005"
+        run_sweep(pf, ["train.lr=0.003,0.004"], stages=[4], notebooks=nbdir, parallel=2, variants=["big:train.lr=0.005"])
+    base, v4, v5 = out / "t", out / "t--lr-0.004", out / "t--big"
     printed = capsys.readouterr().out
     assert "eagle3 sweep: t started (1 running" in printed and "t--lr-0.004 started (2 running" in printed
-    assert "t--lr-0.005 exited 1 after" in printed
+    assert "t--big exited 1 after" in printed
     assert read_json(base / STAGES[4] / "stats.json")["complete"] and read_json(v4 / STAGES[4] / "stats.json")["complete"]
     assert "stage 4 (04_train) finished" in (v4 / "sweep.log").read_text()
     assert os.path.samefile(base / STAGES[3] / "manifest.jsonl", v5 / STAGES[3] / "manifest.jsonl")
     (out / "fail-0.005").unlink()
-    md = run_sweep(pf, ["train.lr=0.003,0.004,0.005"], stages=[4], notebooks=nbdir, parallel=2)
+    md = run_sweep(pf, ["train.lr=0.003,0.004"], stages=[4], notebooks=nbdir, parallel=2, variants=["big:train.lr=0.005"])
     assert [(d / STAGES[4] / "runs.txt").read_text() for d in (base, v4, v5)] == ["x", "x", "x"]
-    assert "| `t--lr-0.005` | 0.005 | 1.500 | 50 s |" in md.read_text()
+    assert "| `t--big` | 0.005 | 1.500 | 50 s |" in md.read_text()
     with pytest.raises(ParamsError, match="--parallel 0"):
         run_sweep(pf, ["train.lr=0.003,0.004"], parallel=0)
 

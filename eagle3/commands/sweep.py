@@ -47,7 +47,7 @@ from eagle3.rundir import EVALUATE, EXTRACT, STAGES, STATS_FILE, SYNTHESIZE, TRA
 from eagle3.stage import record_shared, shared_from, stage_record
 
 __all__ = ["SWEEP_SECTIONS", "SHARED_STAGES", "Variant", "parse_vary", "variant_name", "plan_variants",
-           "share_stages", "run_parallel", "sweep_rows", "comparison_table", "run_sweep"]
+           "parse_variants", "share_stages", "run_parallel", "sweep_rows", "comparison_table", "run_sweep"]
 
 # the params sections that only stages 4 and 5 read: the ones a variant may change
 SWEEP_SECTIONS = ("train", "evaluate")
@@ -106,19 +106,52 @@ def parse_vary(items: list[str], overrides: list[str] | None = None) -> dict[str
         values = _split_values(raw) if eq else []
         if not key or not values or "" in values:
             raise ParamsError(f"--vary {item!r} must look like section.key=VALUE1,VALUE2 (e.g. train.lr=1e-3,2e-3)")
-        section = key.split(".", 1)[0]
-        if section not in SWEEP_SECTIONS or "." not in key:
-            raise ParamsError(
-                f"--vary {key}: {section}.* is read by stages 1-3, which every variant shares with the base run "
-                f"(hard links); a variant of it needs stages 1-3 of its own: make it a run of its own "
-                f"(`eagle3 run PARAMS --set {key}=VALUE --run-name NAME`). A sweep varies "
-                f"{' and '.join(s + '.*' for s in SWEEP_SECTIONS)} (read by stages 4-5 only).")
+        _check_key(key, "--vary")
         if key in out or key in fixed:
             raise ParamsError(f"--vary {key}: the key is given twice (another --vary or a --set); list every value "
                               f"in one --vary {key}=A,B")
         out[key] = values
-    if not out:
-        raise ParamsError("eagle3 sweep needs at least one --vary section.key=VALUE1,VALUE2")
+    return out
+
+
+def _check_key(key: str, flag: str) -> None:
+    """Raises ParamsError: ``key`` is outside :data:`SWEEP_SECTIONS` (read by stages 1-3, which a variant
+    shares with its base: such a change needs a run of its own)."""
+    section = key.split(".", 1)[0]
+    if section not in SWEEP_SECTIONS or "." not in key:
+        raise ParamsError(
+            f"{flag} {key}: {section}.* is read by stages 1-3, which every variant shares with the base run "
+            f"(hard links); a variant of it needs stages 1-3 of its own: make it a run of its own "
+            f"(`eagle3 run PARAMS --set {key}=VALUE --run-name NAME`). A sweep varies "
+            f"{' and '.join(s + '.*' for s in SWEEP_SECTIONS)} (read by stages 4-5 only).")
+
+
+def parse_variants(base: str, items: list[str], overrides: list[str] | None = None) -> list[Variant]:
+    """Named variants, one per ``--variant NAME:KEY=VALUE[,KEY=VALUE...]`` (one setting or several
+    changed together beside the base, e.g. ``ttt7:train.ttt_steps=7,train.ttt_step_loss_decay=0.9``),
+    run name ``<base>--NAME``; commas inside ``[]`` / ``{}`` stay in their value.
+
+    Raises:
+        ParamsError: a NAME other than letters, digits, ``.``, ``_``, ``-``, or given twice; a setting
+            without ``=``; a key outside :data:`SWEEP_SECTIONS`, twice in one variant or given by ``--set``.
+    """
+    fixed = {o.split("=", 1)[0].strip() for o in overrides or []}
+    out: list[Variant] = []
+    for item in items:
+        name, colon, rest = item.partition(":")
+        if not colon or not re.fullmatch(r"[A-Za-z0-9._-]+", name) or any(v.name == f"{base}--{name}" for v in out):
+            raise ParamsError(f"--variant {item!r} must look like NAME:section.key=VALUE[,section.key=VALUE...] with a "
+                              f"NAME of its own of letters, digits, '.', '_' or '-' (e.g. muon:train.optimizer=muon)")
+        values: dict[str, str] = {}
+        for setting in _split_values(rest):
+            key, eq, value = (x.strip() for x in setting.partition("="))
+            if not key or not eq or not value or key in values:
+                raise ParamsError(f"--variant {name}: {setting!r} must be section.key=VALUE, each key once")
+            _check_key(key, f"--variant {name}:")
+            if key in fixed:
+                raise ParamsError(f"--variant {name}: {key} is also given by --set; leave it out of one of them")
+            values[key] = value
+        out.append(Variant(f"{base}--{name}", values))
     return out
 
 
@@ -296,8 +329,9 @@ def run_parallel(jobs: dict[Path, dict], parallel: int) -> None:
 
 def run_sweep(params_file: str | Path, vary: list[str], stages: list[int] | None = None,
               overrides: list[str] | None = None, run_name: str | None = None, kernel: str = KERNEL,
-              notebooks: str | Path | None = None, parallel: int = 1) -> Path:
-    """``eagle3 sweep`` (module docstring): the base run, each variant's stages 4-5 (``parallel`` runs at
+              notebooks: str | Path | None = None, parallel: int = 1, variants: list[str] | None = None) -> Path:
+    """``eagle3 sweep`` (module docstring): the base run, each variant's stages 4-5 (the grid of ``vary``,
+    then the named ``variants``: :func:`parse_variants`) (``parallel`` runs at
     a time: :func:`run_parallel`, the base's stages 4-5 among them), the comparison; returns the
     comparison file ``<output_dir>/<base>--sweep.md``.
 
@@ -305,8 +339,8 @@ def run_sweep(params_file: str | Path, vary: list[str], stages: list[int] | None
     params (a ``--vary`` value that is the base's own) is the base run: not run twice.
 
     Raises:
-        ParamsError: a ``--vary`` refused (:func:`parse_vary`), ``--stages`` outside 4-5, invalid params,
-            ``parallel`` below 1.
+        ParamsError: a ``--vary`` or ``--variant`` refused (:func:`parse_vary`, :func:`parse_variants`),
+            neither given, ``--stages`` outside 4-5, invalid params, ``parallel`` below 1.
         RunInterrupted: Ctrl-C (the message says that the same command resumes every run).
         RunnerError, StaleStage, StageFailed: as :func:`eagle3.commands.run.run_pipeline` and
             :func:`share_stages` raise them; with ``parallel`` > 1 a failed run is a RunnerError naming its log.
@@ -314,18 +348,23 @@ def run_sweep(params_file: str | Path, vary: list[str], stages: list[int] | None
     overrides = list(overrides or [])
     stages = _variant_stages(stages)
     keys = parse_vary(vary, overrides)
+    parse_variants("", variants or [], overrides)  # refused before anything runs
+    if not keys and not variants:
+        raise ParamsError("eagle3 sweep needs at least one --vary section.key=VALUE1,VALUE2 or --variant "
+                          "NAME:section.key=VALUE")
     if parallel < 1:
         raise ParamsError(f"eagle3 sweep --parallel {parallel}: give 1 (one run at a time) or more")
     base_ov = [*overrides, *([f"run.name={run_name}"] if run_name else [])]
     base_print = params_fingerprint(load_params(params_file, base_ov))
-    same = [v.values for v in plan_variants("", keys)
+    same = [v.values for v in [*(plan_variants("", keys) if keys else []), *parse_variants("", variants or [])]
             if params_fingerprint(load_params(params_file, [*base_ov, *v.overrides])) == base_print]
     job = {"params_file": params_file, "stages": stages, "kernel": kernel, "notebooks": notebooks}
     try:
         base_dir = run_pipeline(params_file, sorted({*SHARED_STAGES, *([] if parallel > 1 else stages)}), run_name,
                                 overrides, kernel, notebooks=notebooks)
         jobs, notes = {base_dir: {**job, "run_name": run_name, "overrides": overrides}}, []
-        for v in plan_variants(base_dir.name, keys):
+        grid = plan_variants(base_dir.name, keys) if keys else []
+        for v in [*grid, *parse_variants(base_dir.name, variants or [], overrides)]:
             if v.values in same:
                 notes.append(f"{v.name}: the base's own params, its row is the base run's")
                 continue
@@ -338,7 +377,8 @@ def run_sweep(params_file: str | Path, vary: list[str], stages: list[int] | None
     except RunInterrupted as exc:
         raise RunInterrupted(f"{exc}; the same `eagle3 sweep` command resumes every run where it stopped "
                              f"(finished ones are skipped)", stage=exc.stage, run_dir=exc.run_dir) from None
-    return _write_comparison(base_dir, list(jobs), list(keys), notes)
+    named = [k for item in variants or [] for k in parse_variants("", [item])[0].values]
+    return _write_comparison(base_dir, list(jobs), list(dict.fromkeys([*keys, *named])), notes)
 
 
 def _write_comparison(base_dir: Path, runs: list[Path], keys: list[str], notes: list[str]) -> Path:
