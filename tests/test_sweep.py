@@ -246,6 +246,9 @@ def test_a_parallel_sweep_runs_processes_names_a_failure_by_its_log_and_resumes(
     assert read_json(base / STAGES[4] / "stats.json")["complete"] and read_json(v4 / STAGES[4] / "stats.json")["complete"]
     assert "stage 4 (04_train) finished" in (v4 / "sweep.log").read_text()
     assert os.path.samefile(base / STAGES[3] / "manifest.jsonl", v5 / STAGES[3] / "manifest.jsonl")
+    # the runs that finished are compared all the same
+    assert "| `t--lr-0.004` | 0.004 | 1.400 | 40 s |" in (out / "t--sweep.md").read_text()
+    assert "| `t--big` | 0.005 | — | — |" in (out / "t--sweep.md").read_text()
     (out / "fail-0.005").unlink()
     md = run_sweep(pf, ["train.lr=0.003,0.004"], stages=[4], notebooks=nbdir, parallel=2, variants=["big:train.lr=0.005"])
     assert [(d / STAGES[4] / "runs.txt").read_text() for d in (base, v4, v5)] == ["x", "x", "x"]

@@ -373,12 +373,21 @@ def run_sweep(params_file: str | Path, vary: list[str], stages: list[int] | None
                 run_pipeline(**job, run_name=v.name, overrides=ov)
             jobs[base_dir.parent / v.name] = {**job, "run_name": v.name, "overrides": ov}
         if parallel > 1:
-            run_parallel(jobs, parallel)
+            try:
+                run_parallel(jobs, parallel)
+            except RunnerError:  # the runs that finished are compared all the same
+                _write_comparison(base_dir, list(jobs), _compared_keys(keys, variants), notes)
+                raise
     except RunInterrupted as exc:
         raise RunInterrupted(f"{exc}; the same `eagle3 sweep` command resumes every run where it stopped "
                              f"(finished ones are skipped)", stage=exc.stage, run_dir=exc.run_dir) from None
+    return _write_comparison(base_dir, list(jobs), _compared_keys(keys, variants), notes)
+
+
+def _compared_keys(keys: dict[str, list[str]], variants: list[str] | None) -> list[str]:
+    """The comparison's columns: the ``--vary`` keys, then those the named variants set."""
     named = [k for item in variants or [] for k in parse_variants("", [item])[0].values]
-    return _write_comparison(base_dir, list(jobs), list(dict.fromkeys([*keys, *named])), notes)
+    return list(dict.fromkeys([*keys, *named]))
 
 
 def _write_comparison(base_dir: Path, runs: list[Path], keys: list[str], notes: list[str]) -> Path:
