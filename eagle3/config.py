@@ -371,7 +371,9 @@ class TrainParams(_Section):
     optimizer: Literal["adamw", "muon"] = Field(
         "adamw", description="'adamw'; 'muon' = speculators' split (torch.optim.Muon on the 2-D weight matrices "
         "other than embedding and lm head, with speculators' momentum, weight decay and match_rms_adamw lr "
-        "scaling; AdamW on the rest), eagle3.train.optim")
+        "scaling; AdamW on the rest), eagle3.train.optim; on the GPU recipe at 25K conversations and 3 epochs muon "
+        "gave general chat tau 2.27 vs 2.17 (offline, k=3), higher at every draft position (benchmarks/RESULTS.md); "
+        "not measured on the CPU default")
     muon_lr: float | None = Field(None, gt=0.0, description="optimizer: muon: the Muon group's peak lr (None: lr)")
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_steps: int = Field(20, ge=0)
