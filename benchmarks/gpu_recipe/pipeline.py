@@ -1,5 +1,6 @@
 """The GPU recipe's stages 1-4 called directly, without papermill or Jupyter, resumable step by step;
-also the run directories of the data-scaling curve (variants of stage 4-5 settings: `eagle3 sweep`).
+also the run directories of the data-scaling curve and of variants of stage-2/3 settings (draft vocab
+size, hidden-state dtype; variants of what stages 4-5 read: `eagle3 sweep`).
 
 usage (from the repository root, with the package importable):
   pipeline.py synth                  stage 1 of run `full` (self prompts, then the answers)
@@ -13,9 +14,13 @@ usage (from the repository root, with the package importable):
   pipeline.py vocab full,n1000,...   stage 2 of each run dir, in parallel processes
   pipeline.py extract full,n1000,... stage 3 of each, one after the other (one process each)
   pipeline.py train full,n1000,...   stage 4 (+ export) of each, one after the other
+  pipeline.py share full e6,...      run dirs of RECIPE_VARIANTS (JSON: name -> overrides, e.g.
+                                     '{"e6": {"train": {"epochs": 6}}}') whose stages 1-3 are the base
+                                     run's folders (symlinks): only stage 4 differs
+                                     (SHARE_STAGES=1,2: only stages 1-2 shared, stage 3 its own)
   pipeline.py summary                one JSON line per run dir with the headline numbers
 Environment: RECIPE_PARAMS (default params/smollm2-135m-h200.yaml), RECIPE_ROOT (the run directories'
-parent, default outputs/gpu_recipe), RECIPE_SET (JSON overrides for every run dir),
+parent, default outputs/gpu_recipe), RECIPE_SET (JSON overrides for every run dir), RECIPE_VARIANTS,
 TRAIN_PARALLEL=1 (`train` runs its run dirs side by side: a small drafter leaves most of a GPU idle).
 Epochs are held fixed across data sizes, so the steps grow with the data. Logs: RECIPE_ROOT/<name>.<stage>.log.
 """
@@ -39,9 +44,27 @@ def params_for(name: str):
     # RECIPE_SET: JSON overrides for every run dir (e.g. '{"synthesize": {"batch_size": 2048}}')
     extra = json.loads(os.environ.get("RECIPE_SET", "{}"))
     over = {"run": {"name": name, "output_dir": str(ROOT)}}
-    if name != "full":
+    variants = json.loads(os.environ.get("RECIPE_VARIANTS", "{}"))
+    if name in variants:
+        extra = apply_overrides(extra, variants[name])
+    elif name != "full":
         over["synthesize"] = {"limit": int(name[1:])}
     return load_params(RUN_YAML, apply_overrides(extra, over))
+
+
+def share(base: str, names: list[str]) -> None:
+    """Run dirs that differ from `base` in stage 4 only: stages 1-3 are symlinks to base's folders."""
+    from eagle3.rundir import EXTRACT, SYNTHESIZE, VOCAB, RunDir, prepare_run_dir
+
+    for name in names:
+        rd = prepare_run_dir(params_for(name), ROOT / name)
+        # SHARE_STAGES=1,2: stage 3 differs too (e.g. extract.dtype), so only stages 1-2 are linked
+        shared = [int(x) for x in os.environ.get("SHARE_STAGES", "1,2,3").split(",")]
+        for stage in [s for s in (SYNTHESIZE, VOCAB, EXTRACT) if s in shared]:
+            link = RunDir(rd).stage(stage)
+            if not link.exists():
+                link.symlink_to(RunDir(ROOT / base).stage(stage), target_is_directory=True)
+        print("SHARE", name, "->", base, sorted(x.name for x in rd.iterdir()), flush=True)
 
 
 def synth() -> None:
@@ -186,6 +209,8 @@ if __name__ == "__main__":
         subsets([int(x) for x in sys.argv[2].split(",")])
     elif cmd == "vocab":
         _launch(sys.argv[2].split(","), cmd)
+    elif cmd == "share":
+        share(sys.argv[2], sys.argv[3].split(","))
     elif cmd == "extract":  # one at a time: each has the GPU to itself
         _launch(sys.argv[2].split(","), cmd, parallel=False)
     elif cmd == "train":
