@@ -11,7 +11,7 @@ from pathlib import Path
 from eagle3.errors import RunnerError
 from eagle3.rundir import NOTEBOOKS, STAGES, RunDir
 
-__all__ = ["render_report", "render_after_run", "static_widgets", "offline_html"]
+__all__ = ["render_report", "render_after_run", "static_widgets", "offline_html", "notebook_html"]
 
 
 _REMOTE_SCRIPT = re.compile(r"<script[^>]*\bsrc=[\"']https?://[^>]*>\s*</script>", re.I)
@@ -61,6 +61,23 @@ def static_widgets(nb) -> int:
     return n
 
 
+def notebook_html(nb_path: str | Path, title: str) -> str:
+    """An executed notebook as one HTML page that opens offline: widgets as static HTML
+    (:func:`static_widgets`), no script from a CDN (:func:`offline_html`), every figure inside the page
+    (nbconvert writes image outputs as ``data:`` URIs), ``title`` as its title."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    nb = nbformat.read(Path(nb_path), as_version=4)
+    # Widget state (tqdm bars, the vocab slider) would make nbconvert load the widget manager
+    # from a CDN; the report must render offline, so widgets become static HTML first.
+    static_widgets(nb)
+    nb.metadata.pop("widgets", None)
+    nb.metadata["title"] = title
+    body, _ = HTMLExporter().from_notebook_node(nb, resources={"metadata": {"name": title}})
+    return offline_html(body)
+
+
 def render_report(run_dir: str | Path) -> Path:
     """Render the executed notebooks to HTML plus ``report/index.html`` (key numbers, figures, links).
 
@@ -70,9 +87,6 @@ def render_report(run_dir: str | Path) -> Path:
     Raises:
         RunnerError: the run directory has no executed notebooks.
     """
-    import nbformat
-    from nbconvert import HTMLExporter
-
     from eagle3.report import index_html
 
     run_dir = Path(run_dir)
@@ -82,21 +96,13 @@ def render_report(run_dir: str | Path) -> Path:
         raise RunnerError(f"{run_dir}: no executed notebooks in {nb_dir}; run `eagle3 run` first")
     rep = RunDir(run_dir).report_dir
     (rep / "figures").mkdir(parents=True, exist_ok=True)
-    exporter = HTMLExporter()
     pages = []
     for nb_path in executed:
-        nb = nbformat.read(nb_path, as_version=4)
-        # Widget state (tqdm bars, the vocab slider) would make nbconvert load the widget manager
-        # from a CDN; the report must render offline, so widgets become static HTML first.
-        static_widgets(nb)
-        nb.metadata.pop("widgets", None)
         # Each page gets its stage's title (nbconvert's default is "Notebook" for every page).
         stage = next((n for n, f in NOTEBOOKS.items() if f == nb_path.name), None)
         title = f"Stage {stage}: {STAGES[stage][3:]} ({run_dir.name})" if stage else f"{nb_path.stem} ({run_dir.name})"
-        nb.metadata["title"] = title
-        body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": title}})
         out = rep / (nb_path.stem + ".html")
-        out.write_text(offline_html(body), encoding="utf-8")
+        out.write_text(notebook_html(nb_path, title), encoding="utf-8")
         pages.append(out.name)
     figures: dict[str, list[str]] = {}
     for name in STAGES.values():
