@@ -131,9 +131,10 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from eagle3.commands.report import render_report
+    from eagle3.commands.report import render_report, single_file_line
 
     print(render_report(args.run_dir))
+    print(single_file_line(args.run_dir))
     return 0
 
 
