@@ -61,7 +61,7 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path | None = None, kern
         ParamsError: a run's ``params.yaml`` cannot be used.
     """
     from eagle3.commands.report import notebook_html
-    from eagle3.commands.run import KERNEL, _require_kernel
+    from eagle3.commands.run import KERNEL, require_kernel
     from eagle3.compare import read_runs
 
     dirs = [Path(d).resolve() for d in run_dirs]
@@ -73,7 +73,7 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path | None = None, kern
     if not nb_in.is_file():
         raise RunnerError(f"the comparison notebook {nb_in} does not exist: restore it "
                           f"(`git checkout -- notebooks/{COMPARE_NOTEBOOK}`)")
-    _require_kernel(kernel or KERNEL)
+    require_kernel(kernel or KERNEL)
     page.parent.mkdir(parents=True, exist_ok=True)
     nb_out = page.with_suffix(".ipynb")
     print(f"eagle3 compare: {', '.join(r.label for r in runs)} ({COMPARE_NOTEBOOK})", flush=True)
