@@ -57,13 +57,16 @@ class RunView:
 
     @property
     def stages_done(self) -> str:
-        """The finished stages in words: ``1-5``, ``1-4 (5 not finished)``, ``none``."""
-        from eagle3.commands.run import format_stages
-
+        """The finished stages in words: ``1-5``, ``1-4 (5 not finished)``, ``1, 2, 4 (3, 5 not finished)``,
+        ``none``."""
         done = [s for s, ok in self.complete.items() if ok]
         missing = [s for s, ok in self.complete.items() if not ok]
-        text = format_stages(done) if done else "none"
-        return text + (f" ({format_stages(missing)} not finished)" if missing and done else "")
+
+        def text(stages: list[int]) -> str:
+            run = len(stages) > 2 and stages == list(range(stages[0], stages[-1] + 1))
+            return f"{stages[0]}-{stages[-1]}" if run else ", ".join(map(str, stages))
+
+        return (text(done) if done else "none") + (f" ({text(missing)} not finished)" if missing and done else "")
 
 
 def _training_data(run_dir: Path) -> dict:
