@@ -195,3 +195,11 @@ def test_a_run_named_like_a_report_page_gets_its_own_file_name(tmp_path):
 
     assert single_file(tmp_path / "index") == tmp_path / "index" / "report" / "index-report.html"
     assert single_file(tmp_path / "ci") == tmp_path / "ci" / "report" / "ci.html"
+
+
+def test_a_list_item_one_run_lacks_is_shown_absent(tmp_params):
+    a = _view(tmp_params, "a")
+    b = _view(tmp_params, "b", "evaluate:\n  sources:\n    - {kind: file, path: my.jsonl, label: mine}\n")
+    df = params_table([a, b])
+    assert list(df.index) == ["evaluate.sources.0"]
+    assert df.loc["evaluate.sources.0", "a"] == "(absent)" and '"label": "mine"' in df.loc["evaluate.sources.0", "b"]
