@@ -198,17 +198,19 @@ def view_alone(browser, html_file, viewport=(1200, 900), timeout_ms: int = 30000
     outside: list[str] = []
     errors: list[str] = []
 
-    def route(r):
-        url = r.request.url
-        if url == f.as_uri() or url.startswith("data:"):
-            r.continue_()
-        else:
-            outside.append(url)
+    def leaves(url: str) -> bool:
+        return url != f.as_uri() and not url.startswith("data:")
+
+    def route(r):  # refused, so that a page that works only beside its files fails here
+        if leaves(r.request.url):
+            outside.append(r.request.url)
             r.abort()
+        else:
+            r.continue_()
 
     page.route("**/*", route)
-    page.on("request", lambda q: outside.append(q.url) if not (q.url == f.as_uri() or q.url.startswith("data:"))
-            and q.url not in outside else None)
+    # a request the router does not see (a file:// URL) is still a request event
+    page.on("request", lambda q: outside.append(q.url) if leaves(q.url) else None)
     page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
     page.goto(f.as_uri(), wait_until="load", timeout=timeout_ms)
     v = page.evaluate(_VIEW_JS)
