@@ -203,3 +203,27 @@ def test_a_list_item_one_run_lacks_is_shown_absent(tmp_params):
     df = params_table([a, b])
     assert list(df.index) == ["evaluate.sources.0"]
     assert df.loc["evaluate.sources.0", "a"] == "(absent)" and '"label": "mine"' in df.loc["evaluate.sources.0", "b"]
+
+
+def test_categories_and_draft_positions_per_set_in_the_set_tables_order(tmp_params):
+    from eagle3.compare import category_table, position_table
+
+    def results(pos: list[float]) -> dict:
+        def entry(cats: dict[str, int]) -> dict:
+            return {"info": {"by_category": cats},
+                    "methods": {VLLM_EAGLE3: {"per_position_conditional": pos}, VLLM_NGRAM: {"per_position_conditional": [0.6]}},
+                    "by_category": {c: {VLLM_EAGLE3: {"tokens_per_forward": 1.25}, VLLM_NGRAM: {"tokens_per_forward": 1.1}}
+                                    for c in cats}}
+        return {"sets": {"heldout": entry({"human-eval": 6}), "general-chat": entry({"math": 1, "coding": 2})}}
+
+    a = _view(tmp_params, "a", sets={"general-chat": 1.04, "heldout": 1.3})
+    b = _view(tmp_params, "b", sets={"general-chat": 1.1, "heldout": 1.4})
+    a.results, b.results = results([0.5, 0.25, 0.0]), results([0.4, 0.2])
+    cats = category_table([a, b])
+    assert list(cats.index) == [("general-chat", "math"), ("general-chat", "coding"), ("heldout", "human-eval")]
+    assert cats.loc[("general-chat", "math"), ("drafter tokens per forward", "a")] == "1.250 (1 prompt)"
+    assert cats.loc[("heldout", "human-eval"), ("n-gram tokens per forward", "b")] == "1.100"
+    pos = position_table([a, b])
+    assert pos.loc[("heldout", "drafter"), ("position 2", "b")] == "0.200"
+    assert pos.loc[("heldout", "drafter"), ("position 3", "b")] == "—"  # b drafted 2 tokens
+    assert pos.loc[("general-chat", "n-gram"), ("position 1", "a")] == "0.600"

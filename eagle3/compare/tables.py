@@ -148,7 +148,9 @@ def category_table(runs: list[RunView]):
     column per (measurement, run); the category's prompts in brackets after the drafter's."""
     import pandas as pd
 
+    order = eval_sets(runs)  # the set table's order: out-of-domain first
     keys = list(dict.fromkeys((s, c) for r in runs for s, e in _result_sets(r).items() for c in e.get("by_category", {})))
+    keys.sort(key=lambda k: order.index(k[0]) if k[0] in order else len(order))
     cols = [(f"{_SHORT[m]} tokens per forward", r.label) for m in (VLLM_EAGLE3, VLLM_NGRAM) for r in runs]
     rows = []
     for s, c in keys:
@@ -159,7 +161,7 @@ def category_table(runs: list[RunView]):
                 cell = ((e.get("by_category") or {}).get(c) or {}).get(m) or {}
                 n = (e.get("info") or {}).get("by_category", {}).get(c)
                 v = _num(cell.get("tokens_per_forward"))
-                row.append(f"{v} ({n} prompts)" if m == VLLM_EAGLE3 and n and v != NOT_MEASURED else v)
+                row.append(f"{v} ({n} prompt{'s' * (n != 1)})" if m == VLLM_EAGLE3 and n and v != NOT_MEASURED else v)
         rows.append(row)
     if not rows:
         return pd.DataFrame()
