@@ -1,4 +1,4 @@
-"""The ``eagle3`` command line: ``run``, ``sweep``, ``status``, ``verify``, ``report``, ``params``.
+"""The ``eagle3`` command line: ``run``, ``sweep``, ``status``, ``verify``, ``report``, ``compare``, ``params``.
 
 Exit codes: 0 success; 2 a usage error or an :class:`eagle3.errors.Eagle3Error` (bad params, a
 missing target, a failed stage, a stale stage, ...: one clean message on stderr, no traceback);
@@ -73,6 +73,12 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="runs at a time (stages 4-5 of the base and the variants; default 1): on one GPU a small "
                     "drafter leaves room for several, e.g. 4; each run's output goes to <run folder>/sweep.log")
 
+    c = sub.add_parser("compare", help="several runs side by side on one self-contained HTML page")
+    c.add_argument("run_dirs", nargs="+", metavar="RUN", help="run directories, e.g. outputs/ci outputs/ci--lr-0.002")
+    c.add_argument("--out", default=None, metavar="FILE.html",
+                   help="the page (default: beside the first run, <run>--vs--<run>.html)")
+    c.add_argument("--kernel", default=KERNEL, help=f"Jupyter kernel (default: {KERNEL})")
+
     pp = sub.add_parser("params", help="validate a params file and print the resolved params")
     pp.add_argument("params", help="params YAML file, e.g. params/ci.yaml")
     pp.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE", help=_SET_HELP)
@@ -132,9 +138,17 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from eagle3.commands.report import render_report
+    from eagle3.commands.report import render_report, single_file_line
 
     print(render_report(args.run_dir))
+    print(single_file_line(args.run_dir))
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from eagle3.commands.compare import compare_runs
+
+    compare_runs(args.run_dirs, args.out, args.kernel)
     return 0
 
 
@@ -146,7 +160,7 @@ def _params(args: argparse.Namespace) -> int:
 
 
 _COMMANDS = {"run": _run, "status": _status, "verify": _verify, "report": _report, "params": _params,
-             "sweep": _sweep}
+             "sweep": _sweep, "compare": _compare}
 
 
 def invocation() -> list[str]:

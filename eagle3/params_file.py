@@ -31,6 +31,7 @@ __all__ = [
     "params_fingerprint",
     "dump_params",
     "diff_params",
+    "differing_values",
     "changed_stage",
     "STAGE_OWN_SECTIONS",
     "semantic_sections",
@@ -289,6 +290,21 @@ def _differences(a: Params, b: Params) -> list[tuple[str, Any, Any]]:
 def diff_params(a: Params, b: Params) -> list[str]:
     """Dotted keys whose values differ between two params (semantic keys only), with both values."""
     return [f"{k}: {x!r} -> {y!r}" for k, x, y in _differences(a, b)]
+
+
+def differing_values(params: list[Params]) -> dict[str, list[Any]]:
+    """``{dotted key: [value in each params]}`` of every semantic key on which the ``params`` do not all
+    agree, keys as :func:`diff_params` names them (``train.lr``, ``synthesize.sources.0.limit``; a list
+    item one params lacks: :data:`ABSENT`), in key order. Two params that differ from the first one in
+    the same key differ from each other only there, so the keys are those of each one's difference
+    with the first."""
+    diffs = [{k: (x, y) for k, x, y in _differences(params[0], p)} for p in params[1:]]
+    keys = sorted({k for d in diffs for k in d})
+    out = {}
+    for k in keys:
+        first = next(d[k][0] for d in diffs if k in d)
+        out[k] = [first, *(d[k][1] if k in d else first for d in diffs)]
+    return out
 
 
 # Params sections that one stage reads and no other: no other stage's module, notebook or input

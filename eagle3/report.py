@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import html
 import json
@@ -16,7 +17,7 @@ from eagle3.io import read_json
 from eagle3.rundir import STAGES, VLLM_RESULT_FILE
 from eagle3.stage import Stats, stage_record
 
-__all__ = ["MISSING", "headline_keys", "stats_classes", "summary_html", "index_html", "key_numbers"]
+__all__ = ["MISSING", "headline_keys", "stats_classes", "summary_html", "index_html", "key_numbers", "SingleFile"]
 
 def stats_classes() -> dict[int, type[Stats]]:
     """Stage number -> its :class:`eagle3.stage.Stats` subclass (field names = ``stats.json`` keys)."""
@@ -296,54 +297,107 @@ def summary_html(run_dir: str | Path) -> str:
     return "\n".join(p for p in parts if p)
 
 
-def index_html(run_dir: str | Path, pages: list[str], figures: dict[str, list[str]]) -> str:
+_STYLE = ("<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;}"
+          "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}"
+          "img{max-width:100%;margin:4px 0;border:1px solid #eee}code{background:#f4f4f4}"
+          ".warn{background:#fff0f0;border:2px solid #c00;padding:6px 12px;color:#600}"
+          "ul.warn{padding-left:2.2em}</style>")  # the list's bullets inside its box
+
+
+@dataclasses.dataclass
+class SingleFile:
+    """How the single-file report differs from the index: its figures inside the page (read from
+    ``report_dir``, written as ``data:`` URIs), each stage page's tables (``tables``: stage folder ->
+    the HTML tables of its executed notebook) instead of a link to the page, and the engine logs named,
+    not linked (a file sent alone has nothing beside it)."""
+
+    report_dir: Path
+    tables: dict[str, list[str]]
+
+
+def _figure_html(fig: str, single: SingleFile | None) -> str:
+    """A stage figure (``figures/<stage>__<name>.png``, relative to ``report/``): linked to its file on the
+    index, inside the page on the single file."""
+    alt = html.escape(Path(fig).stem)
+    if single is None:
+        return f"<a href='{html.escape(fig)}'><img src='{html.escape(fig)}' alt='{alt}'></a>"
+    data = base64.b64encode((single.report_dir / fig).read_bytes()).decode("ascii")
+    return f"<img src='data:image/png;base64,{data}' alt='{alt}'>"
+
+
+def _page_link(s: int, name: str, page: str, single: SingleFile | None) -> str:
+    """The index's link to a stage's executed notebook, or the single file's copy of its tables."""
+    if single is None:
+        return f"<p>Executed notebook: <a href='{html.escape(page)}'>{html.escape(page)}</a></p>"
+    tables = single.tables.get(name) or []
+    if not tables:
+        return f"<p>Executed notebook: report/{html.escape(page)} of the run (no table)</p>"
+    return (f"<details><summary>The tables of stage {s}'s executed notebook ({len(tables)}; its page: "
+            f"report/{html.escape(page)} of the run)</summary>{''.join(tables)}</details>")
+
+
+def _logs_html(run_dir: Path, name: str, single: SingleFile | None) -> str:
+    """The engine logs of a stage: linked from the index (relative to report/), named on the single file."""
+    logs = sorted((run_dir / name / "logs").glob("*.log")) if (run_dir / name / "logs").is_dir() else []
+    if not logs:
+        return ""
+    if single is not None:
+        return f"<p>Engine logs (in the run folder, {html.escape(name)}/logs/): {html.escape(', '.join(p.name for p in logs))}</p>"
+    links = ", ".join(f"<a href='../{html.escape(name)}/logs/{html.escape(p.name)}'>{html.escape(p.name)}</a>"
+                      for p in logs)
+    return f"<p>Engine logs: {links}</p>"
+
+
+def _stage_section(run_dir: Path, s: int, nums: dict, pages: list[str], figures: dict[str, list[str]],
+                   single: SingleFile | None) -> list[str]:
+    """One stage's part of the page: its headline numbers (stage 1 also what it left out and why),
+    its figures, its executed notebook (a link, or its tables) and its engine logs."""
+    name = STAGES[s]
+    page = next((p for p in pages if p.startswith(f"{s:02d}_")), None)
+    parts = [f"<h2>{s}. {html.escape(name[3:])}</h2>"]
+    if page:
+        parts.append(_page_link(s, name, page, single))
+    if name in nums:
+        rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>" for k, v in nums[name].items())
+        if s == 5:  # its pooled numbers mix in- and out-of-domain prompts
+            parts.append("<p><em>Pooled over every evaluation set (offline τ over the offline prompts only, "
+                         "vLLM τ over all: not a parity pair; the parity line above compares the same "
+                         "prompts); per set: Result, at the top.</em></p>")
+        parts.append(f"<table>{rows}</table>")
+        if s == 1:  # what the training data lost on its way in (bad records, cut answers), as the terminal said it
+            from eagle3.synthesize.summary import skip_summary
+
+            parts.append(f"<p>Stage 1: {html.escape(skip_summary(stage_record(run_dir, s).stats))}.</p>")
+    else:
+        parts.append(f"<p><em>{html.escape(_unfinished(run_dir, s))}</em></p>")
+    parts += [_figure_html(fig, single) for fig in figures.get(name, [])]
+    if s == 5:
+        where = stage_record(run_dir, s).stats.get("vllm_serve_where")
+        if where:
+            parts.append(f"<p>{html.escape(where)}</p>")
+    parts.append(_logs_html(run_dir, name, single))
+    return [p for p in parts if p]
+
+
+def index_html(run_dir: str | Path, pages: list[str], figures: dict[str, list[str]],
+               single: SingleFile | None = None) -> str:
     """HTML text of the index page: the result (:func:`summary_html`), then per stage a table of its
     headline numbers (stage 1 also what it left out and why: bad prompt records, cut answers), its
-    figures (full width, linked to the file) and its executed notebook."""
+    figures (full width, linked to the file) and its executed notebook.
+
+    With ``single`` (:class:`SingleFile`), the single-file report instead: the same page with every
+    figure inside it and each stage page's tables, no link to a file beside it.
+    """
     run_dir = Path(run_dir)
     nums = key_numbers(run_dir)
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
-        f"<title>eagle3 report: {html.escape(run_dir.name)}</title>",
-        "<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;}"
-        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;text-align:left}"
-        "img{max-width:100%;margin:4px 0;border:1px solid #eee}code{background:#f4f4f4}"
-        ".warn{background:#fff0f0;border:2px solid #c00;padding:6px 12px;color:#600}"
-        "ul.warn{padding-left:2.2em}</style>",  # the list's bullets inside its box
-        "</head><body>",
+        f"<title>eagle3 report: {html.escape(run_dir.name)}</title>", _STYLE, "</head><body>",
         f"<h1>eagle3 report: {html.escape(run_dir.name)}</h1>",
         f"<p>Run directory: <code>{html.escape(str(run_dir.resolve()))}</code></p>",
         summary_html(run_dir),
     ]
-    for s, name in STAGES.items():
-        page = next((p for p in pages if p.startswith(f"{s:02d}_")), None)
-        parts.append(f"<h2>{s}. {html.escape(name[3:])}</h2>")
-        if page:
-            parts.append(f"<p>Executed notebook: <a href='{html.escape(page)}'>{html.escape(page)}</a></p>")
-        if name in nums:
-            rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(_fmt(v))}</td></tr>" for k, v in nums[name].items())
-            if s == 5:  # its pooled numbers mix in- and out-of-domain prompts
-                parts.append("<p><em>Pooled over every evaluation set (offline τ over the offline prompts only, "
-                             "vLLM τ over all: not a parity pair; the parity line above compares the same "
-                             "prompts); per set: Result, at the top.</em></p>")
-            parts.append(f"<table>{rows}</table>")
-            if s == 1:  # what the training data lost on its way in (bad records, cut answers), as the terminal said it
-                from eagle3.synthesize.summary import skip_summary
-
-                parts.append(f"<p>Stage 1: {html.escape(skip_summary(stage_record(run_dir, s).stats))}.</p>")
-        else:
-            parts.append(f"<p><em>{html.escape(_unfinished(run_dir, s))}</em></p>")
-        for fig in figures.get(name, []):
-            f = html.escape(fig)
-            parts.append(f"<a href='{f}'><img src='{f}' alt='{html.escape(Path(fig).stem)}'></a>")
-        if s == 5:
-            where = stage_record(run_dir, s).stats.get("vllm_serve_where")
-            if where:
-                parts.append(f"<p>{html.escape(where)}</p>")
-        logs = sorted((run_dir / name / "logs").glob("*.log")) if (run_dir / name / "logs").is_dir() else []
-        if logs:  # engine logs stay out of the notebooks; the page links them (relative to report/)
-            links = ", ".join(f"<a href='../{html.escape(name)}/logs/{html.escape(p.name)}'>{html.escape(p.name)}</a>"
-                              for p in logs)
-            parts.append(f"<p>Engine logs: {links}</p>")
+    for s in STAGES:
+        parts += _stage_section(run_dir, s, nums, pages, figures, single)
     parts.append("</body></html>")
     return "\n".join(parts)

@@ -1,9 +1,13 @@
 """A thin wrapper over wandb: one W&B run per run directory, one key prefix per stage.
 
 Mode comes from ``tracking.mode``: ``online``, ``offline`` or ``disabled``; ``auto`` is online
-when an API key is configured (``WANDB_API_KEY`` or a netrc entry) and offline otherwise. The run
-config is the resolved params (which never hold secrets: API keys are read from environment
-variables named in params, never stored). Every figure is also saved as a PNG in the stage folder.
+when an API key is configured (``WANDB_API_KEY`` or a netrc entry) and offline otherwise. The W&B
+run is named by ``run.name``; its config is the resolved params flattened to dotted keys
+(:func:`flat_params`: ``train.lr``, ``synthesize.sources.0.limit``), the keys ``eagle3 compare``
+names, so that W&B's own comparison of runs (its runs table, parallel coordinates) lines up with
+the comparison page. Params never hold secrets (API keys are read from environment variables named
+in params, never stored), and :func:`scrub_secrets` masks anything that looks like one. Every figure
+is also saved as a PNG in the stage folder.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 from eagle3.config import Params
 
-__all__ = ["Tracker", "resolve_mode", "scrub_secrets", "offline_fallback_id"]
+__all__ = ["Tracker", "resolve_mode", "scrub_secrets", "offline_fallback_id", "flat_params"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +84,28 @@ def _env_names(obj: Any) -> list[str]:
     return []
 
 
+def flat_params(params: Params) -> dict[str, Any]:
+    """The resolved params as one level of dotted keys, secrets masked (:func:`scrub_secrets`): the W&B
+    run config. Nested sections join with ``.`` (``train.lr``); a list of sections is indexed
+    (``synthesize.sources.0.name``), as :func:`eagle3.params_file.differing_values` names a key; a list of
+    plain values stays one value (``evaluate.backends: ["offline", "vllm"]``); an empty section or list
+    stays itself."""
+    out: dict[str, Any] = {}
+
+    def walk(v: Any, key: str) -> None:
+        if isinstance(v, dict) and v:
+            for k, x in v.items():
+                walk(x, f"{key}.{k}" if key else str(k))
+        elif isinstance(v, list) and any(isinstance(x, (dict, list)) for x in v):
+            for i, x in enumerate(v):
+                walk(x, f"{key}.{i}")
+        else:
+            out[key] = v
+
+    walk(scrub_secrets(params.model_dump(mode="json")), "")
+    return out
+
+
 def offline_fallback_id(run_id: str) -> dict:
     """The ``id`` and ``resume`` of the offline run that 'auto' falls back to: a fresh id
     (``<run_id>-offline-<6 hex>``, at most 64 characters), not resumed.
@@ -123,7 +149,7 @@ class Tracker:
                 id=re.sub(r"[^A-Za-z0-9_-]", "-", run_id)[:64],
                 resume="allow",
                 dir=str(self.run_dir),
-                config=scrub_secrets(params.model_dump(mode="json")),
+                config=flat_params(params),
                 reinit="finish_previous",
             )
             auto_online = params.tracking.mode == "auto" and self.mode == "online"

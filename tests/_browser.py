@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["find_chromium", "require_chromium", "PageCheck", "check_page", "PageView", "view_pages", "ENGINE_LOG", "FIGURE_CELL",
-           "page_problems", "launch"]
+           "page_problems", "launch", "view_alone"]
 
 CHROMIUM_ARGS = [
     "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -187,6 +187,35 @@ def view_pages(browser, files, viewport=(1200, 900), timeout_ms: int = 30000) ->
         out[f.name] = PageView(f.name, v["title"], v["text"], v["cells"], v["imgs"], [tuple(h) for h in v["heads"]],
                                errors, page)
     return out
+
+
+def view_alone(browser, html_file, viewport=(1200, 900), timeout_ms: int = 30000) -> tuple[PageView, list[str]]:
+    """Open ``html_file`` as a file sent alone would open: every request other than the file itself
+    (a ``data:`` URI is inside the file) is recorded and refused. Returns the page as
+    :func:`view_pages` reads it and the URLs it asked for outside the file."""
+    f = Path(html_file).resolve()
+    page = browser.new_page(viewport={"width": viewport[0], "height": viewport[1]})
+    outside: list[str] = []
+    errors: list[str] = []
+
+    def leaves(url: str) -> bool:
+        return url != f.as_uri() and not url.startswith("data:")
+
+    def route(r):  # refused, so that a page that works only beside its files fails here
+        if leaves(r.request.url):
+            outside.append(r.request.url)
+            r.abort()
+        else:
+            r.continue_()
+
+    page.route("**/*", route)
+    # a request the router does not see (a file:// URL) is still a request event
+    page.on("request", lambda q: outside.append(q.url) if leaves(q.url) else None)
+    page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
+    page.goto(f.as_uri(), wait_until="load", timeout=timeout_ms)
+    v = page.evaluate(_VIEW_JS)
+    view = PageView(f.name, v["title"], v["text"], v["cells"], v["imgs"], [tuple(h) for h in v["heads"]], errors, page)
+    return view, sorted(set(outside))
 
 
 def page_problems(v: PageView) -> list[str]:

@@ -119,3 +119,41 @@ def test_auto_fallback_to_offline_takes_a_fresh_run_id(tmp_params, monkeypatch):
         held.discard(online_id)  # the next stage is another process: the timed-out attempt is gone
         t.finish()
     assert ids[0] != ids[1]
+
+
+def test_the_wandb_run_is_named_by_the_run_and_its_config_is_the_params_flattened(tmp_params, monkeypatch):
+    """W&B's runs table compares config keys of one level: the params go there as the dotted keys that
+    `eagle3 compare` names (train.lr, synthesize.sources.0.limit), secrets masked. No network."""
+    import wandb
+
+    from eagle3.params_file import differing_values
+    from eagle3.tracking import flat_params
+
+    seen = {}
+
+    class FakeRun:
+        def finish(self):
+            pass
+
+    def init(**kw):
+        seen.update(kw)
+        return FakeRun()
+
+    monkeypatch.setattr(wandb, "init", init)
+    monkeypatch.setenv("OPENAI_API_KEY", "not-a-pattern-but-the-key")
+    text = ("run:\n  name: lr-study\n  output_dir: out\ntracking:\n  mode: offline\ntrain:\n  lr: 0.002\n"
+            "synthesize:\n  limit: 40\n  sources:\n    - {kind: embedded, name: human-eval, limit: 30, "
+            "system_prompt: not-a-pattern-but-the-key}\n")
+    p = load_params(tmp_params(text))
+    Tracker(p, Path(p.run.output_dir) / "lr-study", "04_train").finish()
+    cfg = seen["config"]
+    assert seen["name"] == "lr-study" and seen["mode"] == "offline"
+    assert cfg["train.lr"] == 0.002 and cfg["synthesize.limit"] == 40 and cfg["run.name"] == "lr-study"
+    assert cfg["synthesize.sources.0.limit"] == 30 and cfg["synthesize.sources.0.system_prompt"] == "***"
+    assert cfg["evaluate.backends"] == list(p.evaluate.backends)  # a list of plain values stays one value
+    assert not any(isinstance(v, dict) and v for v in cfg.values())
+    # the keys a comparison names are config keys
+    other = load_params(tmp_params(text.replace("lr: 0.002", "lr: 0.004").replace("limit: 30", "limit: 20"), "q.yaml"))
+    keys = differing_values([p, other])
+    assert list(keys) == ["synthesize.sources.0.limit", "train.lr"] and set(keys) <= set(flat_params(other))
+    assert flat_params(other)["train.lr"] == 0.004 and flat_params(other)["synthesize.sources.0.limit"] == 20

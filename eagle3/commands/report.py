@@ -1,5 +1,7 @@
 """``eagle3 report RUN``: the executed notebooks rendered to static HTML pages that open offline,
-the stage figures beside them, and the index page (its content: :mod:`eagle3.report`)."""
+the stage figures beside them, and the index page (its content: :mod:`eagle3.report`); and the same
+index as one self-contained file, ``report/<run name>.html`` (every figure inside it, each stage
+page's tables included, nothing requested outside it), to attach to a message or a ticket."""
 
 from __future__ import annotations
 
@@ -9,9 +11,11 @@ import sys
 from pathlib import Path
 
 from eagle3.errors import RunnerError
+from eagle3.io import atomic_write_text, format_bytes
 from eagle3.rundir import NOTEBOOKS, STAGES, RunDir
 
-__all__ = ["render_report", "render_after_run", "static_widgets", "offline_html"]
+__all__ = ["render_report", "render_after_run", "static_widgets", "offline_html", "notebook_html", "notebook_tables",
+           "single_file", "single_file_line"]
 
 
 _REMOTE_SCRIPT = re.compile(r"<script[^>]*\bsrc=[\"']https?://[^>]*>\s*</script>", re.I)
@@ -61,6 +65,23 @@ def static_widgets(nb) -> int:
     return n
 
 
+def notebook_html(nb_path: str | Path, title: str) -> str:
+    """An executed notebook as one HTML page that opens offline: widgets as static HTML
+    (:func:`static_widgets`), no script from a CDN (:func:`offline_html`), every figure inside the page
+    (nbconvert writes image outputs as ``data:`` URIs), ``title`` as its title."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    nb = nbformat.read(Path(nb_path), as_version=4)
+    # Widget state (tqdm bars, the vocab slider) would make nbconvert load the widget manager
+    # from a CDN; the report must render offline, so widgets become static HTML first.
+    static_widgets(nb)
+    nb.metadata.pop("widgets", None)
+    nb.metadata["title"] = title
+    body, _ = HTMLExporter().from_notebook_node(nb, resources={"metadata": {"name": title}})
+    return offline_html(body)
+
+
 def render_report(run_dir: str | Path) -> Path:
     """Render the executed notebooks to HTML plus ``report/index.html`` (key numbers, figures, links).
 
@@ -70,10 +91,7 @@ def render_report(run_dir: str | Path) -> Path:
     Raises:
         RunnerError: the run directory has no executed notebooks.
     """
-    import nbformat
-    from nbconvert import HTMLExporter
-
-    from eagle3.report import index_html
+    from eagle3.report import SingleFile, index_html
 
     run_dir = Path(run_dir)
     nb_dir = RunDir(run_dir).executed_dir
@@ -82,21 +100,13 @@ def render_report(run_dir: str | Path) -> Path:
         raise RunnerError(f"{run_dir}: no executed notebooks in {nb_dir}; run `eagle3 run` first")
     rep = RunDir(run_dir).report_dir
     (rep / "figures").mkdir(parents=True, exist_ok=True)
-    exporter = HTMLExporter()
     pages = []
     for nb_path in executed:
-        nb = nbformat.read(nb_path, as_version=4)
-        # Widget state (tqdm bars, the vocab slider) would make nbconvert load the widget manager
-        # from a CDN; the report must render offline, so widgets become static HTML first.
-        static_widgets(nb)
-        nb.metadata.pop("widgets", None)
         # Each page gets its stage's title (nbconvert's default is "Notebook" for every page).
         stage = next((n for n, f in NOTEBOOKS.items() if f == nb_path.name), None)
         title = f"Stage {stage}: {STAGES[stage][3:]} ({run_dir.name})" if stage else f"{nb_path.stem} ({run_dir.name})"
-        nb.metadata["title"] = title
-        body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": title}})
         out = rep / (nb_path.stem + ".html")
-        out.write_text(offline_html(body), encoding="utf-8")
+        out.write_text(notebook_html(nb_path, title), encoding="utf-8")
         pages.append(out.name)
     figures: dict[str, list[str]] = {}
     for name in STAGES.values():
@@ -106,7 +116,39 @@ def render_report(run_dir: str | Path) -> Path:
             figures.setdefault(name, []).append(f"figures/{dst.name}")
     index = rep / "index.html"
     index.write_text(index_html(run_dir, pages, figures), encoding="utf-8")
+    tables = {STAGES[n]: notebook_tables(nb_dir / f) for n, f in NOTEBOOKS.items() if (nb_dir / f).is_file()}
+    atomic_write_text(single_file(run_dir), index_html(run_dir, pages, figures, SingleFile(rep, tables)))
     return index
+
+
+def single_file(run_dir: str | Path) -> Path:
+    """The single-file report of a run: ``report/<run name>.html`` (``report/<run name>-report.html``
+    where the name is one of the report's own pages, ``index`` or a stage notebook's)."""
+    rd = Path(run_dir)
+    taken = {"index", *(Path(f).stem for f in NOTEBOOKS.values())}
+    return RunDir(rd).report_dir / (f"{rd.name}-report.html" if rd.name in taken else f"{rd.name}.html")
+
+
+def single_file_line(run_dir: str | Path) -> str:
+    """What ``eagle3 report`` and ``eagle3 run`` say of the single-file report: its path and size."""
+    f = single_file(run_dir)
+    return f"eagle3: single-file report {f} ({format_bytes(f.stat().st_size)}, every figure inside it: attach it as it is)"
+
+
+def notebook_tables(nb_path: str | Path) -> list[str]:
+    """The HTML tables an executed notebook shows (its ``text/html`` outputs that hold a ``<table>``:
+    DataFrames, :func:`eagle3.notebook.show_table`), in cell order; the single-file report carries them."""
+    import nbformat
+
+    nb = nbformat.read(Path(nb_path), as_version=4)
+    out = []
+    for cell in nb.cells:
+        for o in cell.get("outputs", []):
+            text = (o.get("data") or {}).get("text/html")
+            text = "".join(text) if isinstance(text, list) else text
+            if text and "<table" in text and "<script" not in text:
+                out.append(text)
+    return out
 
 
 def render_after_run(run_dir: str | Path) -> Path | None:
@@ -129,4 +171,6 @@ def render_after_run(run_dir: str | Path) -> Path | None:
               f"{run_dir}; render it again with `eagle3 report {run_dir}`", file=sys.stderr, flush=True)
         return None
     print(f"eagle3: report {index}", flush=True)
+    if single_file(run_dir).is_file():
+        print(single_file_line(run_dir), flush=True)
     return index

@@ -37,7 +37,7 @@ from eagle3.stage import RunLock, shared_from, stage_record, stale_inputs, stale
 
 __all__ = ["KERNEL", "parse_stages", "format_stages", "resume_stages", "params_options", "run_dir_for",
            "check_prompt_files", "reopen_stage", "run_pipeline", "stages_read", "require_earlier_complete",
-           "stage_notebooks"]
+           "stage_notebooks", "require_kernel"]
 
 # the Jupyter kernel `make venv` registers for the project's virtual environment
 KERNEL = "eagle3"
@@ -259,7 +259,7 @@ def run_dir_for(params, params_file: str | Path | None, overrides: list[str] | N
     return pf.parent
 
 
-def _require_kernel(name: str) -> None:
+def require_kernel(name: str) -> None:
     """Raises RunnerError: the Jupyter kernel ``name`` is not registered (with how to register it)."""
     from jupyter_client.kernelspec import KernelSpecManager
 
@@ -404,7 +404,7 @@ def _run_stages(run_dir: Path, params, params_file, nbs: dict[int, Path], redo_f
     redo, force = redo_force
     for trash in run_dir.glob(".redo-*"):  # a stage folder a killed --redo was removing
         shutil.rmtree(trash, ignore_errors=True)
-    _require_kernel(kernel)
+    require_kernel(kernel)
     print(f"eagle3: run directory {run_dir}", flush=True)
     for s, nb_in in nbs.items():
         if _to_run(run_dir, s, params, params_file, redo, force):

@@ -15,7 +15,8 @@ runs:
    (:func:`eagle3.stage.record_shared`). Its stages 4-5 then run through ``run_pipeline`` as those of
    any run: a finished stage skipped, a stale one refused, an interrupted one resumed, so the same
    command after a kill resumes every variant where it stopped;
-3. the comparison (:func:`comparison_table`): ``<output_dir>/<base>--sweep.md``, printed too.
+3. the comparison (:func:`comparison_table`): ``<output_dir>/<base>--sweep.md``, printed too, ending
+   with the ``eagle3 compare`` command that puts the same runs on one page (:mod:`eagle3.commands.compare`).
 
 A variant's shared stages are the base's: redo stages 1-3 in the base, never in a variant (a stage
 resuming in place would append to files the base holds too). A base stage finished again since a
@@ -392,7 +393,11 @@ def _compared_keys(keys: dict[str, list[str]], variants: list[str] | None) -> li
 
 def _write_comparison(base_dir: Path, runs: list[Path], keys: list[str], notes: list[str]) -> Path:
     """Write and print the comparison of ``runs`` (:func:`comparison_table`); returns its file."""
-    text = comparison_table(base_dir.name, sweep_rows(runs, keys), keys, notes)
+    import shlex
+
+    page = ["the same runs on one page, with their training curves and every measurement per set, category "
+            f"and position: `{shlex.join(['eagle3', 'compare', *map(str, runs)])}`"]
+    text = comparison_table(base_dir.name, sweep_rows(runs, keys), keys, [*notes, *page])
     out = base_dir.parent / SWEEP_FILE.format(base=base_dir.name)
     atomic_write_text(out, text)
     print(text, flush=True)
