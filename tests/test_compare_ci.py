@@ -3,19 +3,18 @@ differs in one train setting (`train.lr`), both through stage 5, opened in headl
 sent alone (no request may leave it), every image loaded, the differing key and both runs' τ per set
 on the page. A third run, the variant without its stage 5, is shown with what it has.
 
-The runs are one `eagle3 sweep params/ci.yaml --vary train.lr=0.002` (the variant trains on the CI run's
-stages 1-3, shared by hard links): about 40 minutes on 2 cores. ``EAGLE3_COMPARE_RUNS=FOLDER`` reuses
-finished runs ``FOLDER/ci`` and ``FOLDER/ci--lr-0.002`` instead."""
+The runs are the session's CI run and its `eagle3 sweep params/ci.yaml --vary train.lr=0.002` variant
+(conftest: the variant trains on the CI run's stages 1-3, shared by hard links).
+``EAGLE3_COMPARE_RUNS=FOLDER`` reuses finished runs ``FOLDER/ci`` and ``FOLDER/ci--lr-0.002`` instead."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_eagle3
 
 from eagle3.evaluate.methods import VLLM_EAGLE3
 from eagle3.evaluate.stats import read_stats
@@ -26,25 +25,21 @@ pytestmark = pytest.mark.slow
 VARIANT = "ci--lr-0.002"
 
 
-def _eagle3(*args: str, timeout: int = 3600) -> subprocess.CompletedProcess:
-    exe = Path(sys.executable).parent / "eagle3"
-    env = dict(os.environ, WANDB_MODE="offline", PYTHONPATH=str(ROOT))
-    r = subprocess.run([str(exe), *args], capture_output=True, text=True, env=env, timeout=timeout)
-    assert r.returncode == 0, f"eagle3 {' '.join(args)}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
-    return r
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[Path, Path, Path]:
-    """(the CI run, its variant with train.lr=0.002, the variant without stage 5), all in one folder."""
+def runs(tmp_path_factory, request) -> tuple[Path, Path, Path]:
+    """(the CI run, its variant with train.lr=0.002, the variant without stage 5), all in one folder:
+    the session's CI sweep (conftest), or the runs ``ci`` and ``ci--lr-0.002`` of the folder
+    ``EAGLE3_COMPARE_RUNS`` names (hard-linked copies)."""
     given = os.environ.get("EAGLE3_COMPARE_RUNS")
-    out = tmp_path_factory.mktemp("compare-runs")
     if given:
+        out = tmp_path_factory.mktemp("compare-runs")
         for name in ("ci", VARIANT):
             shutil.copytree(Path(given) / name, out / name, copy_function=os.link, symlinks=True)
     else:
-        _eagle3("sweep", str(ROOT / "params" / "ci.yaml"), "--vary", "train.lr=0.002",
-                "--set", f"run.output_dir={out}", timeout=5400)
+        base, _, _ = request.getfixturevalue("ci_sweep")
+        out = tmp_path_factory.mktemp("compare-runs")
+        for name in ("ci", VARIANT):  # hard-linked copies: the session's runs stay as they are
+            shutil.copytree(base.parent / name, out / name, copy_function=os.link, symlinks=True)
     partial = out / "no-eval"
     shutil.copytree(out / VARIANT, partial, copy_function=os.link, symlinks=True)
     shutil.rmtree(partial / STAGES[5])
@@ -69,7 +64,7 @@ def test_the_comparison_page_opens_alone_with_the_differing_key_and_every_runs_t
 
     ci, variant, partial = runs
     page = tmp_path / "page.html"
-    r = _eagle3("compare", str(ci), str(variant), str(partial), "--out", str(page), timeout=900)
+    r = run_eagle3("compare", str(ci), str(variant), str(partial), "--out", str(page), timeout=900)
     assert f"eagle3 compare: page {page} (" in r.stdout and (tmp_path / "page.ipynb").is_file()
     with launch(require_chromium()) as browser:
         view, outside = view_alone(browser, page)
@@ -91,7 +86,7 @@ def test_the_single_file_report_opens_alone_with_every_figure_and_the_result(run
     from _browser import launch, require_chromium, view_alone
 
     ci = runs[0]
-    r = _eagle3("report", str(ci), timeout=900)
+    r = run_eagle3("report", str(ci), timeout=900)
     single = ci / "report" / "ci.html"
     assert f"eagle3: single-file report {single} (" in r.stdout
     pngs = [p for s in STAGES.values() for p in (ci / s).glob("*.png")]

@@ -5,9 +5,6 @@ the report in a real browser (headless Chromium)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,19 +18,6 @@ from eagle3.rundir import STAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ci_run(tmp_path_factory):
-    """Run `eagle3 run params/ci.yaml` (the console script, in a subprocess) into a temp output dir."""
-    out = tmp_path_factory.mktemp("ci-outputs")
-    exe = Path(sys.executable).parent / "eagle3"
-    env = dict(os.environ, WANDB_MODE="offline")
-    r = subprocess.run([str(exe), "run", str(ROOT / "params" / "ci.yaml"), "--set", f"run.output_dir={out}"],
-                       capture_output=True, text=True, env=env, timeout=3000)
-    (out / "run.log").write_text(r.stdout + "\n" + r.stderr)
-    assert r.returncode == 0, f"eagle3 run failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
-    return out / "ci"
 
 
 def test_every_stage_complete_with_progress(ci_run):
