@@ -306,3 +306,5 @@ def test_a_real_sweep_of_the_ci_params(ci_sweep):
     assert shared_from(variant, 3) == base / STAGES[3]
     assert read_json(variant / STAGES[4] / "stats.json")["complete"]
     assert read_json(variant / STAGES[5] / "stats.json")["complete"]
+    page = base.parent / "ci--sweep.html"  # the same runs on one page (eagle3 compare)
+    assert f"eagle3 compare: page {page}" in printed and "ci--lr-0.002" in page.read_text()

@@ -15,8 +15,9 @@ runs:
    (:func:`eagle3.stage.record_shared`). Its stages 4-5 then run through ``run_pipeline`` as those of
    any run: a finished stage skipped, a stale one refused, an interrupted one resumed, so the same
    command after a kill resumes every variant where it stopped;
-3. the comparison (:func:`comparison_table`): ``<output_dir>/<base>--sweep.md``, printed too, ending
-   with the ``eagle3 compare`` command that puts the same runs on one page (:mod:`eagle3.commands.compare`).
+3. the comparison (:func:`comparison_table`): ``<output_dir>/<base>--sweep.md``, printed too, and the
+   same runs on one page, ``<output_dir>/<base>--sweep.html`` (:mod:`eagle3.commands.compare`: curves,
+   every measurement per set, category and position).
 
 A variant's shared stages are the base's: redo stages 1-3 in the base, never in a variant (a stage
 resuming in place would append to files the base holds too). A base stage finished again since a
@@ -382,7 +383,23 @@ def run_sweep(params_file: str | Path, vary: list[str], stages: list[int] | None
     except RunInterrupted as exc:
         raise RunInterrupted(f"{exc}; the same `eagle3 sweep` command resumes every run where it stopped "
                              f"(finished ones are skipped)", stage=exc.stage, run_dir=exc.run_dir) from None
-    return _write_comparison(base_dir, list(jobs), _compared_keys(keys, variants), notes)
+    table = _write_comparison(base_dir, list(jobs), _compared_keys(keys, variants), notes)
+    _comparison_page(base_dir, list(jobs), kernel, notebooks)
+    return table
+
+
+def _comparison_page(base_dir: Path, runs: list[Path], kernel: str, notebooks) -> Path | None:
+    """The runs on one page, ``<output_dir>/<base>--sweep.html`` (:func:`eagle3.commands.compare.compare_runs`);
+    a page that cannot be made is one line (the table and the runs stand), None."""
+    from eagle3.commands.compare import compare_runs
+    from eagle3.errors import Eagle3Error
+
+    try:
+        return compare_runs(runs, base_dir.parent / f"{base_dir.name}--sweep.html", kernel, notebooks)
+    except Eagle3Error as exc:
+        print(f"eagle3 sweep: the comparison page was not made ({exc}); the table above and the runs stand",
+              flush=True)
+        return None
 
 
 def _compared_keys(keys: dict[str, list[str]], variants: list[str] | None) -> list[str]:
