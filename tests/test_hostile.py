@@ -1,0 +1,51 @@
+"""Hostile input across the stages: records, files and folders a user can hand the tool that once
+gave a traceback or a silent wrong result. Each test keeps the right behaviour: a clear error that
+names the file/line/field, or a bad record counted and skipped."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle3.config import PromptSource
+from eagle3.prompts import LoadReport, PromptError, load_source
+
+
+def _load(path, report=None):
+    return load_source(PromptSource(kind="file", path=str(path)), report)
+
+
+def test_prompt_records_with_text_no_tokenizer_can_take_are_bad_records_not_tracebacks(tmp_path):
+    """Content parts whose text is a number or null, a lone surrogate escape (json.loads accepts
+    "\\ud800"; UTF-8 cannot hold it), an integer over Python's 4300-digit limit and a line nested
+    deeper than the recursion limit: each is one counted bad record with its line, the rest load."""
+    f = tmp_path / "hostile.jsonl"
+    f.write_text("\n".join([
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+        '{"prompt": "bad \\ud800 here"}',
+        '{"prompt": 1' + "0" * 5000 + "}",
+        "[" * 100_000 + "]" * 100_000,
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "fine"}, {"type": "text", "text": null}]}]}',
+        '{"prompt": "good"}',
+    ]) + "\n")
+    rep = LoadReport()
+    assert [p.turns[0][0]["content"] for p in _load(f, rep)] == ["fine", "good"]
+    assert rep.bad == {"missing_field": 1, "invalid_unicode": 1, "malformed_json": 2}
+    got = {e["where"]: e["message"] for e in rep.examples}
+    assert got[f"{f}:1"] == "messages[0].content: a content part's text is int, not text"
+    assert got[f"{f}:2"] == "prompt: character 4 is a lone surrogate '\\ud800', not valid Unicode"
+    assert got[f"{f}:3"].startswith("unreadable JSON: Exceeds the limit (4300 digits)")
+    assert got[f"{f}:4"] == "unreadable JSON: nested too deeply"
+    assert rep.to_dict()["records"] == 6
+
+
+def test_a_json_document_json_cannot_read_is_a_prompt_error(tmp_path):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(PromptError, match=r"deep.json: unreadable JSON: nested too deeply"):
+        _load(deep)
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps([{"prompt": "a"}])[:-1] + ', {"n": 1' + "0" * 5000 + "}]")
+    with pytest.raises(PromptError, match=r"big.json: unreadable JSON: Exceeds the limit"):
+        _load(big)
