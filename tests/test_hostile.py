@@ -49,3 +49,19 @@ def test_a_json_document_json_cannot_read_is_a_prompt_error(tmp_path):
     big.write_text(json.dumps([{"prompt": "a"}])[:-1] + ', {"n": 1' + "0" * 5000 + "}]")
     with pytest.raises(PromptError, match=r"big.json: unreadable JSON: Exceeds the limit"):
         _load(big)
+
+
+def test_a_vocab_mapping_cache_that_cannot_be_written_does_not_stop_stage_2(tmp_path, caplog):
+    """$EAGLE3_CACHE pointing at a file (or a read-only cache): the mapping is built and returned,
+    the unwritable cache named in a warning."""
+    import numpy as np
+    import torch
+
+    from eagle3.vocab.mapping import cached_vocab_mapping
+
+    f = tmp_path / "cache-is-a-file"
+    f.write_text("x")
+    counts = np.arange(100, dtype=np.int64)
+    m, hit = cached_vocab_mapping(counts, 10, "corpus", "tok", f / "vocab_mappings")
+    assert not hit and m.draft_vocab_size == 10 and sorted((m.d2t + torch.arange(10)).tolist()) == list(range(90, 100))
+    assert "not written" in caplog.text and str(f / "vocab_mappings") in caplog.text
