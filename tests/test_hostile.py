@@ -65,3 +65,30 @@ def test_a_vocab_mapping_cache_that_cannot_be_written_does_not_stop_stage_2(tmp_
     m, hit = cached_vocab_mapping(counts, 10, "corpus", "tok", f / "vocab_mappings")
     assert not hit and m.draft_vocab_size == 10 and sorted((m.d2t + torch.arange(10)).tolist()) == list(range(90, 100))
     assert "not written" in caplog.text and str(f / "vocab_mappings") in caplog.text
+
+
+def test_sample_store_finalize_on_a_full_disk_names_samples_jsonl_and_keeps_it(tmp_path, monkeypatch):
+    """The final in-order rewrite of samples.jsonl meets a full disk: the OSError names the file
+    (a write names none) and the appended lines stay as they were."""
+    import errno
+    import os
+
+    from eagle3.contracts.samples import SampleStore
+
+    p = tmp_path / "samples.jsonl"
+    store = SampleStore(p)
+    for sid in ("b", "a"):
+        store.append({"id": sid, "source": "s", "split": "train", "messages": [{"role": "user", "content": sid}]})
+    before = p.read_bytes()
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".tmp"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(OSError) as e:
+        store.finalize(["a", "b"])
+    assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(p))
+    assert p.read_bytes() == before and [q.name for q in tmp_path.iterdir() if q.suffix == ".tmp"] == []
