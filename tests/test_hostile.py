@@ -92,3 +92,18 @@ def test_sample_store_finalize_on_a_full_disk_names_samples_jsonl_and_keeps_it(t
         store.finalize(["a", "b"])
     assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(p))
     assert p.read_bytes() == before and [q.name for q in tmp_path.iterdir() if q.suffix == ".tmp"] == []
+
+
+def test_a_vllm_only_stage5_checks_an_external_drafters_aux_ids_against_the_convention(tmp_path):
+    """No loaded target (evaluate.backends: [vllm]) and no stage 3: the layer count comes from the
+    target's config.json, so EAGLE-3's default shifted by one is still named (SmolLM2-135M: 30 layers)."""
+    from eagle3.config import Params
+    from eagle3.evaluate.layer_ids import DECLARED_RULE, aux_layer_id_warnings
+
+    d = tmp_path / "external"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"eagle_aux_hidden_state_layer_ids": [3, 16, 28]}))
+    params = Params.model_validate({"evaluate": {"drafter_dir": str(d), "backends": ["vllm"]}})
+    (w,) = aux_layer_id_warnings(params, tmp_path / "run", d, None, None, [], None)
+    assert w["rule"] == DECLARED_RULE
+    assert w["numbers"] == {"config_ids": [3, 16, 28], "default_ids": [2, 15, 27], "shift": 1, "num_layers": 30}
