@@ -107,3 +107,18 @@ def test_a_vllm_only_stage5_checks_an_external_drafters_aux_ids_against_the_conv
     (w,) = aux_layer_id_warnings(params, tmp_path / "run", d, None, None, [], None)
     assert w["rule"] == DECLARED_RULE
     assert w["numbers"] == {"config_ids": [3, 16, 28], "default_ids": [2, 15, 27], "shift": 1, "num_layers": 30}
+
+
+@pytest.mark.parametrize("where", ["output_dir", "below", "run"])
+def test_a_run_directory_blocked_by_a_file_is_refused_by_name(tmp_path, where):
+    """run.output_dir a file (or a path below one), or a file already named like the run: `eagle3 run`
+    refused with NotADirectoryError's traceback; now one line naming the path in the way."""
+    from eagle3.errors import ParamsError
+    from eagle3.rundir import check_run_location
+
+    f = tmp_path / "afile"
+    f.write_text("x")
+    run_dir = {"output_dir": f / "ci", "below": f / "sub" / "ci", "run": f}[where]
+    with pytest.raises(ParamsError, match=rf"run directory {run_dir} cannot be made: {f} is a regular file, not a folder"):
+        check_run_location(run_dir)
+    check_run_location(tmp_path / "new" / "ci")  # a folder still to be made is fine
