@@ -95,6 +95,14 @@ class TargetParams(_Section):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism (GPU recipes)")
     max_model_len: int = Field(2048, ge=16, description="Context length given to vLLM")
 
+    @field_validator("model")
+    @classmethod
+    def _named(cls, v: str) -> str:
+        if not v.strip():  # '' would resolve to the working directory, a folder without config.json
+            raise ValueError("target.model is empty: name a Hugging Face id, a local model directory, a .gguf "
+                             "file or embedded:smollm2-135m")
+        return v
+
 
 class TrackingParams(_Section):
     mode: Literal["auto", "online", "offline", "disabled"] = Field(
@@ -237,7 +245,9 @@ def default_sources() -> list[PromptSource]:
 
 
 class SynthesizeParams(_Section):
-    sources: list[PromptSource] = Field(default_factory=default_sources)
+    sources: list[PromptSource] = Field(
+        default_factory=default_sources, min_length=1,
+        description="prompt sets to answer (at least one: without prompts stage 1 has nothing to write)")
     limit: int | None = Field(None, ge=1, description="total prompts after dedup/shuffle")
     shuffle: bool = True
     dedup: bool = True

@@ -122,3 +122,21 @@ def test_a_run_directory_blocked_by_a_file_is_refused_by_name(tmp_path, where):
     with pytest.raises(ParamsError, match=rf"run directory {run_dir} cannot be made: {f} is a regular file, not a folder"):
         check_run_location(run_dir)
     check_run_location(tmp_path / "new" / "ci")  # a folder still to be made is fine
+
+
+@pytest.mark.parametrize("override,message", [
+    ("synthesize.sources=[]", "synthesize.sources: List should have at least 1 item"),
+    ("target.model=''", "target.model: Value error, target.model is empty"),
+    ("target.model='  '", "target.model: Value error, target.model is empty"),
+])
+def test_params_that_leave_a_stage_nothing_to_work_on_are_refused_by_key(override, message):
+    """No prompt source: stage 1 'completed' with 0 samples; an empty target.model failed inside
+    stage 1 as "target.model:  is a directory without config.json" (the working directory)."""
+    from pathlib import Path
+
+    from eagle3.errors import ParamsError
+    from eagle3.params_file import load_params
+
+    ci = Path(__file__).resolve().parent.parent / "params" / "ci.yaml"
+    with pytest.raises(ParamsError, match=message):
+        load_params(ci, [override])
