@@ -140,3 +140,90 @@ def test_params_that_leave_a_stage_nothing_to_work_on_are_refused_by_key(overrid
     ci = Path(__file__).resolve().parent.parent / "params" / "ci.yaml"
     with pytest.raises(ParamsError, match=message):
         load_params(ci, [override])
+
+
+def _stage2_run(tmp_path):
+    """A run folder whose stages 1 and 2 are complete (no stage ran after them): params.yaml, one
+    sample a split, both tokenized splits and a draft vocab mapping of 4 of 16 tokens."""
+    import numpy as np
+
+    from eagle3.config import Params
+    from eagle3.contracts import tokenized
+    from eagle3.contracts.samples import write_samples
+    from eagle3.contracts.vocab_mapping import VocabMapping, write_mapping
+    from eagle3.params_file import dump_params
+    from eagle3.rundir import SYNTHESIZE, VOCAB, RunDir
+    from eagle3.stage import write_stats
+
+    rd = RunDir(tmp_path / "run")
+    rd.root.mkdir()
+    rd.params_file.write_text(dump_params(Params.model_validate({"run": {"name": "run"}})))
+    write_samples(rd.root, [{"id": s, "source": "s", "split": s, "messages": [{"role": "user", "content": "hi"},
+                                                                             {"role": "assistant", "content": "yo"}]}
+                            for s in ("train", "heldout")])
+    for s in ("train", "heldout"):
+        tokenized.write_split(rd.root, s, [[tokenized.TokenizedRow(s, "s", np.arange(5), np.ones(5, np.int8), 5)]])
+    write_mapping(rd.root, VocabMapping.build(np.arange(16), 4, "key"), coverage=1.0, corpus_hash="c",
+                  tokenizer_hash="t", cache_hit=False)
+    write_stats(rd.stage(SYNTHESIZE, create=True), {})
+    write_stats(rd.stage(VOCAB, create=True), {})
+    return rd
+
+
+def test_verify_reads_the_outputs_of_the_last_finished_stage(tmp_path):
+    """A truncated train.parquet, a removed heldout.parquet, a bad samples line and a mapping.json cut
+    short in a run whose later stages never ran: no later stage recorded them as inputs, and
+    `eagle3 verify` said "no problem found"."""
+    from eagle3.commands.verify import verify_run
+
+    rd = _stage2_run(tmp_path)
+    assert verify_run(rd.root) == []
+    train = rd.tokenized("train")
+    train.write_bytes(train.read_bytes()[:100])
+    rd.tokenized("heldout").unlink()
+    with open(rd.samples, "a") as f:
+        f.write('{"id": 5}\n')
+    rd.mapping_json.write_text('{"draft_vocab_size": 4,\n')
+    problems = verify_run(rd.root)
+    assert problems == [
+        f"{train}: missing, unreadable or its row lengths disagree; redo stage 2 (`--stages 2 --redo 2`)",
+        f"{rd.tokenized('heldout')}: missing, unreadable or its row lengths disagree; redo stage 2 (`--stages 2 --redo 2`)",
+        f"stage 2's draft vocab mapping: {rd.mapping_json}:2:1: not valid JSON (Expecting property name enclosed in "
+        f"double quotes): the file is damaged (cut short or edited); restore it or redo the stage that wrote it",
+    ]
+    # stage 2 not complete: stage 1's samples are read as it will read them
+    (rd.stage(2) / "stats.json").unlink()
+    assert verify_run(rd.root)[0] == f"stage 1's samples: {rd.samples}:3: field 'id' must be a non-empty string (got 5)"
+
+
+def test_a_damaged_tokenized_split_is_named_and_redone_not_reused(tmp_path):
+    """pyarrow's "Parquet magic bytes not found in footer" named no file, and `--redo 2` (the fix) reused
+    the damaged split: it counted as complete while both files existed."""
+    from eagle3.contracts import tokenized
+
+    rd = _stage2_run(tmp_path)
+    assert tokenized.split_complete(rd.root, "train")
+    train = rd.tokenized("train")
+    train.write_bytes(train.read_bytes()[:100])
+    assert not tokenized.split_complete(rd.root, "train")
+    for read in (tokenized.read_rows, lambda r, s: list(tokenized.iter_batches(r, s))):
+        with pytest.raises(tokenized.TokenizedError, match=rf"^{train}: not a readable Parquet file \(ArrowInvalid: "):
+            read(rd.root, "train")
+
+
+def test_a_damaged_json_file_of_a_run_names_itself():
+    """read_json, the reader of every stage's JSON files, raised a bare JSONDecodeError (a traceback)."""
+    import tempfile
+    from pathlib import Path
+
+    from eagle3.errors import DamagedFile
+    from eagle3.io import read_json
+
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "meta.json"
+        p.write_text('{"a": 1,')
+        with pytest.raises(DamagedFile, match=rf"^{p}:1:9: not valid JSON \(Expecting property name"):
+            read_json(p)
+        p.write_bytes(b'{"a": "\xff"}')
+        with pytest.raises(ValueError, match=rf"^{p}: not valid JSON \('utf-8' codec can't decode"):
+            read_json(p)
