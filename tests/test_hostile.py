@@ -227,3 +227,22 @@ def test_a_damaged_json_file_of_a_run_names_itself():
         p.write_bytes(b'{"a": "\xff"}')
         with pytest.raises(ValueError, match=rf"^{p}: not valid JSON \('utf-8' codec can't decode"):
             read_json(p)
+
+
+def test_resuming_from_a_damaged_checkpoint_names_the_folder_and_the_way_on(tmp_path):
+    """A checkpoint whose model.safetensors was cut short (a copy, a disk fault) stopped stage 4 with
+    safetensors' "Error while deserializing header: invalid header length", naming no file."""
+    import torch
+
+    from eagle3.errors import TrainError
+    from eagle3.train.checkpoint import load_checkpoint
+
+    step = tmp_path / "checkpoints" / "step_000018"
+    step.mkdir(parents=True)
+    (step / "model.safetensors").write_bytes(b"\x00" * 100)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    with pytest.raises(TrainError, match=rf"^cannot resume from {step}: it does not load \(SafetensorError: .*\)\. "
+                                         rf"Delete that folder .* or delete {step.parent} to start stage 4 over$"):
+        load_checkpoint(step, model, opt, sched, "cpu")
