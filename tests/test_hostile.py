@@ -246,3 +246,19 @@ def test_resuming_from_a_damaged_checkpoint_names_the_folder_and_the_way_on(tmp_
     with pytest.raises(TrainError, match=rf"^cannot resume from {step}: it does not load \(SafetensorError: .*\)\. "
                                          rf"Delete that folder .* or delete {step.parent} to start stage 4 over$"):
         load_checkpoint(step, model, opt, sched, "cpu")
+
+
+def test_eagle3_cache_pointing_at_a_file_is_named_with_its_source(tmp_path, monkeypatch):
+    """$EAGLE3_CACHE (or target.cache_dir) naming a file: the embedded target's conversion failed inside
+    the stage with "NotADirectoryError: [Errno 20] Not a directory: '.../models'"."""
+    from eagle3.config import TargetParams
+    from eagle3.errors import TargetError
+    from eagle3.target import resolve_target
+
+    f = tmp_path / "afile"
+    f.write_text("x")
+    monkeypatch.setenv("EAGLE3_CACHE", str(f))
+    with pytest.raises(TargetError, match=rf"^\$EAGLE3_CACHE = {f} is not a folder"):
+        resolve_target(TargetParams())
+    with pytest.raises(TargetError, match=rf"^target.cache_dir = {f} is not a folder"):
+        resolve_target(TargetParams(cache_dir=str(f)))
