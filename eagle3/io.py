@@ -100,7 +100,7 @@ def read_json(path: str | Path, default: Any = None) -> Any:
     try:
         return json.loads(p.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        raise DamagedFile(f"{p}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg}): the file is damaged "
+        raise DamagedFile(f"{p}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg.removesuffix(' at')}): the file is damaged "
                           f"(cut short or edited); restore it or redo the stage that wrote it") from None
     except ValueError as exc:  # UnicodeDecodeError
         raise DamagedFile(f"{p}: not valid JSON ({exc}): the file is damaged; restore it or redo the stage "

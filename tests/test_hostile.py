@@ -227,6 +227,12 @@ def test_a_damaged_json_file_of_a_run_names_itself():
         p.write_bytes(b'{"a": "\xff"}')
         with pytest.raises(ValueError, match=rf"^{p}: not valid JSON \('utf-8' codec can't decode"):
             read_json(p)
+        # stage 3's meta.json through its contract (`eagle3 verify` gave a JSONDecodeError traceback)
+        from eagle3.contracts.hidden_states import read_meta
+
+        p.write_text('{"aux\n')
+        with pytest.raises(DamagedFile, match=rf"^{p}:1:6: not valid JSON \(Invalid control character\): the file is damaged"):
+            read_meta(d)
 
 
 def test_resuming_from_a_damaged_checkpoint_names_the_folder_and_the_way_on(tmp_path):
