@@ -477,7 +477,9 @@ class EvaluateParams(_Section):
     warn_ood_ratio: float = Field(
         0.5, ge=0.0, le=1.0, description="mismatch warning when out-of-domain (tau - 1) < ratio x "
         "in-distribution (tau - 1)")
-    backends: list[Literal["offline", "vllm"]] = Field(default_factory=lambda: ["offline", "vllm"])
+    backends: list[Literal["offline", "vllm"]] = Field(
+        default_factory=lambda: ["offline", "vllm"], min_length=1,
+        description="where acceptance is measured (at least one: with none stage 5 completes measuring nothing)")
     ngram: NgramParams = Field(default_factory=NgramParams)
     parity_tolerance: float = Field(
         0.15, ge=0.0, description="max |tau_offline - tau_vllm| / tau_offline at temperature 0"

@@ -128,10 +128,12 @@ def test_a_run_directory_blocked_by_a_file_is_refused_by_name(tmp_path, where):
     ("synthesize.sources=[]", "synthesize.sources: List should have at least 1 item"),
     ("target.model=''", "target.model: Value error, target.model is empty"),
     ("target.model='  '", "target.model: Value error, target.model is empty"),
+    ("evaluate.backends=[]", "evaluate.backends: List should have at least 1 item"),
 ])
 def test_params_that_leave_a_stage_nothing_to_work_on_are_refused_by_key(override, message):
     """No prompt source: stage 1 'completed' with 0 samples; an empty target.model failed inside
-    stage 1 as "target.model:  is a directory without config.json" (the working directory)."""
+    stage 1 as "target.model:  is a directory without config.json" (the working directory); no
+    evaluate.backends: stage 5 'finished' (exit 0) measuring nothing."""
     from pathlib import Path
 
     from eagle3.errors import ParamsError
