@@ -270,3 +270,19 @@ def test_eagle3_cache_pointing_at_a_file_is_named_with_its_source(tmp_path, monk
         resolve_target(TargetParams())
     with pytest.raises(TargetError, match=rf"^target.cache_dir = {f} is not a folder"):
         resolve_target(TargetParams(cache_dir=str(f)))
+
+
+def test_a_damaged_executed_notebook_is_named_by_eagle3_report(tmp_path):
+    """An executed notebook cut short (a kernel or disk that died while papermill saved it): `eagle3
+    report` ended in nbformat's NotJSONError traceback."""
+    from eagle3.commands.report import render_report
+    from eagle3.errors import RunnerError
+    from eagle3.rundir import NOTEBOOKS, RunDir
+
+    rd = RunDir(tmp_path / "run")
+    rd.executed_dir.mkdir(parents=True)
+    nb = rd.executed_dir / NOTEBOOKS[2]
+    nb.write_text('{"cells": [\n')
+    with pytest.raises(RunnerError, match=rf"^{nb}: not a readable notebook \(NotJSONError: .*\); run its stage again "
+                                          r"\(`eagle3 run PARAMS --stages 2 --redo 2`\) or delete it$"):
+        render_report(rd.root)

@@ -68,7 +68,8 @@ def render_report(run_dir: str | Path) -> Path:
         Path: ``<run_dir>/report/index.html``.
 
     Raises:
-        RunnerError: the run directory has no executed notebooks.
+        RunnerError: the run directory has no executed notebooks; one of them is not a readable notebook
+            (cut short: a kernel or a disk that died while it was saved).
     """
     import nbformat
     from nbconvert import HTMLExporter
@@ -85,13 +86,18 @@ def render_report(run_dir: str | Path) -> Path:
     exporter = HTMLExporter()
     pages = []
     for nb_path in executed:
-        nb = nbformat.read(nb_path, as_version=4)
+        stage = next((n for n, f in NOTEBOOKS.items() if f == nb_path.name), None)
+        try:
+            nb = nbformat.read(nb_path, as_version=4)
+        except Exception as exc:  # noqa: BLE001 - nbformat raises NotJSONError, ValidationError, ...
+            raise RunnerError(f"{nb_path}: not a readable notebook ({type(exc).__name__}: {str(exc)[:120]}); run its "
+                              f"stage again (`eagle3 run PARAMS --stages {stage or 'N'} --redo {stage or 'N'}`) "
+                              f"or delete it") from None
         # Widget state (tqdm bars, the vocab slider) would make nbconvert load the widget manager
         # from a CDN; the report must render offline, so widgets become static HTML first.
         static_widgets(nb)
         nb.metadata.pop("widgets", None)
         # Each page gets its stage's title (nbconvert's default is "Notebook" for every page).
-        stage = next((n for n, f in NOTEBOOKS.items() if f == nb_path.name), None)
         title = f"Stage {stage}: {STAGES[stage][3:]} ({run_dir.name})" if stage else f"{nb_path.stem} ({run_dir.name})"
         nb.metadata["title"] = title
         body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": title}})
