@@ -286,3 +286,14 @@ def test_a_damaged_executed_notebook_is_named_by_eagle3_report(tmp_path):
     with pytest.raises(RunnerError, match=rf"^{nb}: not a readable notebook \(NotJSONError: .*\); run its stage again "
                                           r"\(`eagle3 run PARAMS --stages 2 --redo 2`\) or delete it$"):
         render_report(rd.root)
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "abc"])
+def test_status_watch_takes_only_a_finite_number_of_seconds(value, capsys):
+    """`eagle3 status RUN --watch -1` (or nan) ended in time.sleep's ValueError traceback."""
+    from eagle3.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["status", "/nonexistent", "--watch", value])
+    assert e.value.code == 2
+    assert f"argument --watch: {value!r} is not a number of seconds >= 0" in capsys.readouterr().err
