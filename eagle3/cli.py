@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 import sys
 import time
@@ -27,6 +28,17 @@ _ENVIRONMENT_ERRNOS = {
 
 _SET_HELP = ("override one params key, e.g. --set train.lr=0.003 --set synthesize.limit=64 "
              "(repeatable; VALUE is parsed as YAML)")
+
+
+def _seconds(text: str) -> float:
+    """``--watch``'s value: a finite number of seconds, 0 or more (argparse names the option on error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -53,7 +65,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="show each stage's progress for a run directory")
     s.add_argument("run_dir", help="the run directory, <run.output_dir>/<run.name>, e.g. outputs/ci")
-    s.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="refresh every SECONDS")
+    s.add_argument("--watch", type=_seconds, default=None, metavar="SECONDS", help="refresh every SECONDS")
 
     rep = sub.add_parser("report", help="render the executed notebooks and an index page to HTML")
     rep.add_argument("run_dir", help="the run directory, <run.output_dir>/<run.name>, e.g. outputs/ci")

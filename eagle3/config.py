@@ -95,6 +95,14 @@ class TargetParams(_Section):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism (GPU recipes)")
     max_model_len: int = Field(2048, ge=16, description="Context length given to vLLM")
 
+    @field_validator("model")
+    @classmethod
+    def _named(cls, v: str) -> str:
+        if not v.strip():  # '' would resolve to the working directory, a folder without config.json
+            raise ValueError("target.model is empty: name a Hugging Face id, a local model directory, a .gguf "
+                             "file or embedded:smollm2-135m")
+        return v
+
 
 class TrackingParams(_Section):
     mode: Literal["auto", "online", "offline", "disabled"] = Field(
@@ -237,7 +245,9 @@ def default_sources() -> list[PromptSource]:
 
 
 class SynthesizeParams(_Section):
-    sources: list[PromptSource] = Field(default_factory=default_sources)
+    sources: list[PromptSource] = Field(
+        default_factory=default_sources, min_length=1,
+        description="prompt sets to answer (at least one: without prompts stage 1 has nothing to write)")
     limit: int | None = Field(None, ge=1, description="total prompts after dedup/shuffle")
     shuffle: bool = True
     dedup: bool = True
@@ -474,7 +484,9 @@ class EvaluateParams(_Section):
     warn_ood_ratio: float = Field(
         0.5, ge=0.0, le=1.0, description="mismatch warning when out-of-domain (tau - 1) < ratio x "
         "in-distribution (tau - 1)")
-    backends: list[Literal["offline", "vllm"]] = Field(default_factory=lambda: ["offline", "vllm"])
+    backends: list[Literal["offline", "vllm"]] = Field(
+        default_factory=lambda: ["offline", "vllm"], min_length=1,
+        description="where acceptance is measured (at least one: with none stage 5 completes measuring nothing)")
     ngram: NgramParams = Field(default_factory=NgramParams)
     parity_tolerance: float = Field(
         0.15, ge=0.0, description="max |tau_offline - tau_vllm| / tau_offline at temperature 0"

@@ -28,6 +28,7 @@ __all__ = [
     "StaleStage",
     "RunLocked",
     "RunInterrupted",
+    "DamagedFile",
 ]
 
 
@@ -120,3 +121,8 @@ class RunInterrupted(Eagle3Error, RuntimeError):
         super().__init__(message)
         self.stage = stage
         self.run_dir = run_dir
+
+
+class DamagedFile(Eagle3Error, ValueError):
+    """A run's JSON file (``mapping.json``, ``meta.json``, ``state.json``, ...) is not valid JSON: cut
+    short by a crash or a full disk, or edited by hand; the message names the file and the place."""

@@ -86,11 +86,25 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 
 
 def read_json(path: str | Path, default: Any = None) -> Any:
-    """Read JSON from ``path``; ``default`` when the file does not exist."""
+    """Read JSON from ``path``; ``default`` when the file does not exist.
+
+    Raises:
+        DamagedFile: the file is not UTF-8 JSON (a ``ValueError``: callers that treat a torn file as
+            absent catch it as one); the message names the file, line and column.
+    """
+    from eagle3.errors import DamagedFile
+
     p = Path(path)
     if not p.exists():
         return default
-    return json.loads(p.read_text(encoding="utf-8"))
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise DamagedFile(f"{p}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg.removesuffix(' at')}): the file is damaged "
+                          f"(cut short or edited); restore it or redo the stage that wrote it") from None
+    except ValueError as exc:  # UnicodeDecodeError
+        raise DamagedFile(f"{p}: not valid JSON ({exc}): the file is damaged; restore it or redo the stage "
+                          f"that wrote it") from None
 
 
 def read_jsonl(

@@ -136,15 +136,27 @@ def check_run_location(run_dir: str | Path) -> None:
     (``run.output_dir: eagle3``): the run's files, gigabytes of them, would show as changes to commit,
     and stage folders inside ``eagle3/`` would be packaged with the code.
 
+    Also refuse a run directory that cannot be a folder: it, or the nearest existing path above it
+    (``run.output_dir`` itself), is a file, a device or a pipe.
+
     Raises:
-        ParamsError: names the folder and the way out.
+        ParamsError: names the folder (or the path in its way) and the way out.
     """
+    from eagle3.io import path_kind
+
     src = source_root()
     rd = Path(run_dir).expanduser().resolve()
     if src is not None and rd.is_relative_to(src) and not rd.is_relative_to(src / "outputs"):
         raise ParamsError(f"run directory {rd} lies inside the project's source tree ({src}): its files would be "
                           f"committed (or packaged) with the code. Set run.output_dir to outputs (git-ignored) or to "
                           f"a folder outside {src}.")
+    for p in (rd, *rd.parents):
+        kind, words = path_kind(p)
+        if kind == "folder":
+            break
+        if kind != "missing":
+            raise ParamsError(f"run directory {rd} cannot be made: {p} is {words}, not a folder. Set "
+                              f"run.output_dir (or --run-name) to a folder.")
 
 
 def notebooks_dir() -> Path:

@@ -53,7 +53,16 @@ class ResolvedTarget:
 
 
 def _cache_root(params: TargetParams) -> Path:
-    root = params.cache_dir or os.environ.get("EAGLE3_CACHE") or Path.home() / ".cache" / "eagle3"
+    """``target.cache_dir``, else ``$EAGLE3_CACHE``, else ``~/.cache/eagle3``.
+
+    Raises:
+        TargetError: the chosen path exists but is not a folder (named with where it came from).
+    """
+    root, where = ((params.cache_dir, "target.cache_dir") if params.cache_dir else
+                   (os.environ.get("EAGLE3_CACHE"), "$EAGLE3_CACHE") if os.environ.get("EAGLE3_CACHE") else
+                   (Path.home() / ".cache" / "eagle3", "the cache folder"))
+    if Path(root).exists() and not Path(root).is_dir():
+        raise TargetError(f"{where} = {root} is not a folder: point it at a folder (or unset it for ~/.cache/eagle3)")
     return Path(root)
 
 

@@ -8,8 +8,9 @@ from eagle3 import errors
 
 
 def test_every_error_is_an_eagle3_error_with_its_second_base():
-    # bad input (params, prompt files, vocab settings, self-prompt settings) is a ValueError too
-    value = {errors.ParamsError, errors.PromptsError, errors.VocabError, errors.SelfPromptError}
+    # bad input (params, prompt files, vocab settings, self-prompt settings, a damaged JSON file) is a
+    # ValueError too
+    value = {errors.ParamsError, errors.PromptsError, errors.VocabError, errors.SelfPromptError, errors.DamagedFile}
     for name in errors.__all__:
         cls = getattr(errors, name)
         assert issubclass(cls, errors.Eagle3Error)

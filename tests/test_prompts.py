@@ -234,7 +234,7 @@ def test_bad_input_each_kind_counted_with_file_and_line(tmp_path):
     ps = load_source(PromptSource(kind="file", path=str(path), format="openai"), report)
     assert [p.turns[0][0]["content"] for p in ps] == ["good one", "good two"]
     d = report.to_dict()
-    assert d["bad_input"] == {"malformed_json": 1, "invalid_utf8": 1, "not_an_object": 1, "unknown_format": 0,
+    assert d["bad_input"] == {"malformed_json": 1, "invalid_utf8": 1, "not_an_object": 1, "invalid_unicode": 0, "unknown_format": 0,
                               "missing_field": 1, "unknown_role": 1, "empty_prompt": 1, "no_user_turn": 1, "assistant_only": 1}
     where = {e["kind"]: e["where"] for e in d["bad_input_examples"]}
     assert where["empty_prompt"] == f"{path}:2"

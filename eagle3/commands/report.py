@@ -14,7 +14,7 @@ from eagle3.errors import RunnerError
 from eagle3.io import atomic_write_text, format_bytes
 from eagle3.rundir import NOTEBOOKS, STAGES, RunDir
 
-__all__ = ["render_report", "render_after_run", "static_widgets", "offline_html", "notebook_html", "notebook_tables",
+__all__ = ["NotebookUnreadable", "render_report", "render_after_run", "static_widgets", "offline_html", "notebook_html", "notebook_tables",
            "single_file", "single_file_line"]
 
 
@@ -65,14 +65,25 @@ def static_widgets(nb) -> int:
     return n
 
 
+class NotebookUnreadable(ValueError):
+    """An executed notebook nbformat cannot read (a kernel or a disk that died while it was saved)."""
+
+
 def notebook_html(nb_path: str | Path, title: str) -> str:
     """An executed notebook as one HTML page that opens offline: widgets as static HTML
     (:func:`static_widgets`), no script from a CDN (:func:`offline_html`), every figure inside the page
-    (nbconvert writes image outputs as ``data:`` URIs), ``title`` as its title."""
+    (nbconvert writes image outputs as ``data:`` URIs), ``title`` as its title.
+
+    Raises:
+        NotebookUnreadable: ``nb_path`` is not a notebook nbformat can read (cut short, not JSON).
+    """
     import nbformat
     from nbconvert import HTMLExporter
 
-    nb = nbformat.read(Path(nb_path), as_version=4)
+    try:
+        nb = nbformat.read(Path(nb_path), as_version=4)
+    except Exception as exc:  # noqa: BLE001 - nbformat raises NotJSONError, ValidationError, ...
+        raise NotebookUnreadable(f"{type(exc).__name__}: {str(exc)[:120]}") from None
     # Widget state (tqdm bars, the vocab slider) would make nbconvert load the widget manager
     # from a CDN; the report must render offline, so widgets become static HTML first.
     static_widgets(nb)
@@ -89,7 +100,8 @@ def render_report(run_dir: str | Path) -> Path:
         Path: ``<run_dir>/report/index.html``.
 
     Raises:
-        RunnerError: the run directory has no executed notebooks.
+        RunnerError: the run directory has no executed notebooks; one of them is not a readable notebook
+            (cut short: a kernel or a disk that died while it was saved).
     """
     from eagle3.report import SingleFile, index_html
 
@@ -102,11 +114,16 @@ def render_report(run_dir: str | Path) -> Path:
     (rep / "figures").mkdir(parents=True, exist_ok=True)
     pages = []
     for nb_path in executed:
-        # Each page gets its stage's title (nbconvert's default is "Notebook" for every page).
         stage = next((n for n, f in NOTEBOOKS.items() if f == nb_path.name), None)
+        # Each page gets its stage's title (nbconvert's default is "Notebook" for every page).
         title = f"Stage {stage}: {STAGES[stage][3:]} ({run_dir.name})" if stage else f"{nb_path.stem} ({run_dir.name})"
+        try:
+            html = notebook_html(nb_path, title)
+        except NotebookUnreadable as exc:
+            raise RunnerError(f"{nb_path}: not a readable notebook ({exc}); run its stage again (`eagle3 run PARAMS "
+                              f"--stages {stage or 'N'} --redo {stage or 'N'}`) or delete it") from None
         out = rep / (nb_path.stem + ".html")
-        out.write_text(notebook_html(nb_path, title), encoding="utf-8")
+        out.write_text(html, encoding="utf-8")
         pages.append(out.name)
     figures: dict[str, list[str]] = {}
     for name in STAGES.values():

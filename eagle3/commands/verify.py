@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3.errors import RunnerError
-from eagle3.rundir import EXTRACT, STAGES, TRAIN, RunDir, read_run_params
+from eagle3.errors import DamagedFile, RunnerError
+from eagle3.rundir import EXTRACT, STAGES, SYNTHESIZE, TRAIN, VOCAB, RunDir, read_run_params
 from eagle3.stage import stage_record, stale_inputs
 
 __all__ = ["verify_run"]
@@ -44,15 +44,33 @@ def verify_run(run_dir: str | Path, check_values: bool = True) -> list[str]:
         problems += hsc.check_manifest(hsc.read_manifest(sd), hsc.read_meta(sd), rows.ids, where=rd.manifest)
         rep = hsc.verify_folder(sd, rows, check_hashes=True, check_values=check_values)
         problems += [f"{p['file']}: row {p['row']} (id {p['id']}): {p['problem']}" for p in rep["problems"]]
+    problems += _verify_outputs(rd)
     problems += _verify_train(rd)
     return problems
 
 
+def _verify_outputs(rd: RunDir) -> list[str]:
+    """Stage 1's samples and Stage 2's splits of a complete stage whose next stage is not complete,
+    read as that stage will read them: until it records them as its inputs, no staleness check does."""
+    from eagle3.contracts import tokenized
+    from eagle3.contracts.samples import SamplesError, read_samples
+
+    problems = []
+    done = {s: stage_record(rd.root, s).complete for s in (SYNTHESIZE, VOCAB, EXTRACT)}
+    if done[SYNTHESIZE] and not done[VOCAB]:
+        try:
+            read_samples(rd.root)
+        except SamplesError as exc:
+            problems.append(f"stage 1's samples: {exc}")
+    if done[VOCAB] and not done[EXTRACT]:
+        problems += [f"{tokenized.split_path(rd.root, s)}: missing, unreadable or its row lengths disagree; redo stage "
+                     f"2 (`--stages 2 --redo 2`)" for s in tokenized.SPLITS if not tokenized.split_complete(rd.root, s)]
+    return problems
+
+
 def _verify_train(rd: RunDir) -> list[str]:
-    """Stage 4's part of :func:`verify_run`: its checkpoints and its exported drafter, each against
-    Stage 2's draft vocab mapping as it is now."""
-    if not rd.stage(TRAIN).is_dir():
-        return []
+    """Stage 2's draft vocab mapping (readable, its sizes agreeing) and Stage 4's part of
+    :func:`verify_run`: its checkpoints and its exported drafter, each against that mapping as it is now."""
     from eagle3.contracts.drafter import verify_export
     from eagle3.contracts.vocab_mapping import VocabMappingError, mapping_digest, read_mapping
     from eagle3.train.checkpoint import verify_checkpoints
@@ -61,8 +79,10 @@ def _verify_train(rd: RunDir) -> list[str]:
     if rd.mapping_json.exists():
         try:
             mapping = read_mapping(rd.root)
-        except VocabMappingError as exc:
+        except (VocabMappingError, DamagedFile) as exc:
             problems.append(f"stage 2's draft vocab mapping: {exc}")
+    if not rd.stage(TRAIN).is_dir():
+        return problems
     problems += verify_checkpoints(rd.checkpoints_dir, mapping_digest(mapping.d2t, mapping.t2d) if mapping else None)
     # the export's own place; stats.json's path is absolute: in a moved or copied run it names another folder
     drafter = rd.drafter_dir

@@ -255,11 +255,16 @@ class SampleStore:
     def finalize(self, order: list[str]) -> int:
         """Rewrite the file atomically with lines in ``order`` (ids not in ``order`` follow in file
         order), then close and unlock. Returns the number of such extra lines. No rewrite when the
-        file is already in order."""
-        from eagle3.io import atomic_path
+        file is already in order.
 
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        Raises:
+            OSError: a failed write (a full disk) names ``samples.jsonl``; the file is left as it was.
+        """
+        from eagle3.io import atomic_path, naming_file
+
+        with naming_file(self.path):  # a full disk: the error names the file
+            self._f.flush()
+            os.fsync(self._f.fileno())
         self._f.close()
         lines: dict[str, bytes] = {}
         file_order: list[str] = []
@@ -273,7 +278,7 @@ class SampleStore:
         extra = [i for i in file_order if i not in order_set]
         final = wanted + extra
         if final != file_order:
-            with atomic_path(self.path) as tmp:
+            with atomic_path(self.path) as tmp, naming_file(self.path):
                 with open(tmp, "wb") as out:
                     for sid in final:
                         out.write(lines[sid])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,8 +158,19 @@ def write_split(run_dir: str | Path, split: str, row_chunks: Iterable[Sequence[T
 
 
 def split_complete(run_dir: str | Path, split: str) -> bool:
-    """Both files of a split exist (a resumed stage 2 may then skip it when its hashes match)."""
-    return split_path(run_dir, split).is_file() and row_lengths_path(run_dir, split).is_file()
+    """Both files of a split exist and agree: the parquet footer reads and holds as many rows as the
+    row lengths (a resumed or redone stage 2 skips such a split when its hashes match, and rewrites a
+    file cut short or overwritten)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    p, lengths = split_path(run_dir, split), row_lengths_path(run_dir, split)
+    if not (p.is_file() and lengths.is_file()):
+        return False
+    try:
+        return pq.ParquetFile(p).metadata.num_rows == len(np.load(lengths, mmap_mode="r"))
+    except (pa.ArrowException, OSError, ValueError):
+        return False
 
 
 # --------------------------------------------------------------------------- reading
@@ -172,22 +184,39 @@ def _existing(path_or_run_dir: str | Path, split: str) -> Path:
     return p
 
 
+@contextmanager
+def _readable(p: Path):
+    """Re-raise pyarrow's error on a damaged split (cut short, overwritten: "Parquet magic bytes not
+    found in footer", naming no file) as a :class:`TokenizedError` naming the file and the redo."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except (pa.ArrowException, OSError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise TokenizedError(f"{p}: not a readable Parquet file ({type(exc).__name__}: {first}); redo stage 2 "
+                             f"(`eagle3 run PARAMS --stages 2 --redo 2`)") from None
+
+
 def read_table(run_dir: str | Path, split: str = "train", columns: Sequence[str] | None = None):
     """One split as a memory-mapped ``pyarrow.Table`` (``columns`` = a subset of :data:`COLUMNS`).
 
     ``run_dir`` may also be the parquet file itself.
 
     Raises:
-        TokenizedError: unknown split, missing file (run stage 2), missing column.
+        TokenizedError: unknown split, missing file (run stage 2), a file pyarrow cannot read,
+            missing column.
     """
     import pyarrow.parquet as pq
 
     p = _existing(run_dir, split)
-    names = pq.read_schema(p).names
+    with _readable(p):
+        names = pq.read_schema(p).names
     missing = [c for c in (columns or COLUMNS) if c not in names]
     if missing:
         raise TokenizedError(f"{p}: missing column(s) {missing}; expected {list(COLUMNS)}")
-    return pq.read_table(p, columns=list(columns) if columns else None, memory_map=True)
+    with _readable(p):
+        return pq.read_table(p, columns=list(columns) if columns else None, memory_map=True)
 
 
 def iter_batches(run_dir: str | Path, split: str = "train", batch_rows: int = 65536,
@@ -196,8 +225,10 @@ def iter_batches(run_dir: str | Path, split: str = "train", batch_rows: int = 65
     streams a split larger than memory. ``run_dir`` may also be the parquet file itself."""
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(_existing(run_dir, split))
-    yield from pf.iter_batches(batch_size=batch_rows, columns=[c for c in columns if c in pf.schema_arrow.names])
+    p = _existing(run_dir, split)
+    with _readable(p):
+        pf = pq.ParquetFile(p)
+        yield from pf.iter_batches(batch_size=batch_rows, columns=[c for c in columns if c in pf.schema_arrow.names])
 
 
 def read_dataset(run_dir: str | Path, split: str = "train"):

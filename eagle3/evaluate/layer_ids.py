@@ -238,6 +238,25 @@ def layer_id_warnings(target, drafter_model, config_ids: list[int], sequences: l
     }], acc
 
 
+def _num_layers(params, target) -> int | None:
+    """The target's decoder layers: of the loaded model, else of its ``config.json`` (vLLM only loads
+    no target here); None when that cannot be read (the convention is then not checked)."""
+    from eagle3.hooks import text_config
+
+    if target is not None:
+        return int(text_config(target.config).num_hidden_layers)
+    try:
+        from transformers import AutoConfig
+
+        from eagle3.target import resolve_target
+
+        cfg = AutoConfig.from_pretrained(resolve_target(params.target).path,
+                                         trust_remote_code=params.target.trust_remote_code)
+        return int(text_config(cfg).num_hidden_layers)
+    except Exception:  # noqa: BLE001 - a hint only; stage 5 loads the same target for vLLM and says what fails
+        return None
+
+
 def aux_layer_id_warnings(params, run_dir: str | Path, drafter_dir: str | Path, target, drafter_model,
                           prompts: list[dict], records: list[dict] | None,
                           notes: list[str] | None = None) -> list[dict]:
@@ -250,7 +269,7 @@ def aux_layer_id_warnings(params, run_dir: str | Path, drafter_dir: str | Path, 
 
     A drafter exported by this run's Stage 4 is not checked here: its trained ids are known (stage 3's
     ``meta.json``) and :func:`eagle3.evaluate.diagnosis.diagnose` compares them with its config.
-    Without a loaded target (vLLM only) the layer count is unknown and the convention is not checked.
+    Without a loaded target (vLLM only) the layer count comes from the target's ``config.json``.
     """
     if not params.evaluate.drafter_dir:
         return []
@@ -262,9 +281,7 @@ def aux_layer_id_warnings(params, run_dir: str | Path, drafter_dir: str | Path, 
     ids = list(read_config(drafter_dir, EvaluateError).get("eagle_aux_hidden_state_layer_ids") or [])
     meta = read_meta(rd.stage(EXTRACT)) or {}
     stage3 = meta.get("aux_layer_ids") or None
-    num_layers = None
-    if target is not None:
-        num_layers = int((getattr(target.config, "text_config", None) or target.config).num_hidden_layers)
+    num_layers = _num_layers(params, target)
     warnings = declared_id_warnings(ids, num_layers, stage3, str(rd.extract_meta.relative_to(rd.root)))
     if target is not None and drafter_model is not None and records:
         extra = {"stage 3": stage3} if stage3 else None

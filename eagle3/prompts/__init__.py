@@ -29,7 +29,8 @@ left by concatenating such files); a UTF-16 file is refused with the fix.
 Bad input never stops the load silently and never passes silently either: each bad record is
 counted by kind in the load report (``stats.json`` -> ``prompts.bad_input``) with its file and line
 (first few examples kept). Kinds: ``malformed_json``, ``invalid_utf8``, ``not_an_object``,
-``unknown_format`` (``format: auto`` found no known layout), ``missing_field``, ``unknown_role``,
+``unknown_format`` (``format: auto`` found no known layout), ``missing_field``, ``invalid_unicode``
+(a lone surrogate escape such as ``\\ud800``), ``unknown_role``,
 ``empty_prompt``, ``no_user_turn``, ``assistant_only``. :meth:`LoadReport.summary` says it in one line.
 ``on_bad_line="fail"`` raises :class:`PromptError` at the first one instead. A source that yields
 no prompt at all raises.

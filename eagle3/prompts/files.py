@@ -31,6 +31,15 @@ def _json_msg(exc: json.JSONDecodeError) -> str:
     return exc.msg.removesuffix(" at")
 
 
+def _unreadable(exc: ValueError | RecursionError) -> str:
+    """The reason json.loads gave up on valid-looking JSON: an integer longer than Python's
+    int-conversion limit (4300 digits) raises a plain ValueError, arrays or objects nested deeper
+    than the recursion limit a RecursionError."""
+    if isinstance(exc, RecursionError):
+        return "unreadable JSON: nested too deeply"
+    return f"unreadable JSON: {str(exc).split(';')[0]}"
+
+
 def _line_of_offset(data: bytes, offset: int) -> int:
     return data.count(b"\n", 0, offset) + 1
 
@@ -137,6 +146,9 @@ def _iter_jsonl(path: Path, report: LoadReport, on_bad_line: str) -> Iterator[tu
             except json.JSONDecodeError as exc:
                 report.reject(on_bad_line, "malformed_json", f"{where}:{exc.colno}", f"malformed JSON: {_json_msg(exc)}")
                 continue
+            except (ValueError, RecursionError) as exc:
+                report.reject(on_bad_line, "malformed_json", where, _unreadable(exc))
+                continue
             if not isinstance(rec, dict):
                 report.reject(on_bad_line, "not_an_object", where, f"expected a JSON object, got {type(rec).__name__}")
                 continue
@@ -166,6 +178,8 @@ def _json_document(path: Path):
             f"{path}:{exc.lineno}:{exc.colno}: malformed JSON: {_json_msg(exc)} (a JSON document cannot be "
             f"read around it; use JSONL to skip bad lines)"
         ) from None
+    except (ValueError, RecursionError) as exc:
+        raise PromptError(f"{path}: {_unreadable(exc)}") from None
 
 
 def _iter_json(path: Path, source: PromptSource, report: LoadReport, on_bad_line: str) -> Iterator[tuple[dict, str]]:

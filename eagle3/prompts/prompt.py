@@ -19,6 +19,7 @@ BAD_INPUT_KINDS = (
     "malformed_json",
     "invalid_utf8",
     "not_an_object",
+    "invalid_unicode",
     "unknown_format",
     "missing_field",
     "unknown_role",

@@ -55,14 +55,29 @@ def _field(rec: dict, path: str, required: bool = True) -> Any:
 
 
 def _text(value: Any, what: str) -> str:
+    """A field's text: a string, None (empty) or OpenAI content parts joined.
+
+    Raises:
+        BadRecord: ``missing_field`` for another type (also a part's ``text``), ``invalid_unicode``
+            for text that is not valid Unicode (a lone UTF-16 surrogate from a JSON escape such as
+            ``"\\ud800"``: json.loads accepts it, no tokenizer or UTF-8 file can hold it).
+    """
     if value is None:
         return ""
-    if isinstance(value, str):
-        return value
     if isinstance(value, list):  # OpenAI content parts
-        parts = [p.get("text", "") for p in value if isinstance(p, dict) and p.get("type", "text") == "text"]
-        return "".join(parts)
-    raise BadRecord("missing_field", f"{what}: expected text, got {type(value).__name__}")
+        parts = [p.get("text") for p in value if isinstance(p, dict) and p.get("type", "text") == "text"]
+        bad = next((p for p in parts if p is not None and not isinstance(p, str)), None)
+        if bad is not None:
+            raise BadRecord("missing_field", f"{what}: a content part's text is {type(bad).__name__}, not text")
+        value = "".join(p or "" for p in parts)
+    if not isinstance(value, str):
+        raise BadRecord("missing_field", f"{what}: expected text, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRecord("invalid_unicode", f"{what}: character {exc.start} is a lone surrogate "
+                                        f"{value[exc.start]!r}, not valid Unicode") from None
+    return value
 
 
 def detect_format(rec: dict, source: PromptSource) -> str:
@@ -172,8 +187,8 @@ def record_to_turns(rec: dict, fmt: str, source: PromptSource) -> list[list[dict
     ``source.prompt_template`` wraps the first user message.
 
     Raises:
-        BadRecord: with kind ``missing_field``, ``unknown_role``, ``empty_prompt``, ``no_user_turn``
-            or ``assistant_only``.
+        BadRecord: with kind ``missing_field``, ``invalid_unicode``, ``unknown_role``, ``empty_prompt``,
+            ``no_user_turn`` or ``assistant_only``.
     """
     if fmt in ("sharegpt", "openai"):
         messages = _chat_messages(rec, fmt, source.fields)

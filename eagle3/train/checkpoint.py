@@ -151,23 +151,38 @@ def save_checkpoint(root: Path, step: int, model, opt, sched, state: dict, param
 
 
 def load_checkpoint(path: Path, model, opt, sched, device) -> dict:
+    """Load a checkpoint folder into ``model``, ``opt`` and ``sched`` and the RNGs; returns its
+    ``state.json``.
+
+    Raises:
+        TrainError: weights that do not match the drafter; any file that does not load (damaged or cut
+            short outside the atomic save: a copy, a disk fault), naming the folder and the way on.
+    """
     import torch
     from safetensors.torch import load_file
 
-    weights = load_file(str(path / "model.safetensors"))
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    if set(weights) != set(params):
-        raise TrainError(
-            f"{path}/model.safetensors does not match the drafter: missing {sorted(set(params) - set(weights))}, "
-            f"unexpected {sorted(set(weights) - set(params))}"
-        )
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(weights[n].to(p.dtype))
-    opt.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
-    sched.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    _set_rng_state(load_file(str(path / "rng.safetensors")), read_json(path / "rng.json"), device)
-    return read_json(path / "state.json")
+    try:
+        weights = load_file(str(path / "model.safetensors"))
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        if set(weights) != set(params):
+            raise TrainError(
+                f"{path}/model.safetensors does not match the drafter: missing {sorted(set(params) - set(weights))}, "
+                f"unexpected {sorted(set(weights) - set(params))}"
+            )
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(weights[n].to(p.dtype))
+        opt.load_state_dict(torch.load(path / "optimizer.pt", map_location=device, weights_only=True))
+        sched.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+        _set_rng_state(load_file(str(path / "rng.safetensors")), read_json(path / "rng.json"), device)
+        return read_json(path / "state.json")
+    except TrainError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - safetensors, torch and json raise many types; name the folder
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise TrainError(f"cannot resume from {path}: it does not load ({type(exc).__name__}: {first}). Delete that "
+                         f"folder to resume from the checkpoint before it, or delete {path.parent} to start stage 4 "
+                         f"over") from None
 
 
 def resume_state(root: Path, params: Params, global_batch: int, digest: str,

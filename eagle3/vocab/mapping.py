@@ -224,6 +224,9 @@ def cached_vocab_mapping(
     otherwise it is rebuilt and replaced (atomically), so a mapping made for another size or
     corpus is never picked up.
 
+    A cache that cannot be written (read-only, or a file where its folder should be) is logged as
+    a warning: the mapping is built all the same.
+
     Returns:
         tuple: ``(mapping, hit)``; ``mapping.cache_key`` is the key, d2t/t2d None at full size.
     """
@@ -252,7 +255,10 @@ def cached_vocab_mapping(
         except Exception as exc:  # noqa: BLE001 - any unreadable/mismatched cache is rebuilt
             log.warning("vocab mapping cache %s not used (%s); rebuilding", path, exc)
     m = VocabMapping.build(c, draft_vocab_size, key)
-    save_tensors(path, m.d2t, m.t2d, meta)
+    try:
+        save_tensors(path, m.d2t, m.t2d, meta)
+    except OSError as exc:  # a read-only or misdirected cache ($EAGLE3_CACHE a file) only costs the reuse
+        log.warning("vocab mapping cache %s not written (%s); the run's own mapping is unaffected", path, exc)
     return m, False
 
 

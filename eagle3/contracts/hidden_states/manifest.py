@@ -15,7 +15,7 @@ from pathlib import Path
 
 from eagle3.contracts.hidden_states.layout import MANIFEST, journal_name, journal_paths, manifest_path, meta_path
 from eagle3.errors import ExtractError
-from eagle3.io import atomic_write_json, atomic_write_text, file_sha256, read_jsonl
+from eagle3.io import atomic_write_json, atomic_write_text, file_sha256, read_json, read_jsonl
 
 __all__ = [
     "MANIFEST_KEYS",
@@ -157,9 +157,12 @@ def write_manifest(stage_dir: str | Path, entries: dict[int, dict], num_rows: in
 
 
 def read_meta(stage_dir: str | Path) -> dict | None:
-    """``meta.json`` (aux_layer_ids, num_hidden_layers, hidden_size, dtype, stored_layers, ...) or None."""
-    p = meta_path(stage_dir)
-    return json.loads(p.read_text(encoding="utf-8")) if p.exists() else None
+    """``meta.json`` (aux_layer_ids, num_hidden_layers, hidden_size, dtype, stored_layers, ...) or None.
+
+    Raises:
+        DamagedFile: not valid JSON (named with line and column).
+    """
+    return read_json(meta_path(stage_dir))
 
 
 def write_meta(stage_dir: str | Path, meta: dict) -> None:
