@@ -36,6 +36,8 @@ def test_variant_names_are_readable_folder_names_in_vary_order():
     # a YAML list is one value: its commas do not split it
     assert parse_vary(["evaluate.vllm_methods=[eagle3, ngram],[eagle3]"]) == {
         "evaluate.vllm_methods": ["[eagle3, ngram]", "[eagle3]"]}
+    with pytest.raises(ParamsError, match="--vary train.lr: a value is given twice"):
+        plan_variants("base", {"train.lr": ["1e-3", "1e-3"]})
     with pytest.raises(ParamsError, match="give the same run name base--lr-a_b"):
         plan_variants("base", {"train.lr": ["a b", "a/b"]})
 

@@ -177,9 +177,12 @@ def plan_variants(base: str, vary: dict[str, list[str]]) -> list[Variant]:
     """One :class:`Variant` per combination of the values (the cartesian product, first key slowest).
 
     Raises:
-        ParamsError: two combinations whose names are the same (values that differ only in characters
-            a folder name cannot hold).
+        ParamsError: a value given twice for one key; two combinations whose names are the same (values
+            that differ only in characters a folder name cannot hold).
     """
+    for key, values in vary.items():
+        if len(set(values)) < len(values):
+            raise ParamsError(f"--vary {key}: a value is given twice ({', '.join(values)}); list each once")
     out = [Variant(variant_name(base, dict(zip(vary, combo))), dict(zip(vary, combo)))
            for combo in itertools.product(*vary.values())]
     names = [v.name for v in out]
