@@ -214,7 +214,8 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
         Path: the run directory.
 
     Raises:
-        ParamsError: the folder lies in the source tree (:func:`check_run_location`); ``params.yaml``
+        ParamsError: the folder lies in the source tree (:func:`check_run_location`) or cannot be made
+            (a path on a file system without folders, ``/proc``); ``params.yaml``
             exists with a different fingerprint (the message lists the keys
             and what to do: the ``--redo`` command for a one-stage change, else a new run name).
     """
@@ -225,7 +226,11 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
 
     rd = Path(run_dir) if run_dir is not None else resolve_run_dir(params)
     check_run_location(rd)
-    rd.mkdir(parents=True, exist_ok=True)
+    try:
+        rd.mkdir(parents=True, exist_ok=True)
+    except (FileNotFoundError, NotADirectoryError) as exc:  # a file system that holds no folders (/proc)
+        raise ParamsError(f"run directory {rd} cannot be made ({exc.strerror}: {exc.filename}). Set "
+                          f"run.output_dir (or --run-name) to a folder on a disk.") from None
     pfile = rd / PARAMS_FILE
     if pfile.exists() and not _replaces_recorded(read_run_params(rd), params, rd, redo, stages, params_file, options):
         return rd

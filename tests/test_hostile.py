@@ -124,6 +124,19 @@ def test_a_run_directory_blocked_by_a_file_is_refused_by_name(tmp_path, where):
     check_run_location(tmp_path / "new" / "ci")  # a folder still to be made is fine
 
 
+def test_a_run_directory_on_a_file_system_without_folders_is_refused_by_name(tmp_path):
+    """run.output_dir=/proc/self: mkdir fails with ENOENT on the pseudo file system (a traceback);
+    now one line naming the folder and the way out, nothing written."""
+    from eagle3.errors import ParamsError
+    from eagle3.params_file import load_params
+    from eagle3.rundir import prepare_run_dir
+
+    params = load_params(None, {"run": {"name": "ci", "output_dir": "/proc/self"}})
+    with pytest.raises(ParamsError, match=r"run directory /proc/\d+/ci cannot be made \(No such file or directory: "
+                                         r"/proc/\d+/ci\)\. Set run.output_dir"):
+        prepare_run_dir(params)
+
+
 @pytest.mark.parametrize("override,message", [
     ("synthesize.sources=[]", "synthesize.sources: List should have at least 1 item"),
     ("target.model=''", "target.model: Value error, target.model is empty"),
