@@ -310,3 +310,19 @@ def test_status_watch_takes_only_a_finite_number_of_seconds(value, capsys):
         main(["status", "/nonexistent", "--watch", value])
     assert e.value.code == 2
     assert f"argument --watch: {value!r} is not a number of seconds >= 0" in capsys.readouterr().err
+
+
+def test_the_training_curves_read_past_a_torn_last_metrics_line(tmp_path):
+    """A training killed while appending to metrics.jsonl leaves a torn last line: notebook 04's
+    curves (load_metrics) raised JSONDecodeError; now the line is left out, a damaged middle line is named."""
+    from eagle3.rundir import RunDir
+    from eagle3.train.report import load_metrics
+
+    f = RunDir(tmp_path).train_metrics
+    f.parent.mkdir(parents=True)
+    f.write_text('{"kind": "train", "step": 1, "loss": 2.5}\n{"kind": "val", "step": 1, "val_tau_hat": 1.4}\n{"kind": "tr')
+    df = load_metrics(tmp_path)
+    assert list(df["step"]) == [1, 1] and df["loss"].iloc[0] == 2.5
+    f.write_text('{"kind": "train", "step": 1}\n{"kind": "tr\n{"kind": "train", "step": 2}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2"):
+        load_metrics(tmp_path)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from eagle3.io import read_json
+from eagle3.io import read_json, read_jsonl
 from eagle3.rundir import TRAIN, RunDir
 from eagle3.stage import stage_record
 
@@ -20,14 +20,15 @@ __all__ = ["load_metrics", "checkpoint_table", "plot_training", "plot_validation
 def load_metrics(run_dir: str | Path):
     """Stage 4's ``metrics.jsonl`` as a pandas DataFrame (one row per record; ``kind`` is 'train' or 'val').
 
-    Train rows: step, epoch, lr, loss, loss_k, full_acc_k, cond_acc_k, tau_hat (training batches),
+    A torn last line (a training killed while appending) is left out; a damaged line elsewhere raises
+    ValueError naming the file and line. Train rows: step, epoch, lr, loss, loss_k, full_acc_k, cond_acc_k, tau_hat (training batches),
     grad_norm, tokens, tokens_per_s. Val rows: step, val_loss, val_*_k, val_tau_hat, val_tokens.
     """
     import pandas as pd
 
     f = RunDir(run_dir).train_metrics
-    rows = [json.loads(x) for x in f.read_text(encoding="utf-8").splitlines() if x.strip()] if f.exists() else []
-    return pd.DataFrame(rows)
+    # a training killed mid-append leaves a torn last line: read_jsonl drops it
+    return pd.DataFrame(read_jsonl(f, missing_ok=True))
 
 
 def checkpoint_table(run_dir: str | Path):
