@@ -236,3 +236,67 @@ def test_check_machine_prints_the_line_without_a_run(monkeypatch, tmp_path, caps
     assert main(["run", str(ROOT / "params/smollm2-135m.yaml"), "--check-machine"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("eagle3: machine: ") and "target dtype" in out and not (tmp_path / "outputs").exists()
+
+
+# -------------------------------------------------------- the flag wherever the number is shown
+
+
+def _stats_and_results():
+    """stats.json-like sets and pooled grid, and results.json-like entries, of a run whose no-speculation
+    timing was disturbed in one round of three (:func:`_timed`)."""
+    from eagle3.evaluate.stats import PooledStats, SetStats
+
+    res = _timed({("none", 1): 30.0})
+    per_set = {s: {f"vllm/{m}": {k: v for k, v in speed_by_set(r, PROMPTS, 0.25)[s].items() if k != "tokens_per_forward"}
+                   for m, r in res.items()} for s in ("heldout", "chat")}
+    sets = {s: SetStats(domain="in-distribution" if s == "heldout" else "out-of-domain", prompts=8, methods=grid(m))
+            for s, m in per_set.items()}
+    pooled_entries = {f"vllm/{m}": {k: v for k, v in speed_by_set(r, PROMPTS, 0.25)["all"].items()
+                                    if k != "tokens_per_forward"} for m, r in res.items()}
+    pooled = PooledStats(prompts=16, methods=grid(pooled_entries))
+    results = {"settings": {"k": 3, "temperature": 0.0}, "backends": {m: e | {"backend": "vllm"} for m, e in pooled_entries.items()},
+               "sets": {s: {"domain": sets[s].domain, "info": {"count": 8, "by_category": {}},
+                            "methods": per_set[s], "by_category": {}} for s in per_set}, "warnings": []}
+    return sets, pooled, results
+
+
+def test_the_warning_names_the_set_the_method_and_the_one_command():
+    from eagle3.config import EvaluateParams
+    from eagle3.evaluate.mismatch import mismatch_warnings
+
+    sets, pooled, _ = _stats_and_results()
+    w = [x for x in mismatch_warnings(sets, {"known": False}, EvaluateParams(), pooled) if x["rule"] == "unsteady_speed"]
+    assert [x["numbers"]["set"] for x in w] == ["heldout", "chat", "all sets pooled"]
+    assert all(x["numbers"]["methods"] == ["vllm/none"] for x in w)
+    assert w[0]["message"].startswith("on heldout the timing rounds disagree beyond 25%: no speculation (vLLM) 35.0 "
+                                      "tokens/s, rounds 35.0, 1.2, 35.0 (spread 97%)")
+    assert "the speed-ups of EAGLE-3 in vLLM, n-gram lookup in vLLM are not a result" in w[0]["message"]
+    assert w[0]["fix"] == ("measure the speed again on a quiet machine: `eagle3 run PARAMS --stages 5 "
+                           "--remeasure-speed` (acceptance is reused)")
+    quiet_sets = {s: g for s, g in sets.items()}
+    for g in list(quiet_sets.values()) + [pooled]:
+        g.methods["vllm/none"]["speed_steady"] = True
+    assert [x for x in mismatch_warnings(quiet_sets, {"known": False}, EvaluateParams(), pooled)
+            if x["rule"] == "unsteady_speed"] == []
+
+
+def test_the_notebook_tables_and_the_chart_carry_the_flag():
+    from eagle3.evaluate.report import comparison_table, figures, pooled_table, set_table
+    from eagle3.evaluate.stats import EvaluateStats, Settings
+
+    sets, pooled, results = _stats_and_results()
+    t = set_table(results)
+    none = t[t["method"] == "no speculation (vLLM)"]
+    assert none["speed_steady"].tolist() == [False, False] and none["tokens_per_s"].tolist() == pytest.approx([35.0] * 2)
+    drafter = t[t["method"] == "EAGLE-3 in vLLM"]
+    assert drafter["speedup"].tolist() == pytest.approx([50 / 35] * 2) and drafter["speed_steady"].tolist() == [True] * 2
+    st = EvaluateStats(settings=Settings(k=3, temperature=0.0), pooled=pooled, sets=sets)
+    p = pooled_table(st).set_index("method")
+    assert p.loc["EAGLE-3 in vLLM", "speedup_steady"] is False or p.loc["EAGLE-3 in vLLM", "speedup_steady"] == False  # noqa: E712
+    assert p.loc["no speculation (vLLM)", "speed_steady"] == False  # noqa: E712
+    assert st.headline()["pooled.methods.vllm/eagle3.speedup_steady"] is False  # the report index's headline
+    assert comparison_table(results).set_index("method").loc["no speculation (vLLM)", "speed_steady"] == False  # noqa: E712
+    fig = figures(results)["speed"]
+    ax = fig.axes[0]
+    assert "(!) rounds disagree" in ax.get_title() and "--remeasure-speed" in ax.get_title()
+    assert [t.get_text() for t in ax.get_xticklabels()][-1].endswith("(!)")

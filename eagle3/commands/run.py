@@ -282,12 +282,9 @@ def run_pipeline(
 ) -> Path:
     """Execute the stage notebooks into ``<run_dir>/notebooks/`` and return the run directory.
 
-    Stages whose ``stats.json`` says complete are skipped (a re-run resumes from the first
-    unfinished stage); each stage also resumes its own unfinished work. Stops at the first
-    failing stage. First it prints the machine line (:func:`eagle3.machine.machine_line`).
-
-    ``remeasure_speed``: stage 5 measures its tokens/s again (:func:`eagle3.evaluate.stage.forget_speed`
-    drops the kept timing; it is redone as ``redo`` 5 is) and reuses its acceptance measurements.
+    Stages whose ``stats.json`` says complete are skipped (a re-run resumes from the first unfinished stage);
+    each stage also resumes its own unfinished work. Stops at the first failing stage. It starts with the
+    machine line (:func:`eagle3.machine.machine_line`); ``remeasure_speed``: stage 5 times its methods again.
 
     A complete stage whose inputs changed since it ran (an earlier stage re-run, a file replaced:
     :func:`eagle3.stage.stale_inputs`) is never skipped: the run stops with the reason and the
@@ -311,8 +308,7 @@ def run_pipeline(
             stage notebooks this call executes run under its lock).
     """
     ov = [*(overrides or []), *([f"run.name={run_name}"] if run_name else [])]
-    params = load_params(params_file, ov)
-    print(machine_line(params, params_file, overridden=bool(overrides)), flush=True)
+    params = _print_machine_line(load_params(params_file, ov), params_file, overrides)
     selected = list(stages or STAGES)
     redo_set = set(redo or []) | ({5} if remeasure_speed else set())
     if redo_set - set(selected):
@@ -330,10 +326,15 @@ def run_pipeline(
     with RunLock(target_dir, this_command()):  # one writer per run folder, from here to the last stage
         run_dir = prepare_run_dir(params, target_dir, redo=redo_set, params_file=params_file, stages=selected,
                                   options=params_options(run_name, overrides))
-        if remeasure_speed:
-            _forget_speed(run_dir, params)
+        _forget_speed(run_dir, params) if remeasure_speed else None
         _run_stages(run_dir, params, params_file, nbs, (redo_set, force), kernel, again)
     return run_dir
+
+
+def _print_machine_line(params, params_file, overrides: list[str] | None):
+    """Print the machine line of a run of ``params`` (:func:`eagle3.machine.machine_line`); returns ``params``."""
+    print(machine_line(params, params_file, overridden=bool(overrides)), flush=True)
+    return params
 
 
 def _forget_speed(run_dir: Path, params) -> None:

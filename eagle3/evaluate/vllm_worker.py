@@ -11,7 +11,9 @@ engine (EAGLE-3 drafter, n-gram lookup, no speculation) in a fresh subprocess, o
 ``{"id", "messages", "prompt_ids"}``.
 
 ``max_num_seqs`` (the acceptance pass's engine width, default 1), ``acceptance`` (bool, default
-true: run the acceptance pass) and ``speed_ids`` (prompt ids of the speed pass; default: none).
+true: run the acceptance pass), ``speed_ids`` (prompt ids of the speed pass; default: none),
+``speed_rounds`` (times the speed pass times each of them, default 1) and ``gpu_memory_utilization``
+(engines sharing a GPU).
 
 The prompts go through ``LLM.chat`` (vLLM renders the chat template itself, exactly as its chat
 endpoint does); the rendered ids are returned per prompt so that the caller can compare them with
@@ -31,9 +33,15 @@ its own rendering. One engine, without prefix caching (every prompt is prefilled
   ``vllm:generation_tokens``. Per request, vLLM's per-step accepted/drafted lists
   (``per_request_spec_decode_metrics="detailed"``) are returned too: the per-set numbers.
 * **speed**: the ``speed_ids`` prompts one ``LLM.chat`` call each, so one request is in the engine
-  at a time (the single-stream setting where speculation pays); output tokens and seconds per prompt,
-  and the timed answer's ids and per-step lists as in the acceptance pass (a request alone in the
-  engine computes other batch shapes, so its T=0 answer can differ from the acceptance pass's).
+  at a time (the single-stream setting where speculation pays), ``speed_rounds`` times over; output
+  tokens and seconds per prompt and round, and the timed answer's ids and per-step lists as in the
+  acceptance pass (a request alone in the engine computes other batch shapes, so its T=0 answer can
+  differ from the acceptance pass's).
+
+``python -m eagle3.evaluate.vllm_worker --serve-speed JOB.json`` runs the speed pass on request
+instead (:func:`serve_speed`): the stage starts one such worker per method and asks them in turn,
+prompt by prompt, so that a load that comes and goes slows every method alike
+(:func:`eagle3.evaluate.vllm_jobs.run_speed`).
 
 The worker runs in its own session (so that a timeout kills its engine's processes with it), which
 also puts it out of reach of a signal sent to the stage's process group: when ``EAGLE3_PARENT_PID``
