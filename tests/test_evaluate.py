@@ -173,7 +173,8 @@ def test_per_set_tables_and_figures_put_out_of_domain_first():
     m[OFFLINE_EAGLE3] = {"tau": 1.6, "tokens_per_forward": 1.6, "prompts": 1}  # heldout's, on 1 of its 2 prompts
     figs = figures(results)
     assert isinstance(figs["by_set"], Figure) and isinstance(figs["by_category"], Figure)
-    assert figs["speed"].axes[0].get_title() == "Decoding speed, all sets pooled (1 prompt)"  # heldout's vllm/none
+    assert figs["speed"].axes[0].get_title() == ("Decoding speed, all sets pooled (1 prompt); bars: median of the "
+                                                  "rounds, whiskers: their range")  # heldout's vllm/none
     ax = figs["by_set"].axes[0]
     assert ax.get_ylim()[1] >= 1.7 * 1.35 - 1e-9  # the legend has room above the tallest bar
     assert [x.get_text().split("\n")[0] for x in ax.get_xticklabels()] == ["general-chat", "heldout"]
