@@ -131,7 +131,8 @@ def expected_duration(params_file: str | Path, dtype: str, info: MachineInfo, ov
 
 def machine_line(params, params_file: str | Path, info: MachineInfo | None = None, overridden: bool = False) -> str:
     """The line ``eagle3 run`` prints before it starts (and ``--check-machine`` prints alone): the CPUs
-    and their features, a GPU, the target's dtype and why, the expected duration."""
+    and their features, a GPU, the target's dtype and why, the expected duration (by ``params_file``'s
+    name; for a run directory's ``params.yaml``, by the run's name)."""
     info = info or machine_info()
     names = [name for flag, name in CPU_FEATURES if flag in info.flags]
     missing = [name for flag, name in CPU_FEATURES[:2] if flag not in info.flags]
@@ -141,8 +142,10 @@ def machine_line(params, params_file: str | Path, info: MachineInfo | None = Non
     cpu = f"{info.cpus} CPU{'s' * (info.cpus != 1)}" + (f" ({info.model})" if info.model else "")
     gpu = f", GPU {info.gpu}" if info.gpu else ""
     dtype, why = dtype_choice(params.target, info)
+    # a run directory's own params.yaml: the run's name stands for the params file it was made from
+    named = f"{params.run.name}.yaml" if Path(params_file).name == "params.yaml" else params_file
     return (f"eagle3: machine: {cpu}: {feats}{gpu}; target dtype {dtype} ({why}); "
-            f"{expected_duration(params_file, dtype, info, overridden)}")
+            f"{expected_duration(named, dtype, info, overridden)}")
 
 
 def _machine_ticks() -> tuple[int, int]:

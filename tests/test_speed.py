@@ -226,6 +226,20 @@ def test_the_start_line_names_what_differs_from_the_measurement(monkeypatch):
                        "CPU cores); each stage shows its ETA")
 
 
+def test_a_run_directorys_params_file_is_known_by_the_run_name(monkeypatch):
+    import eagle3.target as target
+    from eagle3.machine import MachineInfo, cpu_flags, machine_line
+    from eagle3.params_file import load_params
+
+    monkeypatch.setattr(target, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(target, "pick_device", lambda device="auto": "cpu")
+    flags, model = cpu_flags(AVX2_ONLY)
+    info = MachineInfo(cpus=2, model=model, flags=flags, native_bf16=False, gpu=None, load_1m=0.0)
+    params = load_params(ROOT / "params/smollm2-135m.yaml", [])  # run.name smollm2-135m
+    assert machine_line(params, "outputs/smollm2-135m/params.yaml", info).endswith("expected about 78 min (77 min 39 s "
+                                                                                   "on 2 AVX2-only cores)")
+
+
 def test_check_machine_prints_the_line_without_a_run(monkeypatch, tmp_path, capsys):
     """``eagle3 run PARAMS --check-machine``: the line, exit 0, no run directory."""
     import eagle3.target as target
