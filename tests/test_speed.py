@@ -314,3 +314,27 @@ def test_the_notebook_tables_and_the_chart_carry_the_flag():
     ax = fig.axes[0]
     assert "(!) rounds disagree" in ax.get_title() and "--remeasure-speed" in ax.get_title()
     assert [t.get_text() for t in ax.get_xticklabels()][-1].endswith("(!)")
+
+
+def test_remeasure_speed_drops_only_the_timing(tmp_path):
+    """``eagle3 run --remeasure-speed`` drops the methods' timing together (vllm_speed.json) and keeps
+    the acceptance measurements; where each method times itself in its own job, every vLLM measurement
+    goes (their timing is inside them)."""
+    from eagle3.evaluate.stage import forget_speed
+    from eagle3.params_file import load_params
+
+    stage = tmp_path / "05_evaluate"
+    stage.mkdir()
+
+    def write():
+        for m in ("speed", "eagle3", "ngram", "none"):
+            (stage / f"vllm_{m}.json").write_text("{}")
+
+    write()
+    params = load_params(ROOT / "params/ci.yaml", ["evaluate.speed_engines=together"])
+    assert [f.name for f in forget_speed(tmp_path, params)] == ["vllm_speed.json"]
+    assert sorted(f.name for f in stage.iterdir()) == ["vllm_eagle3.json", "vllm_ngram.json", "vllm_none.json"]
+    write()
+    params = load_params(ROOT / "params/ci.yaml", ["evaluate.speed_engines=one_at_a_time"])
+    assert [f.name for f in forget_speed(tmp_path, params)] == ["vllm_eagle3.json", "vllm_ngram.json", "vllm_none.json"]
+    assert [f.name for f in stage.iterdir()] == ["vllm_speed.json"]

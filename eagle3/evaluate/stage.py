@@ -185,7 +185,8 @@ def _job(params, inp: _Inputs, method: str, speed: bool | None = None) -> tuple[
     own_speed = not speed_together(params) if speed is None else speed
     job = build_job(params, method, inp.resolved.path, inp.drafter_dir, inp.prompts,
                     template_kwargs(params) or None,  # None: the template's defaults
-                    speed_ids=inp.speed_ids if own_speed else [], speed_rounds=ev.speed_rounds)
+                    # without its own speed pass, a job (and its key) does not depend on the speed settings
+                    speed_ids=inp.speed_ids if own_speed else [], speed_rounds=ev.speed_rounds if own_speed else 1)
     return job, json_digest([job | {"drafter": None}, inp.drafter_key if method == "eagle3" else None])
 
 
