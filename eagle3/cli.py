@@ -58,6 +58,12 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="re-open these stages even if complete, e.g. --redo 3: a stage whose inputs changed starts "
                         "over, else it re-checks its files and redoes the broken ones; later selected stages whose "
                         "inputs change with it are redone too")
+    r.add_argument("--remeasure-speed", action="store_true",
+                   help="measure stage 5's tokens/s again (the kept timing is dropped; acceptance is reused): "
+                        "implies --redo 5")
+    r.add_argument("--check-machine", action="store_true",
+                   help="print the machine line (CPU features, the target's dtype and why, the expected duration) "
+                        "and run nothing")
 
     v = sub.add_parser("verify", help="check a run directory's files: stale stages, manifest, hidden-state sha256s")
     v.add_argument("run_dir", help="the run directory, <run.output_dir>/<run.name>, e.g. outputs/ci")
@@ -101,11 +107,14 @@ def _run(args: argparse.Namespace) -> int:
     """The stages, then the report; a report that cannot be rendered is a warning, exit 0 (the stages'
     results stand: :func:`eagle3.commands.report.render_after_run`)."""
     from eagle3.commands.report import render_after_run
-    from eagle3.commands.run import parse_stages, run_pipeline
+    from eagle3.commands.run import check_machine, parse_stages, run_pipeline
 
+    if args.check_machine:
+        print(check_machine(args.params, args.run_name, args.overrides), flush=True)
+        return 0
     redo = parse_stages(args.redo, "--redo") if args.redo else None
     run_dir = run_pipeline(args.params, parse_stages(args.stages), args.run_name, args.overrides, args.kernel,
-                           redo=redo)
+                           redo=redo, remeasure_speed=args.remeasure_speed)
     if not args.no_report:
         render_after_run(run_dir)
     return 0

@@ -473,6 +473,16 @@ class EvaluateParams(_Section):
         2, ge=1, description="prompts per set whose vLLM tokens/s is measured one request at a time "
         "(None = all); acceptance is measured on every prompt in one batched pass. 2 on the CPU default: "
         "4 took 2.7 of its 11.7 stage-5 minutes (three engines x two sets x 128 tokens, one at a time)")
+    speed_rounds: int = Field(
+        3, ge=1, description="times each speed prompt is timed under each vLLM method; tokens/s is the median "
+        "of the per-round rates (a load that disturbs one round does not pick the winner)")
+    speed_spread_tolerance: float = Field(
+        0.25, ge=0.0, description="a method's per-round tokens/s may spread this much ((max - min) / median) "
+        "before its speed (and speed-up) is flagged as disturbed")
+    speed_engines: Literal["auto", "together", "one_at_a_time"] = Field(
+        "auto", description="together: one engine per vLLM method alive at once, the methods timed prompt by "
+        "prompt in turn; one_at_a_time: each method times its prompts in its own engine's job, one engine "
+        "after another (for a target whose engines do not fit together); auto: together on a CPU")
     vllm_max_num_seqs: int = Field(
         16, ge=1, description="requests the vLLM engine runs together in the acceptance pass; 16 on the CPU "
         "default: its eagle3 pass over 136 prompts in 121 s vs 157 s with 8 (1.29x, same load, "

@@ -10,11 +10,11 @@ from collections import Counter
 from pathlib import Path
 
 from eagle3.evaluate.methods import VLLM_EAGLE3, VLLM_NGRAM, VLLM_NONE
-from eagle3.evaluate.mismatch import RULE_TEXT, RULES
+from eagle3.evaluate.mismatch import REMEASURE_SPEED, RULE_TEXT, RULES
 from eagle3.evaluate.prompts import left_out_reasons, out_of_domain_first
 from eagle3.evaluate.stats import EvaluateStats, PooledStats, SetStats, read_stats, value_at
 from eagle3.io import read_json
-from eagle3.rundir import STAGES, VLLM_RESULT_FILE
+from eagle3.rundir import STAGES
 from eagle3.stage import Stats, stage_record
 
 __all__ = ["MISSING", "headline_keys", "stats_classes", "summary_html", "index_html", "key_numbers", "SingleFile"]
@@ -110,8 +110,6 @@ _TABLE_COLUMNS = (("tokens_per_forward", "tokens per target forward", 3, ""),
                   ("tokens_per_s", "tokens/s (one request at a time)", 1, ""),
                   ("speedup", "speed-up vs no speculation", 2, "x"))
 
-_VLLM_RESULT = f"{STAGES[5]}/{VLLM_RESULT_FILE.format(method='<method>')}"  # a measurement to delete
-
 # how far a speed-up may exceed the tokens per target forward before the report calls the timing
 # disturbed (a method's tokens/s over no speculation's is at most its tokens per forward, less its
 # drafting cost; 1.25 leaves room for the noise of a few prompts timed one at a time)
@@ -146,8 +144,13 @@ def _groups(st: EvaluateStats) -> list[tuple[str, str, _Group]]:
 
 def _method_rows(name: str, label: str, g: _Group, disturbed: list[str]) -> str:
     """The table rows of one group, a row per :data:`_TABLE_METHODS`; a speed-up above what the timed
-    answers' tokens per target forward allow goes to ``disturbed`` and is marked."""
+    answers' tokens per target forward allow, and tokens/s whose timing rounds disagree (``speed_steady``
+    False, with the speed-ups resting on them), go to ``disturbed`` and are marked."""
     body = ""
+    for m, method_label in _TABLE_METHODS:
+        if g.get(m, "speed_steady") is False:
+            disturbed.append(f"{method_label} on {name}: tokens/s {_fixed(g.get(m, 'tokens_per_s'), 1)}, rounds "
+                             + ", ".join(_fixed(x, 1) for x in g.get(m, "tokens_per_s_rounds") or []))
     for i, (m, method_label) in enumerate(_TABLE_METHODS):
         cell = f"<th rowspan='{len(_TABLE_METHODS)}'>{label}</th>" if i == 0 else ""
         tpf, up = g.get(m, "tokens_per_forward"), g.get(m, "speedup")
@@ -158,12 +161,18 @@ def _method_rows(name: str, label: str, g: _Group, disturbed: list[str]) -> str:
         mark, bound = "", timed if isinstance(timed, (int, float)) else tpf
         if isinstance(up, float) and isinstance(bound, (int, float)) and up > _SPEEDUP_SLACK * bound:
             mark = " &#9888;"
-            disturbed.append(f"{method_label} {_fixed(up, 2, 'x')} with {_fixed(bound, 3)} tokens per target forward")
+            disturbed.append(f"{method_label} on {name}: {_fixed(up, 2, 'x')} with {_fixed(bound, 3)} tokens per target "
+                             f"forward")
+        if m != VLLM_NONE and g.get(m, "speedup_steady") is False and not mark:
+            mark = " &#9888;"  # a speed-up over (or of) a row whose rounds disagree
         if isinstance(timed, (int, float)) and isinstance(up, float):
             # the timed answers are a few prompts' (and may be other texts): their own rate beside the speed-up
             mark += f"<br><small>timed answers: {_fixed(timed, 3)} tokens per forward</small>"
         vals = [_fixed(g.get(m, metric), dec, suffix) for metric, _, dec, suffix in _TABLE_COLUMNS]
         vals[-1] += mark  # the speed-up's column, the last
+        if g.get(m, "speed_steady") is False:  # the tokens/s column: its rounds disagree
+            vals[-2] += (" &#9888;<br><small>rounds " + ", ".join(_fixed(x, 1) for x in g.get(m, "tokens_per_s_rounds") or [])
+                         + "</small>")
         body += f"<tr>{cell}<th>{method_label}</th>" + "".join(f"<td>{v}</td>" for v in vals) + "</tr>"
     return body
 
@@ -181,11 +190,12 @@ def _result_table(groups: list[tuple[str, str, _Group]]) -> list[str]:
              "which often has nothing to propose, can show a higher τ than the drafter and still give fewer "
              "tokens per forward.</small></p>"]
     if disturbed:
-        parts.append(f"<p class='warn' id='disturbed-speed'>&#9888; A speed-up above what the tokens per target forward "
-                     f"of the timed answers allow ({html.escape('; '.join(disturbed))}) means the speed measurement "
-                     f"was disturbed (other load on the machine, one request at a time on few prompts): do not read "
-                     f"it as a result; measure again on a quiet machine (delete {html.escape(_VLLM_RESULT)}, then "
-                     f"<code>eagle3 run PARAMS --stages 5 --redo 5</code>).</p>")
+        parts.append(f"<p class='warn' id='disturbed-speed'>&#9888; Disturbed speed measurements "
+                     f"({html.escape('; '.join(disturbed))}): timing rounds that disagree, or a speed-up above what "
+                     f"the tokens per target forward of the timed answers allow, mean that other load on the machine "
+                     f"slowed some requests; do not read these tokens/s or the speed-ups resting on them as a result. "
+                     f"Measure the speed again on a quiet machine: <code>{html.escape(REMEASURE_SPEED)}</code> (every "
+                     f"method is timed again, its acceptance reused).</p>")
     if differ:
         # at T=0 every method should write the target's greedy answer, but verifying k drafts computes
         # other batch shapes than decoding one token, and the arithmetic's rounding differs

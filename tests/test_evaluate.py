@@ -173,7 +173,8 @@ def test_per_set_tables_and_figures_put_out_of_domain_first():
     m[OFFLINE_EAGLE3] = {"tau": 1.6, "tokens_per_forward": 1.6, "prompts": 1}  # heldout's, on 1 of its 2 prompts
     figs = figures(results)
     assert isinstance(figs["by_set"], Figure) and isinstance(figs["by_category"], Figure)
-    assert figs["speed"].axes[0].get_title() == "Decoding speed, all sets pooled (1 prompt)"  # heldout's vllm/none
+    assert figs["speed"].axes[0].get_title() == ("Decoding speed, all sets pooled (1 prompt); bars: median of the "
+                                                  "rounds, whiskers: their range")  # heldout's vllm/none
     ax = figs["by_set"].axes[0]
     assert ax.get_ylim()[1] >= 1.7 * 1.35 - 1e-9  # the legend has room above the tallest bar
     assert [x.get_text().split("\n")[0] for x in ax.get_xticklabels()] == ["general-chat", "heldout"]
@@ -689,10 +690,12 @@ def test_vllm_records_count_steps_without_drafts():
     assert s["tokens_per_forward"] == pytest.approx((10 + 4) / 10)
     assert s["per_position_conditional"] == pytest.approx([2 / 3, 0.5, 1.0])
     # a result written before the speed pass kept its answers: no tokens per forward of the timed answers
-    assert speed_by_set(result, prompts) == {
-        "s1": {"prompts": 1, "output_tokens": 12, "time_s": 2.0, "tokens_per_s": 6.0, "tokens_per_forward": None},
-        "s2": {"prompts": 1, "output_tokens": 4, "time_s": 2.0, "tokens_per_s": 2.0, "tokens_per_forward": None},
-        "all": {"prompts": 2, "output_tokens": 16, "time_s": 4.0, "tokens_per_s": 4.0, "tokens_per_forward": None}}
+    # (and one round: no spread, no verdict on its steadiness)
+    one = {"speed_spread": None, "speed_steady": None, "tokens_per_forward": None}
+    assert speed_by_set(result, prompts, 0.25) == {
+        "s1": {"prompts": 1, "output_tokens": 12, "time_s": 2.0, "tokens_per_s": 6.0, "tokens_per_s_rounds": [6.0]} | one,
+        "s2": {"prompts": 1, "output_tokens": 4, "time_s": 2.0, "tokens_per_s": 2.0, "tokens_per_s_rounds": [2.0]} | one,
+        "all": {"prompts": 2, "output_tokens": 16, "time_s": 4.0, "tokens_per_s": 4.0, "tokens_per_s_rounds": [4.0]} | one}
 
 
 def test_the_speed_pass_has_the_tokens_per_forward_of_its_own_answers():

@@ -20,6 +20,7 @@ from pathlib import Path
 from eagle3.commands.status import ProgressEcho
 from eagle3.errors import ParamsError, RunInterrupted, RunnerError, StageFailed, StaleStage
 from eagle3.io import naming_file, read_json
+from eagle3.machine import machine_line
 from eagle3.params_file import load_params
 from eagle3.rundir import (
     NOTEBOOKS,
@@ -35,7 +36,7 @@ from eagle3.rundir import (
 )
 from eagle3.stage import RunLock, shared_from, stage_record, stale_inputs, stale_message, this_command
 
-__all__ = ["KERNEL", "parse_stages", "format_stages", "resume_stages", "params_options", "run_dir_for",
+__all__ = ["KERNEL", "check_machine", "parse_stages", "format_stages", "resume_stages", "params_options", "run_dir_for",
            "check_prompt_files", "reopen_stage", "run_pipeline", "stages_read", "require_earlier_complete",
            "stage_notebooks", "require_kernel"]
 
@@ -277,12 +278,13 @@ def run_pipeline(
     force: bool = False,
     notebooks: str | Path | None = None,
     redo: list[int] | None = None,
+    remeasure_speed: bool = False,
 ) -> Path:
     """Execute the stage notebooks into ``<run_dir>/notebooks/`` and return the run directory.
 
-    Stages whose ``stats.json`` says complete are skipped (a re-run resumes from the first
-    unfinished stage); each stage also resumes its own unfinished work. Stops at the first
-    failing stage.
+    Stages whose ``stats.json`` says complete are skipped (a re-run resumes from the first unfinished stage);
+    each stage also resumes its own unfinished work. Stops at the first failing stage. It starts with the
+    machine line (:func:`eagle3.machine.machine_line`); ``remeasure_speed``: stage 5 times its methods again.
 
     A complete stage whose inputs changed since it ran (an earlier stage re-run, a file replaced:
     :func:`eagle3.stage.stale_inputs`) is never skipped: the run stops with the reason and the
@@ -306,9 +308,9 @@ def run_pipeline(
             stage notebooks this call executes run under its lock).
     """
     ov = [*(overrides or []), *([f"run.name={run_name}"] if run_name else [])]
-    params = load_params(params_file, ov)
+    params = _print_machine_line(load_params(params_file, ov), params_file, overrides)
     selected = list(stages or STAGES)
-    redo_set = set(redo or [])
+    redo_set = set(redo or []) | ({5} if remeasure_speed else set())
     if redo_set - set(selected):
         raise ParamsError(f"--redo {','.join(map(str, sorted(redo_set)))}: stage(s) {sorted(redo_set - set(selected))} "
                           f"not among the stages to run ({selected}); add them to --stages")
@@ -324,8 +326,36 @@ def run_pipeline(
     with RunLock(target_dir, this_command()):  # one writer per run folder, from here to the last stage
         run_dir = prepare_run_dir(params, target_dir, redo=redo_set, params_file=params_file, stages=selected,
                                   options=params_options(run_name, overrides))
+        _forget_speed(run_dir, params) if remeasure_speed else None
         _run_stages(run_dir, params, params_file, nbs, (redo_set, force), kernel, again)
     return run_dir
+
+
+def _print_machine_line(params, params_file, overrides: list[str] | None):
+    """Print the machine line of a run of ``params`` (:func:`eagle3.machine.machine_line`); returns ``params``."""
+    print(machine_line(params, params_file, overridden=bool(overrides)), flush=True)
+    return params
+
+
+def _forget_speed(run_dir: Path, params) -> None:
+    """``--remeasure-speed``: drop stage 5's kept speed measurement, saying which files went."""
+    from eagle3.evaluate.stage import forget_speed
+
+    gone = forget_speed(run_dir, params)
+    what = ", ".join(f.name for f in gone) or "no kept speed measurement"
+    print(f"eagle3: --remeasure-speed: removed {what}; stage 5 times every method again", flush=True)
+
+
+def check_machine(params_file: str | Path, run_name: str | None = None, overrides: list[str] | None = None) -> str:
+    """``eagle3 run PARAMS --check-machine``: the line :func:`run_pipeline` prints first (the CPU's
+    features, the target's dtype and why, the expected duration: :func:`eagle3.machine.machine_line`),
+    without running or writing anything.
+
+    Raises:
+        ParamsError: invalid params (as :func:`run_pipeline`).
+    """
+    ov = [*(overrides or []), *([f"run.name={run_name}"] if run_name else [])]
+    return machine_line(load_params(params_file, ov), params_file, overridden=bool(overrides))
 
 
 def _refuse_before_writing(run_dir: Path, to_run: list[int], params, again: str, selected: list[int]) -> None:

@@ -94,6 +94,8 @@ class ProgressEcho:
             extras.append(f"ETA {_format_duration(prog['eta_s'])}")
         if prog.get("bytes_on_disk"):
             extras.append(f"{format_bytes(prog['bytes_on_disk'])} on disk")
+        if prog.get("status") == "running" and prog.get("machine_busy"):  # the rate and ETA are a share of the machine
+            extras.append(str(prog["machine_busy"]))
         if self.tty:
             self._show_bar(int(prog.get("done") or 0), prog.get("total"), str(prog.get("unit") or ""), ", ".join(extras))
             return

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["acceptance_metrics", "context_bucket", "summarize_rounds", "group_metrics"]
+__all__ = ["acceptance_metrics", "context_bucket", "summarize_rounds", "group_metrics", "round_rates", "speed_stats",
+           "paired_speedup"]
 
 
 def acceptance_metrics(
@@ -162,3 +163,55 @@ def summarize_rounds(records: list[dict], k: int) -> dict:
         "accepted_histogram": hist,
         "prompts": len(records),
     }
+
+
+# Speed (tokens/s) of vLLM's one-request-at-a-time timing. Each method times the same prompts in
+# several rounds, interleaved with the other methods (eagle3.evaluate.vllm_jobs.speed_schedule): load
+# from other processes that lasts less than a round slows one round of every method, not one method.
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def round_rates(rows: Sequence[dict]) -> dict[int, float]:
+    """``{round: tokens/s}`` of timed rows (``{"round", "output_tokens", "time_s"}``; a row without
+    ``round`` is round 0): each round's output tokens over its seconds, rounds sorted."""
+    tok: dict[int, float] = {}
+    sec: dict[int, float] = {}
+    for r in rows:
+        g = int(r.get("round", 0))
+        tok[g] = tok.get(g, 0) + r["output_tokens"]
+        sec[g] = sec.get(g, 0.0) + r["time_s"]
+    return {g: tok[g] / sec[g] for g in sorted(tok) if sec[g] > 0}
+
+
+def speed_stats(rows: Sequence[dict], tolerance: float | None = None) -> dict:
+    """The speed of one method on one group of prompts from its timed rows (:func:`round_rates`).
+
+    Returns:
+        dict: ``tokens_per_s`` (median of the per-round tokens/s; None without a timed token),
+        ``tokens_per_s_rounds`` (per round, in round order), ``speed_spread`` ((max - min) / median of
+        the rounds; None under two rounds), ``speed_steady`` (False when the spread exceeds
+        ``tolerance``, ``evaluate.speed_spread_tolerance``: the rounds disagree, another load disturbed
+        some of them; None under two rounds or without a tolerance).
+    """
+    rates = list(round_rates(rows).values())
+    if not rates:
+        return {"tokens_per_s": None, "tokens_per_s_rounds": [], "speed_spread": None, "speed_steady": None}
+    med = _median(rates)
+    spread = (max(rates) - min(rates)) / med if len(rates) > 1 and med > 0 else None
+    return {"tokens_per_s": med, "tokens_per_s_rounds": rates,
+            "speed_spread": round(spread, 4) if spread is not None else None,
+            "speed_steady": None if spread is None or tolerance is None else bool(spread <= tolerance)}
+
+
+def paired_speedup(rates: Sequence[float], base_rates: Sequence[float]) -> float | None:
+    """A method's speed-up over the baseline (no speculation) from their per-round tokens/s (same
+    rounds, same order: :func:`speed_stats`' ``tokens_per_s_rounds``): the median over rounds of the
+    method's rate over the baseline's in the same round. The two timed the same prompts next to each
+    other, so a load that slowed a round slowed both. None without a common round."""
+    ratios = [a / b for a, b in zip(rates, base_rates) if b]
+    return _median(ratios) if ratios else None

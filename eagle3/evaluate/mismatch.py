@@ -15,23 +15,30 @@ Each warning is a dict ``{"rule", "message", "numbers", "fix"}`` (stage 5's ``st
   train on 10^5 conversations and more; a few hundred fit one narrow task at best.
 * ``narrow_training_data``: the training conversations come from one source, or (when the samples
   record categories) from one category.
+* ``unsteady_speed``: a vLLM method's tokens/s on a set (or pooled) spread over its timing rounds by
+  more than ``speed_spread_tolerance`` ((max - min) / median): another load disturbed the timing, and
+  that row's speed and the speed-ups that rest on it are not a result. The fix is one command.
 """
 
 from __future__ import annotations
 
-from eagle3.evaluate.methods import OFFLINE_EAGLE3, VLLM_EAGLE3, VLLM_NGRAM
-from eagle3.evaluate.stats import SetStats
+from eagle3.evaluate.methods import LABELS, OFFLINE_EAGLE3, VLLM_EAGLE3, VLLM_NGRAM, VLLM_NONE, is_vllm
+from eagle3.evaluate.stats import PooledStats, SetStats
 
 __all__ = ["RULES", "RULE_TEXT", "mismatch_warnings", "set_tau", "set_tokens_per_forward"]
 
-RULES = ("drafter_below_ngram", "ood_far_below_id", "small_training_data", "narrow_training_data")
+RULES = ("drafter_below_ngram", "ood_far_below_id", "small_training_data", "narrow_training_data", "unsteady_speed")
 # what each rule checks, in words (the report says which were checked and did not fire)
 RULE_TEXT = {
     "drafter_below_ngram": "the drafter's tokens per target forward below n-gram's on a set",
     "ood_far_below_id": "out-of-domain τ far below in-distribution τ",
     "small_training_data": "few training conversations or completion tokens",
     "narrow_training_data": "one training source or one category",
+    "unsteady_speed": "a method's tokens/s disagreeing between its timing rounds",
 }
+
+# the command that measures stage 5's speed again (docs/USAGE.md)
+REMEASURE_SPEED = "eagle3 run PARAMS --stages 5 --remeasure-speed"
 
 _MORE_DATA = ("add prompts like your traffic to synthesize.sources (your own logs or a chat data set), and/or "
               "let the target write its own with a {kind: self} source (self-prompting), then re-run stages 1-5")
@@ -139,7 +146,30 @@ def _training_data(training: dict, ev) -> list[dict]:
     return out
 
 
-def mismatch_warnings(sets: dict[str, SetStats], training: dict, ev) -> list[dict]:
+def _unsteady_speed(sets: dict[str, SetStats], pooled: PooledStats | None, tolerance: float) -> list[dict]:
+    """``unsteady_speed``: one warning per group (each set, then all sets pooled) with a vLLM method
+    whose timing rounds disagree, naming the methods, their per-round tokens/s and the speed-ups hit."""
+    groups: list[tuple[str, SetStats | PooledStats]] = list(sets.items()) + ([("all sets pooled", pooled)] if pooled else [])
+    out = []
+    for name, g in groups:
+        bad = [m for m in g.methods if is_vllm(m) and g.get(m, "speed_steady") is False]
+        if not bad:
+            continue
+        rows = "; ".join(f"{LABELS.get(m, m)} {g.get(m, 'tokens_per_s'):.1f} tokens/s, rounds "
+                         f"{', '.join(f'{x:.1f}' for x in g.get(m, 'tokens_per_s_rounds') or [])} (spread "
+                         f"{g.get(m, 'speed_spread'):.0%})" for m in bad)
+        hit = [LABELS.get(m, m) for m in g.methods if g.get(m, "speedup_steady") is False and m != VLLM_NONE]
+        out.append({"rule": "unsteady_speed",
+                    "message": f"on {name} the timing rounds disagree beyond {tolerance:.0%}: {rows}; another load "
+                               f"disturbed them, so these tokens/s" + (f" and the speed-ups of {', '.join(hit)}"
+                                                                       if hit else "") + " are not a result",
+                    "numbers": {"set": name, "methods": bad,
+                                "speed_spread": {m: g.get(m, "speed_spread") for m in bad}, "tolerance": tolerance},
+                    "fix": f"measure the speed again on a quiet machine: `{REMEASURE_SPEED}` (acceptance is reused)"})
+    return out
+
+
+def mismatch_warnings(sets: dict[str, SetStats], training: dict, ev, pooled: PooledStats | None = None) -> list[dict]:
     """The warnings that apply, in :data:`RULES` order.
 
     Args:
@@ -147,9 +177,12 @@ def mismatch_warnings(sets: dict[str, SetStats], training: dict, ev) -> list[dic
             counts and the grid; the drafter's numbers from vLLM, else offline; n-gram's from vLLM).
         training: :func:`eagle3.evaluate.prompts.training_data` (``known``, ``conversations``,
             ``completion_tokens``, ``sources``, ``categories``).
-        ev: ``params.evaluate`` (``warn_min_conversations``, ``warn_min_tokens``, ``warn_ood_ratio``).
+        ev: ``params.evaluate`` (``warn_min_conversations``, ``warn_min_tokens``, ``warn_ood_ratio``,
+            ``speed_spread_tolerance``).
+        pooled: every set pooled (its speed rows are checked too).
 
     Returns:
         list[dict]: ``{"rule", "message", "numbers", "fix"}`` each; empty when none applies.
     """
-    return _below_ngram(sets) + _ood_far_below_id(sets, ev.warn_ood_ratio) + _training_data(training, ev)
+    return (_below_ngram(sets) + _ood_far_below_id(sets, ev.warn_ood_ratio) + _training_data(training, ev)
+            + _unsteady_speed(sets, pooled, ev.speed_spread_tolerance))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from eagle3.evaluate.methods import LABELS, METHODS, OFFLINE_EAGLE3, VLLM_EAGLE3, VLLM_NGRAM, VLLM_NONE, is_vllm
 from eagle3.evaluate.prompts import out_of_domain_first
-from eagle3.evaluate.stats import METRICS, SPEED_METRICS, EvaluateStats
+from eagle3.evaluate.stats import METRICS, SPEED_METRICS, EvaluateStats, grid
 from eagle3.io import read_json
 from eagle3.rundir import RunDir
 
@@ -50,14 +50,17 @@ def comparison_table(results: dict):
         rows.append({"method": LABELS.get(name, name), "backend": b["backend"], "k": b.get("k"),
                      "tau": b.get("tau"), "tokens_per_forward": b.get("tokens_per_forward"),
                      "draft_acceptance_rate": b.get("draft_acceptance_rate"), "rounds": b.get("rounds"),
-                     "tokens_per_s": b.get("tokens_per_s") if b["backend"] == "vllm" else None})
+                     "tokens_per_s": b.get("tokens_per_s") if b["backend"] == "vllm" else None,
+                     "speed_steady": b.get("speed_steady") if b["backend"] == "vllm" else None})
     return _frame(rows, counts=("k", "rounds"))
 
 
 def pooled_table(stats: EvaluateStats):
     """Every set pooled, from ``stats.json``: a row per measurement, a column per metric (stats.json's
-    acceptance metrics, vLLM's speed pass and the speed-up over no speculation) (pandas DataFrame)."""
-    cols = [*METRICS, *SPEED_METRICS, "speedup"]
+    acceptance metrics, vLLM's speed pass with its per-round rates, spread and ``speed_steady`` flag, the
+    speed-up over no speculation and ``speedup_steady``: False where the timing rounds disagree) (pandas
+    DataFrame)."""
+    cols = [*METRICS, *SPEED_METRICS, "speedup", "speedup_steady"]
     rows = [{"method": LABELS.get(m, m), **{c: cell.get(c) for c in cols}} for m, cell in stats.pooled.methods.items()]
     return _frame(rows, counts=("prompts",), columns=["method", *cols])
 
@@ -69,22 +72,24 @@ def _ordered_sets(results: dict) -> list[tuple[str, dict]]:
 
 def set_table(results: dict):
     """Per evaluation set (out-of-domain first) and method: τ, tokens per target forward,
-    conditional per-position acceptance, tokens/s, prompts (of the acceptance numbers) and
-    speed_prompts (of tokens/s: far fewer, one request at a time) (pandas DataFrame)."""
+    conditional per-position acceptance, tokens/s (the median of the timing rounds), its spread over
+    the rounds and ``speed_steady`` (False: the rounds disagree, a disturbed timing), the speed-up
+    (same-round ratios, :func:`eagle3.evaluate.metrics.paired_speedup`), prompts (of the acceptance
+    numbers) and speed_prompts (of tokens/s: far fewer, one request at a time) (pandas DataFrame)."""
     rows = []
     k = results["settings"]["k"]
     for name, e in _ordered_sets(results):
-        none_tps = (e["methods"].get(VLLM_NONE) or {}).get("tokens_per_s")
+        speedups = grid(e["methods"])
         for m in METHODS:
             met = e["methods"].get(m)
             if met is None:
                 continue
             pos = met.get("per_position_conditional") or [None] * k
-            tps = met.get("tokens_per_s")
             rows.append({"set": name, "domain": e["domain"], "method": LABELS.get(m, m), "tau": met.get("tau"),
                          "tokens_per_forward": met.get("tokens_per_forward"),
                          **{f"P(pos {i + 1})": pos[i] for i in range(k)},
-                         "tokens_per_s": tps, "speedup": tps / none_tps if tps and none_tps else None,
+                         "tokens_per_s": met.get("tokens_per_s"), "speed_spread": met.get("speed_spread"),
+                         "speed_steady": met.get("speed_steady"), "speedup": speedups[m].get("speedup"),
                          "prompts": met.get("prompts", e["info"]["count"]), "speed_prompts": met.get("speed_prompts")})
     return _frame(rows, counts=("prompts", "speed_prompts"))
 
@@ -184,15 +189,29 @@ def _tau_vs_context(bk: dict):
 
 
 def _speed(bk: dict, speed_prompts: int | None = None):
+    """Tokens/s per vLLM method (the median of its timing rounds), the rounds' range as an error bar;
+    a method whose rounds disagree (``speed_steady`` False) is hatched, marked and named in the title."""
     fig, ax = _axes()
     names = [n for n in METHODS if is_vllm(n) and n in bk]
+    unsteady = [n for n in names if bk[n].get("speed_steady") is False]
     if names:
-        ax.bar([LABELS[n].replace(" in vLLM", "").replace(" (vLLM)", "") for n in names],
-               [bk[n].get("tokens_per_s") or 0 for n in names])
+        mid = [bk[n].get("tokens_per_s") or 0 for n in names]
+        rounds = [bk[n].get("tokens_per_s_rounds") or [m] for n, m in zip(names, mid)]
+        bars = ax.bar([LABELS[n].replace(" in vLLM", "").replace(" (vLLM)", "") + (" (!)" if n in unsteady else "")
+                       for n in names], mid,
+                      yerr=[[m - min(r) for m, r in zip(mid, rounds)], [max(r) - m for m, r in zip(mid, rounds)]],
+                      capsize=4)
+        for bar, n in zip(bars, names):
+            if n in unsteady:
+                bar.set_hatch("//")
+                bar.set_alpha(0.5)
     ax.set_ylabel("output tokens/s (vLLM, one request at a time)")
     # the speed rests on a few prompts of every set, pooled: say how many
     pooled = f", all sets pooled ({speed_prompts} prompt{'s' if speed_prompts != 1 else ''})" if speed_prompts else ""
-    ax.set_title("Decoding speed" + pooled)
+    title = "Decoding speed" + pooled + "; bars: median of the rounds, whiskers: their range"
+    if unsteady:
+        title += "\n(!) rounds disagree, a disturbed timing: measure again (eagle3 run ... --remeasure-speed)"
+    ax.set_title(title, fontsize=9)
     return fig
 
 

@@ -28,7 +28,7 @@ from eagle3.evaluate.diagnosis import diagnose
 from eagle3.evaluate.drafter import load_drafter
 from eagle3.evaluate.layer_ids import aux_layer_id_warnings
 from eagle3.evaluate.methods import OFFLINE_EAGLE3, VLLM_EAGLE3, VLLM_NONE, vllm_method
-from eagle3.evaluate.metrics import group_metrics, summarize_rounds
+from eagle3.evaluate.metrics import group_metrics, speed_stats, summarize_rounds
 from eagle3.evaluate.mismatch import mismatch_warnings
 from eagle3.evaluate.parity import parity_result
 from eagle3.evaluate.prompts import EvalSet, evaluation_sets, out_of_domain_first, spread
@@ -36,6 +36,7 @@ from eagle3.evaluate.report import figures
 from eagle3.evaluate.stats import EvaluateStats, Parity, PooledStats, Settings, grid, set_stats
 from eagle3.evaluate.vllm_jobs import (
     build_job,
+    run_speed,
     run_vllm_job,
     speed_by_set,
     speed_lengths_differ,
@@ -47,7 +48,7 @@ from eagle3.io import atomic_write_json, file_sha256, json_digest, read_json, re
 from eagle3.rundir import ENGINE_LOGS_DIR, EVALUATE, EXTRACT, TRAIN, RunDir
 from eagle3.stage import Progress, StageRun, stage_record
 
-__all__ = ["find_drafter", "training_reference", "run"]
+__all__ = ["find_drafter", "training_reference", "speed_together", "forget_speed", "run"]
 
 
 def find_drafter(params, run_dir: str | Path) -> Path:
@@ -158,14 +159,54 @@ def _offline_key(params, inp: _Inputs) -> str:
                         params.run.seed, inp.t_dtype])
 
 
-def _job(params, inp: _Inputs, method: str) -> tuple[dict, str]:
+def speed_together(params) -> bool:
+    """Whether the vLLM methods are timed together (one engine each, alive at once, prompt by prompt in
+    turn: :func:`eagle3.evaluate.vllm_jobs.run_speed`) rather than each in its own job
+    (``evaluate.speed_engines``; ``auto``: together on a CPU, where the engines fit beside each other)."""
+    from eagle3.vllm_utils import on_cpu
+
+    mode = params.evaluate.speed_engines
+    return mode == "together" or (mode == "auto" and on_cpu())
+
+
+def _acceptance_methods(params) -> list[str]:
+    """The vLLM methods that run a job of their own: every one, but no speculation when the speed is
+    timed together (its job would have nothing else to measure)."""
+    return [m for m in params.evaluate.vllm_methods if not (m == "none" and speed_together(params))]
+
+
+def _job(params, inp: _Inputs, method: str, speed: bool | None = None) -> tuple[dict, str]:
     """The vLLM job of ``method`` and its resume key (the job, plus the drafter's weights for eagle3).
+    ``speed``: the job times the speed prompts itself (default: unless they are timed together).
 
     The drafter enters the key by content (``drafter_key``), not by its path: a run directory that was
     moved, or opened by another path, holds the same measurement and must not be measured again."""
+    ev = params.evaluate
+    own_speed = not speed_together(params) if speed is None else speed
     job = build_job(params, method, inp.resolved.path, inp.drafter_dir, inp.prompts,
-                    template_kwargs(params) or None, speed_ids=inp.speed_ids)  # None: the template's defaults
+                    template_kwargs(params) or None,  # None: the template's defaults
+                    # without its own speed pass, a job (and its key) does not depend on the speed settings
+                    speed_ids=inp.speed_ids if own_speed else [], speed_rounds=ev.speed_rounds if own_speed else 1)
     return job, json_digest([job | {"drafter": None}, inp.drafter_key if method == "eagle3" else None])
+
+
+def _speed_key(params, inp: _Inputs) -> str:
+    """The resume key of the measurement of every method's speed together (``vllm_speed.json``)."""
+    keys = [_job(params, inp, m, speed=False)[1] for m in params.evaluate.vllm_methods]
+    return json_digest([keys, inp.speed_ids, params.evaluate.speed_rounds])
+
+
+def forget_speed(run_dir: str | Path, params) -> list[Path]:
+    """Remove the kept speed measurement of a run's stage 5 (``eagle3 run --remeasure-speed``): the
+    methods' timing together (``vllm_speed.json``), or, where each method times itself in its own job
+    (``evaluate.speed_engines``), every vLLM measurement. Acceptance measured together with nothing
+    else is kept. Returns the files removed."""
+    rd = RunDir(run_dir)
+    names = ["speed"] if speed_together(params) else list(params.evaluate.vllm_methods)
+    gone = [rd.vllm_result(m) for m in names if rd.vllm_result(m).exists()]
+    for f in gone:
+        f.unlink()
+    return gone
 
 
 def _finished(params, inp: _Inputs, rd: RunDir) -> EvaluateStats | None:
@@ -185,9 +226,13 @@ def _finished(params, inp: _Inputs, rd: RunDir) -> EvaluateStats | None:
         if any(recs.get(p["id"], {}).get("prompt_key") != offline_prompt_key(p, i, params.run.seed, ev.temperature)
                for i, p in enumerate(inp.offline_prompts)):
             return None
-    for method in ev.vllm_methods if "vllm" in ev.backends else ():
+    for method in _acceptance_methods(params) if "vllm" in ev.backends else ():
         res = read_json(rd.vllm_result(method), None)
         if not res or res.get("job_key") != _job(params, inp, method)[1]:
+            return None
+    if "vllm" in ev.backends and speed_together(params):
+        res = read_json(rd.vllm_result("speed"), None)
+        if not res or res.get("job_key") != _speed_key(params, inp):
             return None
     try:
         return EvaluateStats.from_dict(rec.stats)
@@ -219,12 +264,14 @@ def _offline_summary(inp: _Inputs, recs: list[dict], k: int, temp: float) -> dic
 
 def _vllm(params, inp: _Inputs, rd: RunDir, prog: Progress) -> dict[str, dict]:
     """``{method: raw result}``; a kept result with the same key is reused. Engine logs go to
-    ``logs/vllm_<method>.log`` in the stage folder (never to the notebook)."""
+    ``logs/vllm_<method>.log`` in the stage folder (never to the notebook). Where the methods are
+    timed together (:func:`speed_together`), their speed comes from :func:`_speed` (a phase of its
+    own) and no speculation has no job of its own."""
     ev = params.evaluate
     logs = rd.stage(EVALUATE) / ENGINE_LOGS_DIR
     logs.mkdir(exist_ok=True)
     results = {}
-    for method in ev.vllm_methods:
+    for method in _acceptance_methods(params):
         job, jkey = _job(params, inp, method)
         out = rd.vllm_result(method)
         res = read_json(out, None)
@@ -236,11 +283,50 @@ def _vllm(params, inp: _Inputs, rd: RunDir, prog: Progress) -> dict[str, dict]:
             count = prog.update
         results[method] = res
         count(1, tokens=(res.get("output_tokens") or 0) + (res.get("speed_output_tokens") or 0))
-    return results
+    if speed_together(params):
+        for method, sp in _speed(params, inp, rd, prog).items():
+            results[method] = _with_speed(results.get(method), sp)
+    return {m: results[m] for m in ev.vllm_methods if m in results}
 
 
-def _per_set(inp: _Inputs, offline_recs: list[dict] | None, vllm_results: dict, k: int) -> dict:
-    """results.json ``sets``: per set its info, per method the metrics, per category per method."""
+def _speed(params, inp: _Inputs, rd: RunDir, prog: Progress) -> dict[str, dict]:
+    """Every vLLM method's speed, timed together (:func:`eagle3.evaluate.vllm_jobs.run_speed`), or the
+    kept ``vllm_speed.json`` of the same key: ``{method: engine info + {"speed": rows}}``. The
+    stage's progress shows it as a phase of timed requests."""
+    ev = params.evaluate
+    out, key = rd.vllm_result("speed"), _speed_key(params, inp)
+    kept = read_json(out, None)
+    if kept and kept.get("job_key") == key:
+        return kept["methods"]
+    from eagle3.vllm_utils import on_cpu
+
+    # on a GPU the engines share its memory (vLLM's default takes 90% of it for one)
+    share = {} if on_cpu() else {"gpu_memory_utilization": round(0.85 / len(ev.vllm_methods), 3)}
+    jobs = {m: _job(params, inp, m, speed=False)[0] | share for m in ev.vllm_methods}
+    prog.next_phase(len(jobs) * len(inp.speed_ids) * ev.speed_rounds, "timed requests",
+                    desc=f"{rd.stage(EVALUATE).name} vLLM speed")
+    methods = run_speed(jobs, inp.speed_ids, ev.speed_rounds, rd.stage(EVALUATE) / ENGINE_LOGS_DIR,
+                        timeout_s=ev.vllm_timeout_s, on_row=lambda m, row: prog.update(1, tokens=row["output_tokens"]))
+    atomic_write_json(out, {"job_key": key, "methods": methods})
+    return methods
+
+
+def _with_speed(res: dict | None, sp: dict) -> dict:
+    """A method's vLLM result with the speed rows timed together (``sp``: :func:`_speed`'s entry); no
+    speculation, which has no job of its own, is ``sp`` itself with an empty acceptance pass."""
+    rows = sp["speed"]
+    n, t = sum(r["output_tokens"] for r in rows), sum(r["time_s"] for r in rows)
+    speed = {"speed": rows, "speed_output_tokens": n, "speed_s": round(t, 3),
+             "tokens_per_s": speed_stats(rows)["tokens_per_s"], "speed_startup_s": sp.get("startup_s")}
+    if res is None:
+        return sp | {"per_prompt": [], "counters": None, "generate_s": None, "output_tokens": 0} | speed
+    return res | speed
+
+
+def _per_set(inp: _Inputs, offline_recs: list[dict] | None, vllm_results: dict, k: int,
+             tolerance: float | None = None) -> dict:
+    """results.json ``sets``: per set its info, per method the metrics, per category per method;
+    ``tolerance``: ``evaluate.speed_spread_tolerance`` (the speed's flag)."""
     methods: dict[str, list[dict]] = {}
     if offline_recs is not None:
         methods[OFFLINE_EAGLE3] = offline_recs
@@ -249,7 +335,7 @@ def _per_set(inp: _Inputs, offline_recs: list[dict] | None, vllm_results: dict, 
             methods[vllm_method(m)] = vllm_records(vllm_results[m], inp.prompts)
     grouped = {m: group_metrics(recs, k, "set") for m, recs in methods.items()}
     by_cat = {m: group_metrics(recs, k, "set", "category") for m, recs in methods.items()}
-    speed = {m: speed_by_set(r, inp.prompts) for m, r in vllm_results.items()}
+    speed = {m: speed_by_set(r, inp.prompts, tolerance) for m, r in vllm_results.items()}
     out = {}
     for s in inp.sets:
         entry: dict = {"domain": s.domain, "domain_reason": s.domain_reason, "info": s.info, "methods": {},
@@ -263,7 +349,8 @@ def _per_set(inp: _Inputs, offline_recs: list[dict] | None, vllm_results: dict, 
             if s.name in sp:
                 entry["methods"].setdefault(vllm_method(m), {}).update(
                     {"tokens_per_s": sp[s.name]["tokens_per_s"], "speed_prompts": sp[s.name]["prompts"],
-                     "speed_tokens_per_forward": sp[s.name].get("tokens_per_forward")})
+                     "speed_tokens_per_forward": sp[s.name].get("tokens_per_forward"),
+                     **{key: sp[s.name].get(key) for key in ("tokens_per_s_rounds", "speed_spread", "speed_steady")}})
         # timed prompts whose answers have other lengths under other methods: tokens/s of different texts
         entry["speed_lengths_differ"] = speed_lengths_differ(vllm_results, [p["id"] for p in s.prompts])
         if VLLM_NONE in entry["methods"]:
@@ -290,8 +377,11 @@ def _measured(params, inp: _Inputs, offline_n: int) -> dict:
         acc = [m for m in ev.vllm_methods if m != "none"]
         out["vllm_acceptance"] = (f"{', '.join(acc) or 'no method'}: all {n} prompts, one batched pass per engine "
                                   f"(max_num_seqs={ev.vllm_max_num_seqs}); no speculation: 1 token per forward")
+        how = ("the methods in turn, prompt by prompt (one engine each, all started)" if speed_together(params)
+               else "each method in its own engine, one after another")
         out["vllm_tokens_per_s"] = (f"{len(inp.speed_ids)} of {n} prompts (at most {ev.speed_prompts} per set, "
-                                    f"spread over categories), one request at a time")
+                                    f"spread over categories), one request at a time, {ev.speed_rounds} round"
+                                    f"{'s' * (ev.speed_rounds != 1)}, {how}; the median of the per-round rates")
     if "offline" in ev.backends:
         out["offline"] = (f"{offline_n} of {n} prompts (at most {ev.offline_prompts} per set, spread over categories); "
                           f"parity compares vLLM on the same prompts")
@@ -333,7 +423,8 @@ def _results(params, inp: _Inputs, backends: dict, sets: dict, parity: dict, dia
                      "trained_settings": asdict(inp.ref), "served_settings": asdict(inp.served),
                      "ngram": ev.ngram.model_dump(),
                      "vllm_engine": f"LLM.chat; acceptance: max_num_seqs={ev.vllm_max_num_seqs}; tokens/s: one "
-                                    f"request at a time",
+                                    f"request at a time, {ev.speed_rounds} rounds"
+                                    + (", the methods in turn" if speed_together(params) else ""),
                      "measured": _measured(params, inp, (backends.get(OFFLINE_EAGLE3) or {}).get("prompts") or 0)},
         "prompts": {"count": len(inp.prompts), "excluded_training": sum(s.info["excluded_training"] for s in inp.sets),
                     "sets": {s.name: s.info for s in inp.sets}},
@@ -346,7 +437,9 @@ def _results(params, inp: _Inputs, backends: dict, sets: dict, parity: dict, dia
         "warnings": warnings,
         "vllm_serve_command": cmd[0],
         "vllm_serve_where": cmd[1],
-        "logs": {m: f"{ENGINE_LOGS_DIR}/vllm_{m}.log" for m in (ev.vllm_methods if "vllm" in ev.backends else ())},
+        "logs": {m: f"{ENGINE_LOGS_DIR}/vllm_{m}.log" for m in (_acceptance_methods(params) if "vllm" in ev.backends else ())}
+        | ({f"{m} speed": f"{ENGINE_LOGS_DIR}/speed_{m}.log" for m in ev.vllm_methods}
+           if "vllm" in ev.backends and speed_together(params) else {}),
     }
 
 
@@ -372,10 +465,10 @@ def _measure(params, inp: _Inputs, rd: RunDir, st: StageRun) -> _Measured:
         out.backends[OFFLINE_EAGLE3] = _offline_summary(inp, out.offline_recs, k, temp)
     if "vllm" in ev.backends:
         if "offline" in ev.backends:
-            st.progress.next_phase(len(ev.vllm_methods), "vLLM measurements", desc=f"{st.dir.name} vLLM")
+            st.progress.next_phase(len(_acceptance_methods(params)), "vLLM measurements", desc=f"{st.dir.name} vLLM")
         out.vllm_results = _vllm(params, inp, rd, st.progress)
         for m, res in out.vllm_results.items():
-            out.backends[vllm_method(m)] = vllm_summary(res, inp.prompts, k)
+            out.backends[vllm_method(m)] = vllm_summary(res, inp.prompts, k, ev.speed_spread_tolerance)
     return out
 
 
@@ -384,7 +477,7 @@ def _first_phase(params, inp: _Inputs) -> tuple[int, str]:
     ev = params.evaluate
     if "offline" in ev.backends:
         return len(inp.offline_prompts), "offline prompts"
-    return (len(ev.vllm_methods), "vLLM measurements") if "vllm" in ev.backends else (0, "jobs")
+    return (len(_acceptance_methods(params)), "vLLM measurements") if "vllm" in ev.backends else (0, "jobs")
 
 
 def _check(params, inp: _Inputs, rd: RunDir, m: _Measured) -> tuple[dict, list[str] | None, list[str], list[dict]]:
@@ -451,11 +544,11 @@ def run(params, run_dir: str | Path) -> EvaluateStats:
     total, unit = _first_phase(params, inp)
     with StageRun(params, rd.root, EVALUATE, total=total, unit=unit) as st:
         m = _measure(params, inp, rd, st)
-        sets = _per_set(inp, m.offline_recs, m.vllm_results, ev.num_speculative_tokens)
+        sets = _per_set(inp, m.offline_recs, m.vllm_results, ev.num_speculative_tokens, ev.speed_spread_tolerance)
         parity, drafter_check, diagnosis, layer_warnings = _check(params, inp, rd, m)
         cmd = _serve_command(params, inp, rd)
         stats = _stats(params, inp, m.backends, sets, parity, diagnosis, cmd)
-        stats.warnings = mismatch_warnings(stats.sets, inp.training, ev) + layer_warnings
+        stats.warnings = mismatch_warnings(stats.sets, inp.training, ev, stats.pooled) + layer_warnings
         results = _results(params, inp, m.backends, sets, parity, diagnosis, drafter_check, stats.warnings, cmd)
         atomic_write_json(rd.evaluate_results, results)
         # The W&B run opens only now, once the results exist (StageRun.tracker is lazy).

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from eagle3.evaluate.methods import METHODS, OFFLINE_EAGLE3, VLLM_EAGLE3, VLLM_NGRAM, VLLM_NONE, is_vllm
+from eagle3.evaluate.metrics import paired_speedup
 from eagle3.evaluate.prompts import out_of_domain_first
 from eagle3.rundir import EVALUATE
 from eagle3.stage import Stats, stage_record
@@ -38,29 +39,39 @@ __all__ = ["METRICS", "SPEED_METRICS", "HEADLINE_PAIRS", "Settings", "Parity", "
 # forward: every round counted, a round without drafts as one token; prompts: those the acceptance
 # numbers rest on. Adding a metric here adds it to every set and method that measured it.
 METRICS = ("tau", "tokens_per_forward", "draft_acceptance_rate", "prompts")
-# vLLM's speed pass (one request at a time, on a few prompts per set): output tokens/s, and the
-# tokens per target forward of the timed answers themselves (they bound the speed-up). Offline
-# decoding's rate (transformers) is not a serving speed: results.json keeps it.
-SPEED_METRICS = ("tokens_per_s", "speed_tokens_per_forward")
+# vLLM's speed pass (one request at a time, on a few prompts per set, every prompt timed once per
+# round with the methods interleaved): output tokens/s (the median of the per-round rates), the
+# per-round rates, their spread ((max - min) / median) and whether it stayed within
+# evaluate.speed_spread_tolerance (False: the rounds disagree, another load disturbed the timing),
+# and the tokens per target forward of the timed answers themselves (they bound the speed-up).
+# Offline decoding's rate (transformers) is not a serving speed: results.json keeps it.
+SPEED_METRICS = ("tokens_per_s", "tokens_per_s_rounds", "speed_spread", "speed_steady", "speed_tokens_per_forward")
 
 # The (method, metric) numbers of every set pooled that the report's index and the notebook show.
+# The speed-up's flag stands beside it: False when the timing rounds disagree.
 HEADLINE_PAIRS = ((OFFLINE_EAGLE3, "tau"), (VLLM_EAGLE3, "tau"), (VLLM_EAGLE3, "tokens_per_forward"),
-                  (VLLM_NGRAM, "tau"), (VLLM_NGRAM, "tokens_per_forward"), (VLLM_EAGLE3, "speedup"))
+                  (VLLM_NGRAM, "tau"), (VLLM_NGRAM, "tokens_per_forward"), (VLLM_EAGLE3, "speedup"),
+                  (VLLM_EAGLE3, "speedup_steady"))
 
 
 def grid(methods: dict[str, dict]) -> dict[str, dict[str, Any]]:
     """``{method: {metric: value}}`` of one group of prompts from results.json's per-method entries:
-    the :data:`METRICS` each entry holds, for vLLM also the :data:`SPEED_METRICS` and ``speedup``
-    (its tokens/s over no speculation's; 1.0 for no speculation itself), in the order of
-    :data:`eagle3.evaluate.methods.METHODS`."""
-    none_tps = (methods.get(VLLM_NONE) or {}).get("tokens_per_s")
+    the :data:`METRICS` each entry holds, for vLLM also the :data:`SPEED_METRICS`, ``speedup`` (the
+    median over rounds of its tokens/s over no speculation's in the same round,
+    :func:`eagle3.evaluate.metrics.paired_speedup`; the ratio of the two medians without per-round
+    rates; 1.0 for no speculation itself) and ``speedup_steady`` (both rows' ``speed_steady``: False
+    when either's rounds disagree), in the order of :data:`eagle3.evaluate.methods.METHODS`."""
+    none = methods.get(VLLM_NONE) or {}
     out = {}
     for m in sorted(methods, key=lambda m: METHODS.index(m) if m in METHODS else len(METHODS)):
         src = methods[m]
         keep = METRICS + (SPEED_METRICS if is_vllm(m) else ())
         cell = {key: src[key] for key in keep if key in src}
-        if is_vllm(m) and src.get("tokens_per_s") and none_tps:
-            cell["speedup"] = src["tokens_per_s"] / none_tps
+        if is_vllm(m) and src.get("tokens_per_s") and none.get("tokens_per_s"):
+            up = paired_speedup(src.get("tokens_per_s_rounds") or [], none.get("tokens_per_s_rounds") or [])
+            cell["speedup"] = up if up is not None else src["tokens_per_s"] / none["tokens_per_s"]
+            steady = (src.get("speed_steady"), none.get("speed_steady"))
+            cell["speedup_steady"] = None if None in steady else all(steady)
         out[m] = cell
     return out
 

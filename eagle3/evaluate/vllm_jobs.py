@@ -10,8 +10,10 @@ speed pass over a subset of the prompts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
 import shlex
 import signal
 import subprocess
@@ -19,25 +21,27 @@ import sys
 from pathlib import Path
 
 from eagle3.errors import EvaluateError
-from eagle3.evaluate.metrics import group_metrics, summarize_rounds
+from eagle3.evaluate.metrics import group_metrics, speed_stats, summarize_rounds
 from eagle3.io import atomic_write_json
 from eagle3.vllm_utils import serve_cli_works
 
-__all__ = ["build_job", "run_vllm_job", "vllm_records", "vllm_summary", "speed_by_set", "speed_lengths_differ",
-           "vllm_serve_command"]
+__all__ = ["build_job", "run_vllm_job", "speed_schedule", "run_speed", "vllm_records", "vllm_summary", "speed_by_set",
+           "speed_lengths_differ", "vllm_serve_command"]
 
 # The repository root, put on the worker's PYTHONPATH so that it imports this same tree.
 _ROOT = Path(__file__).resolve().parents[2]
 
 
 def build_job(params, method: str, target_path: str | Path, drafter_dir: str | Path, prompts: list[dict],
-              chat_template_kwargs: dict | None, speed_ids: list[str] | None = None) -> dict:
+              chat_template_kwargs: dict | None, speed_ids: list[str] | None = None, speed_rounds: int = 1) -> dict:
     """The job dict of one measurement (the worker's input; see :mod:`eagle3.evaluate.vllm_worker`).
 
     Args:
         method: "eagle3" | "ngram" | "none" ("none" has no acceptance to measure: speed pass only).
         prompts: ``{"id", "messages", "prompt_ids", ...}`` (only those three keys are sent).
-        speed_ids: ids of the prompts timed one request at a time (default: none).
+        speed_ids: ids of the prompts the job's own speed pass times one request at a time (default:
+            none; the stage times them in :func:`run_speed` instead unless ``evaluate.speed_engines``
+            is ``one_at_a_time``), ``speed_rounds`` times over.
     """
     ev = params.evaluate
     from eagle3.target import target_dtype
@@ -51,8 +55,22 @@ def build_job(params, method: str, target_path: str | Path, drafter_dir: str | P
             "temperature": ev.temperature, "max_new_tokens": ev.max_new_tokens,
             "chat_template_kwargs": chat_template_kwargs,
             "max_num_seqs": ev.vllm_max_num_seqs, "acceptance": method != "none",
-            "speed_ids": list(speed_ids or []),
+            "speed_ids": list(speed_ids or []), "speed_rounds": int(speed_rounds),
             "prompts": [{"id": p["id"], "messages": p["messages"], "prompt_ids": p["prompt_ids"]} for p in prompts]}
+
+
+def _worker_env() -> dict:
+    """A worker's environment: vLLM's CPU settings, this tree on its path, this process as its parent."""
+    from eagle3.vllm_utils import cpu_env
+
+    env = cpu_env()
+    env["PYTHONPATH"] = str(_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["EAGLE3_PARENT_PID"] = str(os.getpid())
+    return env
+
+
+def _log_tail(path: Path, n: int = 30) -> str:
+    return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
 
 
 def run_vllm_job(job: dict, out_path: str | Path, log_path: str | Path | None = None,
@@ -69,18 +87,13 @@ def run_vllm_job(job: dict, out_path: str | Path, log_path: str | Path | None = 
         EvaluateError: the child failed or timed out (the message holds the log tail; a timeout names
             ``evaluate.vllm_timeout_s``, the stage's value of ``timeout_s``).
     """
-    from eagle3.vllm_utils import cpu_env
-
     out_path = Path(out_path)
     job_path = out_path.with_suffix(".job.json")
     atomic_write_json(job_path, job)
     log_path = Path(log_path) if log_path else out_path.with_suffix(".log")
-    env = cpu_env()
-    env["PYTHONPATH"] = str(_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["EAGLE3_PARENT_PID"] = str(os.getpid())
     with open(log_path, "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "eagle3.evaluate.vllm_worker", str(job_path), str(out_path)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                stdout=log, stderr=subprocess.STDOUT, env=_worker_env(), start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -88,13 +101,84 @@ def run_vllm_job(job: dict, out_path: str | Path, log_path: str | Path | None = 
             proc.wait()
             rc = None
     if rc != 0 or not out_path.exists():
-        tail = "\n".join(Path(log_path).read_text(errors="replace").splitlines()[-30:])
+        tail = _log_tail(log_path)
         # a timeout is most often a slower machine than the limit assumed (a shared CPU, many prompts):
         # name the setting, so that the re-run can raise it
         why = (f"timed out after {timeout_s:.0f} s (evaluate.vllm_timeout_s: raise it for a slower or shared "
                f"machine, or measure fewer prompts)" if rc is None else f"exited with code {rc}")
         raise EvaluateError(f"vLLM job {job['method']} {why} (log: {log_path}):\n{tail}")
     return json.loads(out_path.read_text())
+
+
+def _reply(proc: subprocess.Popen, method: str, log_path: Path, timeout_s: float) -> dict:
+    """The next JSON line of a speed worker.
+
+    Raises:
+        EvaluateError: the worker ended or did not answer within ``timeout_s`` (message: its log tail).
+    """
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline() if ready else b""
+    if not line:
+        why = (f"did not answer within {timeout_s:.0f} s (evaluate.vllm_timeout_s)" if not ready
+               else f"ended (exit code {proc.poll()})")
+        raise EvaluateError(f"vLLM speed worker {method} {why} (log: {log_path}):\n{_log_tail(log_path)}")
+    return json.loads(line)
+
+
+def run_speed(jobs: dict[str, dict], ids: list[str], rounds: int, work_dir: str | Path, timeout_s: float = 1800.0,
+              on_row=None) -> dict[str, dict]:
+    """Time the prompts ``ids`` under every method at once: one engine per method, each in its own
+    ``python -m eagle3.evaluate.vllm_worker --serve-speed`` subprocess (all alive together), asked for
+    one prompt at a time in the order of :func:`speed_schedule`, so that a method never runs its
+    prompts in a stretch of time of its own: a load that comes and goes slows every method's requests
+    of that moment, and the per-round median (:func:`speed_by_set`) sets the round aside.
+
+    Args:
+        jobs: ``{method: job}`` (:func:`build_job`; the speed worker reads its engine settings and
+            prompts, not ``speed_ids``).
+        rounds: times each prompt is timed under each method.
+        work_dir: where the job files (``speed_<method>.job.json``) and logs (``speed_<method>.log``) go.
+        on_row: ``on_row(method, row)`` after each timed request (the stage's progress).
+
+    Returns:
+        dict: ``{method: engine info (method, k, dtype, vLLM version, startup_s, ...) + {"speed": rows}}``,
+        each row as the worker's speed pass writes it, with ``round``.
+
+    Raises:
+        EvaluateError: a worker failed or did not answer within ``timeout_s`` (engine start, or one request).
+    """
+    work_dir = Path(work_dir)
+    procs: dict[str, tuple[subprocess.Popen, Path]] = {}
+    try:
+        for m, job in jobs.items():
+            job_path, log_path = work_dir / f"speed_{m}.job.json", work_dir / f"speed_{m}.log"
+            atomic_write_json(job_path, job)
+            with open(log_path, "wb") as log:
+                procs[m] = (subprocess.Popen(
+                    [sys.executable, "-m", "eagle3.evaluate.vllm_worker", "--serve-speed", str(job_path)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=_worker_env(),
+                    start_new_session=True), log_path)
+        out = {m: _reply(p, m, log, timeout_s) for m, (p, log) in procs.items()}  # the engines are up
+        for m in out:
+            out[m] = {k: v for k, v in out[m].items() if k != "ready"} | {"speed": []}
+        for r, pid, m in speed_schedule(list(jobs), ids, rounds):
+            proc, log = procs[m]
+            proc.stdin.write((json.dumps({"id": pid, "round": r}) + "\n").encode())
+            proc.stdin.flush()
+            row = _reply(proc, m, log, timeout_s)
+            out[m]["speed"].append(row)
+            if on_row is not None:
+                on_row(m, row)
+        return out
+    finally:
+        for proc, _ in procs.values():
+            try:
+                proc.stdin.close()  # the worker's end of input: it exits
+                proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def vllm_records(result: dict, prompts: list[dict]) -> list[dict]:
@@ -144,14 +228,18 @@ def _counter_metrics(c: dict) -> dict:
     }
 
 
-def speed_by_set(result: dict, prompts: list[dict]) -> dict:
-    """``{set: {"prompts", "output_tokens", "time_s", "tokens_per_s", "tokens_per_forward"}}`` of the
-    speed pass (one request at a time), plus ``"all"`` over every timed prompt.
+def speed_by_set(result: dict, prompts: list[dict], tolerance: float | None = None) -> dict:
+    """``{set: {"prompts", "output_tokens", "time_s", "tokens_per_s", "tokens_per_s_rounds",
+    "speed_spread", "speed_steady", "tokens_per_forward"}}`` of the speed pass's rows (one request at a
+    time, each prompt once per round), plus ``"all"`` over every timed prompt.
 
-    ``tokens_per_forward`` is that of the timed answers themselves (:func:`eagle3.evaluate.metrics.group_metrics`
-    over their :func:`vllm_records`, the acceptance pass's definition; 1.0 without speculation), which can
-    differ from the acceptance pass's answers at T=0; None for a result written before the speed pass
-    kept its answers.
+    ``tokens_per_s``: the median over rounds of each round's tokens/s, with the per-round values, their
+    spread and whether it stays within ``tolerance`` (``evaluate.speed_spread_tolerance``;
+    :func:`eagle3.evaluate.metrics.speed_stats`).
+    ``prompts``: distinct prompts timed. ``tokens_per_forward`` is that of the timed answers themselves
+    (:func:`eagle3.evaluate.metrics.group_metrics` over their :func:`vllm_records`, the acceptance pass's
+    definition; 1.0 without speculation), which can differ from the acceptance pass's answers at T=0;
+    None for a result written before the speed pass kept its answers.
     """
     where = {p["id"]: p.get("set", "?") for p in prompts}
     groups: dict[str, list] = {}
@@ -165,8 +253,23 @@ def speed_by_set(result: dict, prompts: list[dict]) -> dict:
         if all("tokens" in r and "prompt_ids" in r for r in rs):
             m = group_metrics(vllm_records({"per_prompt": rs}, prompts), int(result.get("k") or 0))
             tpf = m["tokens_per_forward"] if m["verification_steps"] else None
-        out[g] = {"prompts": len(rs), "output_tokens": n, "time_s": round(t, 3), "tokens_per_s": n / t if t > 0 else None,
-                  "tokens_per_forward": tpf}
+        out[g] = {"prompts": len({r["id"] for r in rs}), "output_tokens": n, "time_s": round(t, 3),
+                  **speed_stats(rs, tolerance), "tokens_per_forward": tpf}
+    return out
+
+
+def speed_schedule(methods: list[str], ids: list[str], rounds: int) -> list[tuple[int, str, str]]:
+    """The order of the timed requests, ``[(round, prompt id, method), ...]``: every round times every
+    prompt under every method, the methods of one prompt next to each other (A B C, A B C, ...), and
+    the order of the methods rotates from prompt to prompt and round to round, so that none always
+    runs first (after another engine's request) or last.
+    """
+    out = []
+    n = len(methods)
+    for r in range(rounds):
+        for j, pid in enumerate(ids):
+            shift = (r + j) % n if n else 0
+            out += [(r, pid, m) for m in methods[shift:] + methods[:shift]]
     return out
 
 
@@ -183,23 +286,27 @@ def speed_lengths_differ(results: dict, ids: list[str]) -> list[str]:
     return [i for i in ids if len(lengths.get(i, {})) > 1 and len(set(lengths[i].values())) > 1]
 
 
-def vllm_summary(result: dict, prompts: list[dict], k: int) -> dict:
+def vllm_summary(result: dict, prompts: list[dict], k: int, tolerance: float | None = None) -> dict:
     """The results.json entry of a vLLM measurement over all its prompts: acceptance from vLLM's
     counters (τ, per position), tokens per target forward from the per-request lists
     (:func:`vllm_records`), tokens/s from the speed pass; per-source/context splits.
 
     For ``none`` every target forward emits one token: tokens per forward is 1.0 by definition.
+    ``tokens_per_s`` and its rounds, spread and steadiness are :func:`speed_by_set`'s over every timed prompt.
     """
     method = result["method"]
+    by_set = speed_by_set(result, prompts, tolerance)
+    every = by_set.get("all") or {}
     summary: dict = {"backend": "vllm", "method": method, "k": result["k"], "temperature": result["temperature"],
                      "acceptance_rule": "vLLM rejection sampler (greedy: exact match with the target argmax)"
                      if result["temperature"] <= 0 else "vLLM rejection sampler",
                      "dtype": result.get("dtype"), "vllm_version": result.get("vllm_version"),
                      "max_num_seqs": result.get("max_num_seqs"),
-                     "tokens_per_s": result.get("tokens_per_s"), "speed_prompts": len(result.get("speed") or []),
+                     "tokens_per_s": every.get("tokens_per_s"), "speed_prompts": every.get("prompts", 0),
+                     **{key: every.get(key) for key in ("tokens_per_s_rounds", "speed_spread", "speed_steady")},
                      "output_tokens": result.get("output_tokens"), "generate_s": result.get("generate_s"),
                      "startup_s": result.get("startup_s"), "counters": result.get("counters"),
-                     "prompts": len(result["per_prompt"]), "speed_by_set": speed_by_set(result, prompts)}
+                     "prompts": len(result["per_prompt"]), "speed_by_set": by_set}
     if method == "none":
         summary.update({"tau": None, "rounds": 0, "tokens_per_forward": 1.0})
         return summary

@@ -11,7 +11,9 @@ engine (EAGLE-3 drafter, n-gram lookup, no speculation) in a fresh subprocess, o
 ``{"id", "messages", "prompt_ids"}``.
 
 ``max_num_seqs`` (the acceptance pass's engine width, default 1), ``acceptance`` (bool, default
-true: run the acceptance pass) and ``speed_ids`` (prompt ids of the speed pass; default: none).
+true: run the acceptance pass), ``speed_ids`` (prompt ids of the speed pass; default: none),
+``speed_rounds`` (times the speed pass times each of them, default 1) and ``gpu_memory_utilization``
+(engines sharing a GPU).
 
 The prompts go through ``LLM.chat`` (vLLM renders the chat template itself, exactly as its chat
 endpoint does); the rendered ids are returned per prompt so that the caller can compare them with
@@ -31,9 +33,15 @@ its own rendering. One engine, without prefix caching (every prompt is prefilled
   ``vllm:generation_tokens``. Per request, vLLM's per-step accepted/drafted lists
   (``per_request_spec_decode_metrics="detailed"``) are returned too: the per-set numbers.
 * **speed**: the ``speed_ids`` prompts one ``LLM.chat`` call each, so one request is in the engine
-  at a time (the single-stream setting where speculation pays); output tokens and seconds per prompt,
-  and the timed answer's ids and per-step lists as in the acceptance pass (a request alone in the
-  engine computes other batch shapes, so its T=0 answer can differ from the acceptance pass's).
+  at a time (the single-stream setting where speculation pays), ``speed_rounds`` times over; output
+  tokens and seconds per prompt and round, and the timed answer's ids and per-step lists as in the
+  acceptance pass (a request alone in the engine computes other batch shapes, so its T=0 answer can
+  differ from the acceptance pass's).
+
+``python -m eagle3.evaluate.vllm_worker --serve-speed JOB.json`` runs the speed pass on request
+instead (:func:`serve_speed`): the stage starts one such worker per method and asks them in turn,
+prompt by prompt, so that a load that comes and goes slows every method alike
+(:func:`eagle3.evaluate.vllm_jobs.run_speed`).
 
 The worker runs in its own session (so that a timeout kills its engine's processes with it), which
 also puts it out of reach of a signal sent to the stage's process group: when ``EAGLE3_PARENT_PID``
@@ -51,6 +59,9 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
+
+from eagle3.evaluate.metrics import speed_stats
 
 COUNTERS = (
     "vllm:spec_decode_num_drafts",
@@ -129,6 +140,8 @@ def _engine(job: dict, spec: dict | None):
         extra["per_request_spec_decode_metrics"] = "detailed"
     if job.get("trust_remote_code"):
         extra["trust_remote_code"] = True
+    if job.get("gpu_memory_utilization"):  # engines sharing a GPU (the speed pass's, timed together)
+        extra["gpu_memory_utilization"] = float(job["gpu_memory_utilization"])
     return LLM(**engine_kwargs(job["target"], dtype=job["dtype"], max_model_len=int(job["max_model_len"]),
                                seed=int(job["seed"]), tensor_parallel_size=int(job.get("tensor_parallel_size", 1)),
                                **extra))
@@ -169,44 +182,28 @@ def _acceptance_pass(llm, job: dict, convs: list) -> tuple[list[dict], dict, flo
     return _per_prompt(job["prompts"], outs), _diff(read_counters(llm), before), gen_s
 
 
+def _time_prompt(llm, job: dict, convs: list, i: int) -> dict:
+    """Prompt ``i`` alone in one ``LLM.chat`` call: its row (as the acceptance pass's), output tokens and seconds."""
+    t1 = time.time()
+    out = llm.chat(convs[i:i + 1], [_sampling(job, i, int(job["max_new_tokens"]))], use_tqdm=False,
+                   chat_template_kwargs=job.get("chat_template_kwargs") or None)[0]
+    dt = time.time() - t1
+    # the timed answer itself (ids, per-step lists): at T=0 it can differ from the acceptance pass's
+    # (another batch, other arithmetic), so its own tokens per forward bound its speed-up
+    row = _per_prompt(job["prompts"][i:i + 1], [out])[0]
+    return row | {"output_tokens": len(row["tokens"]), "time_s": dt}
+
+
 def _speed_pass(llm, job: dict, convs: list) -> list[dict]:
-    """The ``speed_ids`` prompts one ``LLM.chat`` call each: per prompt its row, output tokens and seconds."""
-    ctk = job.get("chat_template_kwargs") or None
-    prompts = job["prompts"]
-    index = {p["id"]: i for i, p in enumerate(prompts)}
-    speed = []
-    for pid in job.get("speed_ids") or []:
-        i = index[pid]
-        t1 = time.time()
-        out = llm.chat(convs[i:i + 1], [_sampling(job, i, int(job["max_new_tokens"]))], use_tqdm=False,
-                       chat_template_kwargs=ctk)[0]
-        dt = time.time() - t1
-        # the timed answer itself (ids, per-step lists): at T=0 it can differ from the acceptance pass's
-        # (another batch, other arithmetic), so its own tokens per forward bound its speed-up
-        row = _per_prompt(prompts[i:i + 1], [out])[0]
-        speed.append(row | {"output_tokens": len(row["tokens"]), "time_s": dt})
-    return speed
+    """The ``speed_ids`` prompts one ``LLM.chat`` call each, ``speed_rounds`` times over (default 1):
+    per prompt and round its row with ``round``."""
+    index = {p["id"]: i for i, p in enumerate(job["prompts"])}
+    return [_time_prompt(llm, job, convs, index[pid]) | {"round": r}
+            for r in range(int(job.get("speed_rounds", 1))) for pid in job.get("speed_ids") or []]
 
 
-def run_job(job: dict) -> dict:
-    """Run one measurement (see the module docstring); returns the result dict.
-
-    Raises:
-        ValueError: an unknown method.
-    """
-    spec = _speculative_config(job)
-    t0 = time.time()
-    llm = _engine(job, spec)
-    startup_s = time.time() - t0
-    convs = [p["messages"] for p in job["prompts"]]
-    llm.chat(convs[:1], [_sampling(job, 0, 8)], use_tqdm=False,
-             chat_template_kwargs=job.get("chat_template_kwargs") or None)  # warm-up
-    per_prompt, counters, gen_s = [], None, None
-    if job.get("acceptance", True):
-        per_prompt, counters, gen_s = _acceptance_pass(llm, job, convs)
-    speed = _speed_pass(llm, job, convs)
-    n_speed = sum(r["output_tokens"] for r in speed)
-    t_speed = sum(r["time_s"] for r in speed)
+def _engine_info(llm, job: dict, spec: dict | None, startup_s: float) -> dict:
+    """What a result says of its engine: method, speculative config, k, sampling, dtype, vLLM version."""
     return {
         "method": job["method"],
         "speculative_config": spec,
@@ -217,6 +214,55 @@ def run_job(job: dict) -> dict:
         "dtype": str(llm.llm_engine.model_config.dtype).replace("torch.", ""),
         "vllm_version": __import__("vllm").__version__,
         "startup_s": round(startup_s, 2),
+    }
+
+
+def _ready_engine(job: dict) -> tuple[Any, dict | None, list, float]:
+    """``(llm, speculative config, conversations, startup seconds)`` after a one-prompt warm-up."""
+    spec = _speculative_config(job)
+    t0 = time.time()
+    llm = _engine(job, spec)
+    startup_s = time.time() - t0
+    convs = [p["messages"] for p in job["prompts"]]
+    llm.chat(convs[:1], [_sampling(job, 0, 8)], use_tqdm=False,
+             chat_template_kwargs=job.get("chat_template_kwargs") or None)  # warm-up
+    return llm, spec, convs, startup_s
+
+
+def serve_speed(job: dict, requests, replies) -> None:
+    """The speed pass on request: the engine of ``job`` (warmed up), then one JSON line on ``replies``
+    per line read from ``requests``: first the engine's info (:func:`_engine_info` plus ``"ready":
+    true``), then for each ``{"id", "round"}`` read the timed row of that prompt (:func:`_time_prompt`,
+    with ``round``). Ends at the end of ``requests``. The stage drives one such worker per method, so
+    that the methods time the same prompt next to each other (:func:`eagle3.evaluate.vllm_jobs.run_speed`).
+    """
+    llm, spec, convs, startup_s = _ready_engine(job)
+    replies.write(json.dumps(_engine_info(llm, job, spec, startup_s) | {"ready": True}) + "\n")
+    replies.flush()
+    index = {p["id"]: i for i, p in enumerate(job["prompts"])}
+    for line in requests:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        row = _time_prompt(llm, job, convs, index[req["id"]]) | {"round": int(req["round"])}
+        replies.write(json.dumps(row) + "\n")
+        replies.flush()
+
+
+def run_job(job: dict) -> dict:
+    """Run one measurement (see the module docstring); returns the result dict.
+
+    Raises:
+        ValueError: an unknown method.
+    """
+    llm, spec, convs, startup_s = _ready_engine(job)
+    per_prompt, counters, gen_s = [], None, None
+    if job.get("acceptance", True):
+        per_prompt, counters, gen_s = _acceptance_pass(llm, job, convs)
+    speed = _speed_pass(llm, job, convs)
+    n_speed = sum(r["output_tokens"] for r in speed)
+    t_speed = sum(r["time_s"] for r in speed)
+    return _engine_info(llm, job, spec, startup_s) | {
         "generate_s": round(gen_s, 3) if gen_s is not None else None,
         "output_tokens": sum(len(r["tokens"]) for r in per_prompt),
         "counters": counters,
@@ -224,7 +270,7 @@ def run_job(job: dict) -> dict:
         "speed": speed,
         "speed_output_tokens": n_speed,
         "speed_s": round(t_speed, 3),
-        "tokens_per_s": n_speed / t_speed if t_speed > 0 else None,
+        "tokens_per_s": speed_stats(speed)["tokens_per_s"],
     }
 
 
@@ -246,14 +292,22 @@ def watch_parent(parent_pid: int, interval_s: float = 0.5) -> threading.Thread:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command line: ``python -m eagle3.evaluate.vllm_worker JOB.json OUT.json`` (OUT written atomically)."""
+    """Command line: ``python -m eagle3.evaluate.vllm_worker JOB.json OUT.json`` (OUT written atomically),
+    or ``python -m eagle3.evaluate.vllm_worker --serve-speed JOB.json``: :func:`serve_speed` on stdin and
+    stdout (everything else the process prints goes to stderr)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 2:
-        print("usage: python -m eagle3.evaluate.vllm_worker JOB.json OUT.json", file=sys.stderr)
+        print("usage: python -m eagle3.evaluate.vllm_worker JOB.json OUT.json | --serve-speed JOB.json",
+              file=sys.stderr)
         return 2
     parent = os.environ.get("EAGLE3_PARENT_PID")
     if parent and os.getpgrp() == os.getpid():  # only as a session/group leader: never kill a caller's group
         watch_parent(int(parent))
+    if argv[0] == "--serve-speed":
+        replies = os.fdopen(os.dup(1), "w")
+        os.dup2(2, 1)  # the engine's own prints go to the log, not into the replies
+        serve_speed(json.loads(Path(argv[1]).read_text()), sys.stdin, replies)
+        return 0
     job = json.loads(Path(argv[0]).read_text())
     result = run_job(job)
     from eagle3.io import atomic_write_json

@@ -31,6 +31,17 @@ class Progress:
     an ETA of 1,175 s on a training run with ~560 s to go (benchmarks/RESULTS.md); the window also
     follows a machine whose load changes. ``tokens_per_s`` stays the phase's average.
 
+    The rate ends at the last finished unit, and the ETA counts down from what it was then: work that
+    finishes in batches (stage 1 answers 64 prompts per call; stage 5's vLLM measurements take
+    minutes each) reports nothing while a batch is in flight, and a rate over the time since would
+    make the ETA grow by a minute per minute until the batch lands. The countdown stops at the time of
+    the work after the batch in flight (taken as large as the last one), so a batch slower than the
+    last keeps the rest's ETA rather than showing 0.
+
+    ``machine_busy``: text while other processes keep the CPUs busy (:class:`eagle3.machine.OtherLoad`:
+    they used more than half a CPU of the last interval), else None: the rates and ETAs then follow
+    the other load, not this run.
+
     ``elapsed_s`` is the stage's time, not this object's: when the folder's ``progress.json`` is of an
     execution that did not end ``done`` (an interrupted, failed or killed run being resumed, or stage
     1's self-prompting phase, closed ``running``, before its answering phase), its ``elapsed_s`` is
@@ -77,6 +88,9 @@ class Progress:
         self.bytes_fn = bytes_fn
         self.projected_bytes = projected_bytes
         self.interval_s = interval_s
+        from eagle3.machine import OtherLoad
+
+        self.other_load = OtherLoad()  # its first walk of /proc before the clock starts
         self.t0 = time.time()
         try:
             prev = read_json(self.path, None)
@@ -87,8 +101,12 @@ class Progress:
             "status") != "done" else 0.0
         self._last = 0.0
         self.extra: dict = {}
-        # (elapsed_s of this phase, own units, own tokens) at each write: the ETA's window
-        self.history: collections.deque[tuple[float, int, int]] = collections.deque()
+        # (elapsed_s of this phase, own units, own tokens) at the phase's start and at each update that
+        # counted work: the ETA's window starts and ends where work landed, never inside a batch
+        self.history: collections.deque[tuple[float, int, int]] = collections.deque([(0.0, 0, 0)])
+        # elapsed_s of this phase when a unit last finished, and how many units that update counted
+        self._last_unit_at: float | None = None
+        self._last_n = 0
         self.bar = tqdm(total=total, initial=done, unit=f" {unit}", desc=desc or self.dir.name, dynamic_ncols=True)
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -106,6 +124,9 @@ class Progress:
         """Record ``n`` more finished units and ``tokens`` more tokens; ``extra`` goes in the file."""
         self.done += n
         self.tokens += tokens
+        if n > 0 or tokens > 0:  # stage 3 counts tokens between rows
+            self._last_unit_at, self._last_n = self.elapsed_s, n
+            self._remember(self._last_unit_at)
         self.extra.update(extra)
         self.bar.update(n)
         if tokens:
@@ -136,6 +157,8 @@ class Progress:
             self.done = self._start_done = 0
             self._start_tokens = self.tokens
             self.history.clear()
+            self.history.append((0.0, 0, 0))
+            self._last_unit_at, self._last_n = None, 0
             self.bar.close()
             self.bar = tqdm(total=total, unit=f" {unit}", desc=desc or self.dir.name, dynamic_ncols=True)
         self._write("running", force=True)
@@ -160,28 +183,40 @@ class Progress:
 
     def eta_rate(self, of: str = "units") -> float:
         """Units (``of="units"``) or tokens (``of="tokens"``: stage 3's token-based ETA) per second that
-        ``eta_s`` divides by (see the class docstring): the rate over the last :attr:`ETA_WINDOW_S`
-        seconds of this phase's own work, or the phase's average while the phase is younger than that or
-        the window holds fewer than :attr:`ETA_MIN_UNITS` units (a stage 5 measurement takes minutes:
-        one unit more or less in a window would swing its ETA twofold)."""
-        now = self.elapsed_s
+        ``eta_s`` divides by (see the class docstring): the rate over the :attr:`ETA_WINDOW_S` seconds of
+        this phase's own work up to its last finished unit, or the phase's average up to then while the
+        phase is younger than that or the window holds fewer than :attr:`ETA_MIN_UNITS` units (a stage 5
+        measurement takes minutes: one unit more or less in a window would swing its ETA twofold).
+        0.0 before the first unit finished."""
+        end = self._last_unit_at
+        if end is None:
+            return 0.0
         own = (self.done - self._start_done, self.tokens - self._start_tokens)
         col = 1 if of == "units" else 2
         then = None
-        for point in self.history:  # oldest first: the newest point at least a window old
-            if point[0] > now - self.ETA_WINDOW_S:
+        for point in list(self.history):  # oldest first: the newest point at least a window before the last unit
+            if point[0] > end - self.ETA_WINDOW_S:
                 break
             then = point
         if then is None or own[0] - then[1] < self.ETA_MIN_UNITS:
-            return own[col - 1] / now
-        return (own[col - 1] - then[col]) / max(now - then[0], 1e-9)
+            return own[col - 1] / max(end, 1e-9)
+        return (own[col - 1] - then[col]) / max(end - then[0], 1e-9)
+
+    def eta_s(self) -> float | None:
+        """Seconds left (class docstring): the units left at the rate of :meth:`eta_rate`, less the time
+        since the last unit finished, at least the time of the units after the batch in flight; None
+        while the rate is unknown (no unit finished yet, or no total)."""
+        rate = self.eta_rate()
+        if self.total is None or rate <= 0 or self._last_unit_at is None:
+            return None
+        remaining = max(self.total - self.done, 0)
+        after_batch = max(remaining - self._last_n, 0) / rate
+        return max(remaining / rate - (self.elapsed_s - self._last_unit_at), after_batch)
 
     def snapshot(self, status: str) -> dict:
         """The ``progress.json`` object with ``status`` (the fields of the class docstring, plus ``pid``)."""
         rate = (self.done - self._start_done) / self.elapsed_s
-        remaining = (self.total - self.done) if self.total is not None else None
-        eta_rate = self.eta_rate()
-        eta = remaining / eta_rate if (remaining is not None and eta_rate > 0) else None
+        eta = self.eta_s()
         return {
             "stage": self.dir.name,
             "status": status,
@@ -195,10 +230,19 @@ class Progress:
             "elapsed_s": round(self.stage_elapsed_s, 2),
             "bytes_on_disk": self.bytes_fn() if self.bytes_fn is not None else dir_bytes(self.bytes_dir),
             "projected_bytes": self.projected_bytes,
+            "machine_busy": self.other_load.busy_text(),
             "updated": time.time(),
             "pid": os.getpid(),
             "extra": self.extra,
         }
+
+    def _remember(self, elapsed: float) -> None:
+        """Add the point of work landed at ``elapsed`` to the ETA's window (:attr:`history`)."""
+        with self._lock:
+            self.history.append((elapsed, self.done - self._start_done, self.tokens - self._start_tokens))
+            # keep one point older than the window (the ETA's start), none before it
+            while len(self.history) > 1 and self.history[1][0] <= elapsed - self.ETA_WINDOW_S:
+                self.history.popleft()
 
     def _write(self, status: str, force: bool = False) -> None:
         now = time.time()
@@ -208,11 +252,6 @@ class Progress:
             if self._closed.is_set() and status == "running":
                 return
             self._last = now
-            elapsed = now - self.t0
-            self.history.append((elapsed, self.done - self._start_done, self.tokens - self._start_tokens))
-            # keep one point older than the window (the ETA's start), none before it
-            while len(self.history) > 1 and self.history[1][0] <= elapsed - self.ETA_WINDOW_S:
-                self.history.popleft()
             atomic_write_json(self.path, self.snapshot(status))
 
     def close(self, status: str = "done") -> None:

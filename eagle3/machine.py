@@ -1,0 +1,249 @@
+"""The machine a run runs on: one line at the start of ``eagle3 run`` (CPU features, the target's dtype
+and why, the expected duration), and the other load on its CPUs while a stage runs.
+
+On a CPU the target's dtype decides the run's length: with AMX or AVX512-BF16 the target runs in
+bfloat16, without them in float32 (bf16 would be emulated at a small fraction of the float32 rate:
+:func:`eagle3.target.target_dtype`), and the default run takes about 32 minutes instead of 78 on 2
+cores. The expected duration comes from the measured table :data:`MEASURED_RUNS`
+(benchmarks/RESULTS.md); params without a measurement get none (each stage shows its own ETA).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["CPU_FEATURES", "MEASURED_RUNS", "MachineInfo", "machine_info", "cpu_flags", "dtype_choice",
+           "expected_duration", "machine_line", "OtherLoad"]
+
+# /proc/cpuinfo flag -> name, the ones that decide the target's dtype and speed on a CPU (best first)
+CPU_FEATURES = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"), ("avx2", "AVX2"))
+
+# Whole `eagle3 run` times measured from a fresh clone (set-up included) on 2 cores, by params file
+# stem and the target's dtype (benchmarks/RESULTS.md): (minutes, what was measured).
+MEASURED_RUNS = {
+    ("smollm2-135m", "bfloat16"): (32, "31 min 52 s on 2 cores with AVX512-BF16"),
+    ("smollm2-135m", "float32"): (78, "77 min 39 s on 2 AVX2-only cores"),
+    ("smollm2-135m-2x", "bfloat16"): (63, "63 min 25 s on 2 cores with AVX512-BF16"),
+}
+MEASURED_CPUS = 2
+
+
+@dataclass(frozen=True)
+class MachineInfo:
+    """What the start line says about the machine.
+
+    Attributes:
+        cpus: CPUs this process may run on (its affinity mask).
+        model: the CPU's model name ('' when unknown).
+        flags: the :data:`CPU_FEATURES` flags the CPU has.
+        native_bf16: oneDNN's own check (:func:`eagle3.target.cpu_has_native_bf16`).
+        gpu: the first GPU's name, or None.
+        load_1m: the 1-minute load average (runnable processes; 0.0 where unknown).
+    """
+
+    cpus: int
+    model: str
+    flags: frozenset[str]
+    native_bf16: bool
+    gpu: str | None
+    load_1m: float
+
+
+def cpu_flags(cpuinfo: str) -> tuple[frozenset[str], str]:
+    """``(flags, model name)`` of the first processor in ``/proc/cpuinfo`` text; flags are those of
+    :data:`CPU_FEATURES` only."""
+    flags: set[str] = set()
+    model = ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and not model:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    return frozenset(f for f, _ in CPU_FEATURES if f in flags), model
+
+
+def machine_info(cpuinfo: str | None = None) -> MachineInfo:
+    """This machine's :class:`MachineInfo`; ``cpuinfo``: ``/proc/cpuinfo``'s text (read when None)."""
+    from eagle3.target import cpu_has_native_bf16
+    from eagle3.vllm_utils import usable_cpus
+
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:  # not Linux
+            cpuinfo = ""
+    flags, model = cpu_flags(cpuinfo)
+    gpu = None
+    import torch
+
+    if torch.cuda.is_available():
+        gpu = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = 0.0
+    return MachineInfo(cpus=len(usable_cpus()), model=model, flags=flags, native_bf16=cpu_has_native_bf16(),
+                       gpu=gpu, load_1m=load)
+
+
+def dtype_choice(target, info: MachineInfo) -> tuple[str, str]:
+    """``(dtype, why)``: the dtype :func:`eagle3.target.target_dtype` gives the target (``target``: the
+    params' ``target`` section) and the reason, in words."""
+    from eagle3.target import target_dtype
+
+    dtype = target_dtype(target)
+    if target.dtype != "auto":
+        return dtype, "target.dtype says so"
+    if dtype == "auto":
+        return dtype, "on a GPU: the checkpoint's dtype"
+    if dtype == "bfloat16":
+        return dtype, "target.dtype auto: the CPU multiplies bfloat16 in hardware"
+    return dtype, ("target.dtype auto: no AMX or AVX512-BF16, so bfloat16 would be emulated at a small "
+                   "fraction of the float32 rate")
+
+
+def expected_duration(params_file: str | Path, dtype: str, info: MachineInfo, overridden: bool = False) -> str:
+    """The expected duration of ``eagle3 run`` in words, from :data:`MEASURED_RUNS` (``params_file``'s
+    stem and ``dtype``); it says where this machine differs from the measured one (CPUs, a GPU, other
+    load) and when ``--set`` changed the params (``overridden``)."""
+    stem = Path(params_file).stem
+    hit = MEASURED_RUNS.get((stem, dtype))
+    if hit is None or info.gpu:
+        known = sorted({s for s, _ in MEASURED_RUNS})
+        return (f"no measured duration for {Path(params_file).name} in {dtype}{' on a GPU' if info.gpu else ''} "
+                f"(measured: {', '.join(known)} on {MEASURED_CPUS} CPU cores); each stage shows its ETA")
+    minutes, how = hit
+    notes = []
+    if info.cpus != MEASURED_CPUS:
+        notes.append(f"measured on {MEASURED_CPUS} cores, this machine gives the run {info.cpus}")
+    if overridden:
+        notes.append("--set changes the params it was measured with")
+    if info.load_1m > info.cpus:
+        notes.append(f"the machine is busy (load {info.load_1m:.1f} on {info.cpus} CPUs): expect longer")
+    return f"expected about {minutes} min ({how}" + "".join(f"; {n}" for n in notes) + ")"
+
+
+def machine_line(params, params_file: str | Path, info: MachineInfo | None = None, overridden: bool = False) -> str:
+    """The line ``eagle3 run`` prints before it starts (and ``--check-machine`` prints alone): the CPUs
+    and their features, a GPU, the target's dtype and why, the expected duration (by ``params_file``'s
+    name; for a run directory's ``params.yaml``, by the run's name)."""
+    info = info or machine_info()
+    names = [name for flag, name in CPU_FEATURES if flag in info.flags]
+    missing = [name for flag, name in CPU_FEATURES[:2] if flag not in info.flags]
+    feats = ", ".join(names) or "none of AVX2/AVX512/AVX512-BF16/AMX"
+    if missing and len(missing) == 2:
+        feats += "; no AMX or AVX512-BF16"
+    cpu = f"{info.cpus} CPU{'s' * (info.cpus != 1)}" + (f" ({info.model})" if info.model else "")
+    gpu = f", GPU {info.gpu}" if info.gpu else ""
+    dtype, why = dtype_choice(params.target, info)
+    # a run directory's own params.yaml: the run's name stands for the params file it was made from
+    named = f"{params.run.name}.yaml" if Path(params_file).name == "params.yaml" else params_file
+    return (f"eagle3: machine: {cpu}: {feats}{gpu}; target dtype {dtype} ({why}); "
+            f"{expected_duration(named, dtype, info, overridden)}")
+
+
+def _machine_ticks() -> tuple[int, int]:
+    """``(busy, total)`` clock ticks of every CPU since boot (``/proc/stat``; steal counted as busy: a
+    neighbour on the host takes it)."""
+    vals = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    user, nice, system, idle, iowait, irq, softirq, steal = (vals + [0] * 8)[:8]
+    busy = user + nice + system + irq + softirq + steal
+    return busy, busy + idle + iowait
+
+
+def _tree_ticks(root: int | None = None) -> int:
+    """CPU clock ticks of process ``root`` (default: this one), its descendants, and the children it
+    reaped (``/proc/<pid>/stat``)."""
+    root = os.getpid() if root is None else root
+    info: dict[int, tuple[int, int]] = {}  # pid -> (ppid, ticks)
+    own_reaped = 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            rest = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):  # the process ended meanwhile
+            continue
+        info[int(d)] = (int(rest[1]), int(rest[11]) + int(rest[12]))
+        if int(d) == root:
+            own_reaped = int(rest[13]) + int(rest[14])
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in info.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = own_reaped, [root]
+    while todo:
+        pid = todo.pop()
+        total += info.get(pid, (0, 0))[1]
+        todo.extend(children.get(pid, ()))
+    return total
+
+
+class OtherLoad:
+    """How many CPUs other processes (and, in a VM, the host's other guests: steal time) took since the
+    last sample: the machine's busy ticks less this process tree's.
+
+    A stage's rates and ETAs are this run's share of the machine: when others take CPUs the run would
+    use, ``progress.json`` says so (``machine_busy``). Samples are at least :attr:`MIN_INTERVAL_S`
+    apart (a sample walks ``/proc``); between them the last answer stands.
+
+    Args:
+        machine: ``() -> (busy, total)`` ticks of every CPU (default ``/proc/stat``).
+        own: ``() -> ticks`` of this process tree (default ``/proc/<pid>/stat``).
+        clock: seconds (default ``time.monotonic``).
+        cpus: CPUs of the machine and of this run (default ``os.cpu_count()`` and the affinity mask).
+    """
+
+    MIN_INTERVAL_S = 10.0
+    # others may take this much CPU beyond the CPUs this run leaves free before the machine counts as busy
+    SLACK_CPUS = 0.5
+
+    def __init__(self, machine: Callable[[], tuple[int, int]] | None = None, own: Callable[[], int] | None = None,
+                 clock: Callable[[], float] = time.monotonic, cpus: tuple[int, int] | None = None) -> None:
+        from eagle3.vllm_utils import usable_cpus
+
+        self.machine, self.own, self.clock = machine or _machine_ticks, own or _tree_ticks, clock
+        self.cpus = cpus or (os.cpu_count() or 1, len(usable_cpus()))
+        self._last: tuple[float, int, int, int] | None = None
+        self.others: float | None = None  # CPUs the others took over the last interval
+        self._last = self._take()
+
+    def _take(self) -> tuple[float, int, int, int] | None:
+        try:
+            busy, total = self.machine()
+            return self.clock(), busy, total, self.own()
+        except (OSError, ValueError, IndexError):  # no /proc (not Linux): nothing to say
+            return None
+
+    def sample(self) -> float | None:
+        """CPUs other processes took over the interval since the last sample (at least
+        :attr:`MIN_INTERVAL_S` old; else the last value), or None where unknown."""
+        now = self.clock()
+        if self._last is not None and now - self._last[0] < self.MIN_INTERVAL_S:
+            return self.others
+        point = self._take()
+        if point is not None and self._last is not None:
+            _, busy0, total0, own0 = self._last
+            _, busy1, total1, own1 = point
+            if total1 > total0:
+                # total ticks over the interval = CPUs x interval: the others' share, in CPUs
+                self.others = max(0.0, (busy1 - busy0) - (own1 - own0)) / (total1 - total0) * self.cpus[0]
+        if point is not None:
+            self._last = point
+        elif self._last is None:
+            self._last = (now, 0, 0, 0)
+        return self.others
+
+    def busy_text(self) -> str | None:
+        """``"other processes took 1.4 of 2 CPUs"`` while they take more than the CPUs this run leaves
+        free plus :attr:`SLACK_CPUS`, else None."""
+        others = self.sample()
+        total, run = self.cpus
+        if others is None or others <= (total - run) + self.SLACK_CPUS:
+            return None
+        return f"machine busy: other processes took {others:.1f} of {total} CPUs (this run's rates and ETA are slower)"
