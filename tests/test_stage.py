@@ -161,6 +161,18 @@ def test_a_params_edit_after_a_stage_ran_makes_that_stage_stale(tmp_path):
         f"params.yaml: vocab.draft_vocab_size {params.vocab.draft_vocab_size!r} when stage 2 ran, 4096 now"]
     assert stale_inputs(tmp_path, 2, edited, quick=True) == stale_inputs(tmp_path, 2, edited)
 
+    # a param the package gained after the stage ran: at its default, no change; set otherwise, a change;
+    # a recorded key that is no longer a param: not read, no change
+    older = json.loads(json.dumps(record))
+    default_limit = older["params"]["vocab"].pop("max_seq_len")
+    older["params"]["vocab"]["a_removed_param"] = 7
+    (tmp_path / "02_vocab" / "inputs.json").write_text(json.dumps(older))
+    assert stale_inputs(tmp_path, 2, _params(tmp_path)) == []
+    longer = _params(tmp_path)
+    longer.vocab.max_seq_len = default_limit + 1
+    assert stale_inputs(tmp_path, 2, longer) == [
+        f"params.yaml: vocab.max_seq_len '(absent)' when stage 2 ran, {default_limit + 1} now"]
+
     del record["params"]
     (tmp_path / "02_vocab" / "inputs.json").write_text(json.dumps(record))
     assert stale_inputs(tmp_path, 2, edited) == []

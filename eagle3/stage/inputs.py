@@ -82,13 +82,19 @@ def _leaves(d, prefix: str = "") -> dict[str, object]:
 
 
 def _params_changes(then: dict | None, params, stage: int) -> list[str]:
-    """One line per params key the stage reads whose value differs from its record."""
+    """One line per params key the stage reads whose value differs from its record.
+
+    A key the record lacks is a change only when its value now differs from its default: a param added
+    to the package after the stage ran takes the default that keeps the earlier behaviour (a finished
+    run does not go stale on an upgrade). A key recorded but no longer a param is not read: no change."""
     now = params_read(stage, params)
     if then is None or now is None:
         return []
     a, b = _leaves(then), _leaves(now)
-    return [f"params.yaml: {k} {a.get(k, '(absent)')!r} when stage {stage} ran, {b.get(k, '(absent)')!r} now"
-            for k in sorted(set(a) | set(b)) if a.get(k, "(absent)") != b.get(k, "(absent)")]
+    added = set(b) - set(a)
+    defaults = _leaves(params_read(stage, type(params).model_validate({}))) if added else {}
+    return [f"params.yaml: {k} {a.get(k, '(absent)')!r} when stage {stage} ran, {b[k]!r} now"
+            for k in sorted(b) if (a[k] != b[k] if k in a else k not in defaults or defaults[k] != b[k])]
 
 
 # eagle3 status hashes an input of at most this size (sha256 ~450 MiB/s per core on the CI machine)
