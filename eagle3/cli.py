@@ -25,8 +25,9 @@ _ENVIRONMENT_ERRNOS = {
     errno.EACCES: "no permission: set run.output_dir to a folder you can write, or fix its owner",
 }
 
-_SET_HELP = ("override one params key, e.g. --set train.lr=0.003 --set synthesize.limit=64 "
-             "(repeatable; VALUE is parsed as YAML)")
+_SET_HELP = ("override one params key, e.g. --set train.lr=0.003 --set synthesize.limit=64 (repeatable; VALUE "
+             "is parsed as YAML); an integer part indexes a list, e.g. --set synthesize.sources.1.self_prompt.count=2000 "
+             "(the default's second source)")
 
 
 def _build_parser() -> argparse.ArgumentParser:
