@@ -1120,6 +1120,34 @@ def test_small_training_data_fix_names_a_valid_source():
     assert p.synthesize.sources[0].kind == "self" and p.synthesize.sources[0].self_prompt.count == 100
 
 
+def test_small_training_data_on_the_default_demonstration_is_expected_and_names_the_recipes():
+    """The default (`make run`) always trips small_training_data, by design: the warning says it is
+    expected of the 35-minute demonstration and names the recipes that fix it, not "add a kind: self
+    source" (the default has one); a run of another recipe with a self source is told to raise its count."""
+    from eagle3.evaluate.mismatch import default_demonstration, mismatch_warnings
+    from eagle3.params_file import load_params
+
+    params_dir = Path(__file__).resolve().parent.parent / "params"
+    default = load_params(params_dir / "smollm2-135m.yaml")
+    assert default_demonstration(default)
+    for other in ("smollm2-135m-2x.yaml", "smollm2-135m-h200.yaml", "ci.yaml"):
+        assert not default_demonstration(load_params(params_dir / other)), other
+    assert not default_demonstration(load_params(params_dir / "smollm2-135m.yaml",
+                                                 ["synthesize.sources.1.self_prompt.count=4000"]))
+    training = {"known": True, "conversations": 958, "completion_tokens": 90000,
+                "sources": {"human-eval": 46, "self": 912}, "categories": {"human-eval": 46, "self": 912}}
+    w = mismatch_warnings({}, training, default.evaluate, default_demonstration(default))
+    assert [x["rule"] for x in w] == ["small_training_data"] and w[0]["expected"] is True
+    assert w[0]["message"].startswith("expected of the default demonstration, small by design to finish in about "
+                                      "35 minutes on 2 CPU cores: the drafter was trained on 958 conversations")
+    assert "params/smollm2-135m-2x.yaml" in w[0]["fix"] and "params/smollm2-135m-h200.yaml" in w[0]["fix"]
+    assert "{kind: self" not in w[0]["fix"]
+    w = mismatch_warnings({}, training, default.evaluate)  # another recipe with a self source
+    assert "expected" not in w[0] and "raise the count of the kind: self source" in w[0]["fix"]
+    for r in ("smollm2-135m-2x.yaml", "smollm2-135m-h200.yaml"):
+        assert (params_dir / r).is_file()
+
+
 def test_a_missing_evaluation_source_file_is_named_under_evaluate_sources(tmp_params, tmp_path, target_model):
     """A missing evaluate.sources file is named as such, not as 'synthesize.sources: prompt file ...
     does not exist' (stage 1's loader names its own field)."""

@@ -203,6 +203,27 @@ def test_a_data_size_warning_alone_does_not_say_the_drafter_may_not_help(tmp_pat
             "on a set); ood_far_below_id (out-of-domain τ far below in-distribution τ); narrow_training_data") in html.unescape(page)
 
 
+def test_an_expected_warning_is_a_note_not_an_alarm(tmp_path):
+    """The default demonstration's small_training_data (expected: true) opens the page as a note
+    without the red box; a real warning beside it is still the red banner."""
+    sets = {"general-chat": {"domain": "out-of-domain", "prompts": 96, "methods": _methods(
+        eagle3={"tokens_per_forward": 1.535}, ngram={"tokens_per_forward": 1.303})}}
+    warn = {"rule": "small_training_data", "expected": True, "numbers": {}, "fix": "train on more: params/smollm2-135m-2x.yaml",
+            "message": "expected of the default demonstration, small by design to finish in about 35 minutes on 2 "
+                       "CPU cores: the drafter was trained on 958 conversations"}
+    write_stats(stage_dir(tmp_path, 5), _evaluate(96, sets=sets, warnings=[warn]))
+    page = html.unescape(index_html(tmp_path, [], {}))
+    assert ("<div class='note' id='mismatch-warning'>\u24d8 1 expected warning (small_training_data): expected of the "
+            "default demonstration, small by design to finish in about 35 minutes on 2 CPU cores.") in page
+    assert "class='warn'" not in page and "mismatch warning:" not in page
+    assert "<ul class='note'><li><strong>small_training_data</strong>" in page
+    loss = {"rule": "drafter_below_ngram", "message": "m", "numbers": {}, "fix": "f"}
+    write_stats(stage_dir(tmp_path, 5), _evaluate(96, sets=sets, warnings=[loss, warn]))
+    page = html.unescape(index_html(tmp_path, [], {}))
+    assert "<div class='warn' id='mismatch-warning'><strong>\u26a0 1 mismatch warning: this drafter may not help" in page
+    assert "<ul class='warn'><li><strong>drafter_below_ngram</strong>" in page and "<ul class='note'>" in page
+
+
 def test_a_set_label_says_why_it_has_fewer_prompts_than_its_source(tmp_path):
     """A 12-prompt file shown as '8 prompts' says why (the cap is evaluate.num_prompts, otherwise in
     results.json only), and that a malformed line of it was skipped."""

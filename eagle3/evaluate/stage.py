@@ -29,7 +29,7 @@ from eagle3.evaluate.drafter import load_drafter
 from eagle3.evaluate.layer_ids import aux_layer_id_warnings
 from eagle3.evaluate.methods import OFFLINE_EAGLE3, VLLM_EAGLE3, VLLM_NONE, vllm_method
 from eagle3.evaluate.metrics import group_metrics, summarize_rounds
-from eagle3.evaluate.mismatch import mismatch_warnings
+from eagle3.evaluate.mismatch import default_demonstration, mismatch_warnings
 from eagle3.evaluate.parity import parity_result
 from eagle3.evaluate.prompts import EvalSet, evaluation_sets, out_of_domain_first, spread
 from eagle3.evaluate.report import figures
@@ -455,7 +455,8 @@ def run(params, run_dir: str | Path) -> EvaluateStats:
         parity, drafter_check, diagnosis, layer_warnings = _check(params, inp, rd, m)
         cmd = _serve_command(params, inp, rd)
         stats = _stats(params, inp, m.backends, sets, parity, diagnosis, cmd)
-        stats.warnings = mismatch_warnings(stats.sets, inp.training, ev) + layer_warnings
+        stats.warnings = (mismatch_warnings(stats.sets, inp.training, ev, default_demonstration(params))
+                          + layer_warnings)
         results = _results(params, inp, m.backends, sets, parity, diagnosis, drafter_check, stats.warnings, cmd)
         atomic_write_json(rd.evaluate_results, results)
         # The W&B run opens only now, once the results exist (StageRun.tracker is lazy).
