@@ -77,7 +77,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     """The stages, then the report; a report that cannot be rendered is a warning, exit 0 (the stages'
     results stand: :func:`eagle3.commands.report.render_after_run`)."""
-    from eagle3.commands.report import render_after_run
+    from eagle3.commands.report import print_result, render_after_run
     from eagle3.commands.run import parse_stages, run_pipeline
 
     redo = parse_stages(args.redo, "--redo") if args.redo else None
@@ -85,6 +85,7 @@ def _run(args: argparse.Namespace) -> int:
                            redo=redo)
     if not args.no_report:
         render_after_run(run_dir)
+    print_result(run_dir)  # the answer last: the result table, parity, warnings, the serve command
     return 0
 
 

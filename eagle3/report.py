@@ -16,7 +16,7 @@ from eagle3.io import read_json
 from eagle3.rundir import STAGES, VLLM_RESULT_FILE
 from eagle3.stage import Stats, stage_record
 
-__all__ = ["MISSING", "headline_keys", "stats_classes", "summary_html", "index_html", "key_numbers"]
+__all__ = ["MISSING", "headline_keys", "stats_classes", "summary_html", "summary_text", "index_html", "key_numbers"]
 
 def stats_classes() -> dict[int, type[Stats]]:
     """Stage number -> its :class:`eagle3.stage.Stats` subclass (field names = ``stats.json`` keys)."""
@@ -308,6 +308,51 @@ def summary_html(run_dir: str | Path) -> str:
     parts = ["<div id='headline'>", banner, "<h2>Result</h2>", *_result_table(groups), *_comparisons(groups),
              _parity_line(st), warn_list, *_settings_html(st), "</div>"]
     return "\n".join(p for p in parts if p)
+
+
+def _text_table(rows: list[list[str]]) -> list[str]:
+    """Rows of cells as left-aligned, space-padded columns (the first row the header)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def summary_text(run_dir: str | Path) -> str:
+    """The result as plain text for the terminal and a log (what :func:`summary_html` opens with): per
+    evaluation set, out-of-domain first, the drafter, n-gram lookup and no speculation in vLLM (tokens
+    per target forward, τ; "—" where not measured), the drafter over n-gram, the parity line and each
+    mismatch warning with its fix (an expected one as a note). Empty when stage 5 has not finished.
+    """
+    try:
+        st = read_stats(run_dir)
+    except (TypeError, ValueError) as e:
+        return f"result: {e}"
+    if st is None:
+        return ""
+
+    def num(v, decimals: int) -> str:
+        return _fixed(v, decimals) if isinstance(v, (int, float)) and not isinstance(v, bool) else "—"
+
+    rows = [["set", "vLLM", "tokens per target forward", "τ", "drafter / n-gram"]]
+    sets = sorted(st.sets.items(), key=lambda kv: out_of_domain_first(kv[1].domain)) or [("all prompts", st.pooled)]
+    for name, g in sets:
+        label = f"{name} ({g.domain}, {g.prompts} prompts)" if isinstance(g, SetStats) else f"{name} ({g.prompts})"
+        ratio = _ratio(g.get(VLLM_EAGLE3, "tokens_per_forward"), g.get(VLLM_NGRAM, "tokens_per_forward"))
+        for i, (m, method_label) in enumerate(_TABLE_METHODS):
+            rows.append([label if i == 0 else "", method_label, num(g.get(m, "tokens_per_forward"), 3),
+                         num(g.get(m, "tau"), 3), num(ratio, 2) + "x" * (ratio is not None) if i == 0 else ""])
+    p = st.parity
+    verdict = "not checked" if p.ok is None else ("agrees" if p.ok else "DISAGREES")
+    lines = [f"Result (vLLM, k = {_fmt(st.settings.k)} draft tokens, temperature {_fmt(st.settings.temperature)}):",
+             *_text_table(rows),
+             f"Parity: offline τ {num(p.tau_offline, 3)} vs vLLM τ {num(p.tau_vllm, 3)}"
+             + (f" on the same {p.prompts} prompts" if p.prompts else "") + f": {verdict}."]
+    warnings = [w for w in st.warnings if isinstance(w, dict)]
+    for w in warnings:
+        mark = "note (expected)" if w.get("expected") else "WARNING"
+        lines.append(f"{mark} {w['rule']}: {w['message']}. Fix: {w['fix']}")
+    if not warnings:
+        lines.append("No mismatch warning.")
+    return "\n".join(lines)
 
 
 def index_html(run_dir: str | Path, pages: list[str], figures: dict[str, list[str]]) -> str:
