@@ -1310,3 +1310,23 @@ def test_a_moved_or_copied_run_measures_its_own_drafter(tmp_path):
     shutil.rmtree(moved.drafter_dir)
     with pytest.raises(EvaluateError, match="no drafter at .*nu17moved/04_train/drafter"):
         find_drafter(params, moved.root)
+
+
+def test_shown_tables_have_fixed_decimals_and_a_dash_for_missing():
+    """Notebook 05's tables: no raw floats, no NaN / <NA>: rates with 3 decimals, tokens/s with 1, a
+    speed-up with its x, counts as integers, "—" where a method was not measured."""
+    import numpy as np
+    import pandas as pd
+
+    from eagle3.evaluate import formatted
+
+    df = pd.DataFrame({"method": ["EAGLE-3 drafter (vLLM)", "no speculation (vLLM)"], "tau": [1.535123, np.nan],
+                       "tokens_per_forward": [1.6, 1.0], "tokens_per_s": [47.1234, None], "speedup": [1.27789, None],
+                       "prompts": pd.array([96, pd.NA], dtype="Int64"), "rounds": pd.array([12345, 7], dtype="Int64")})
+    out = formatted(df)
+    assert out.to_dict("records") == [
+        {"method": "EAGLE-3 drafter (vLLM)", "tau": "1.535", "tokens_per_forward": "1.600", "tokens_per_s": "47.1",
+         "speedup": "1.28x", "prompts": "96", "rounds": "12,345"},
+        {"method": "no speculation (vLLM)", "tau": "—", "tokens_per_forward": "1.000", "tokens_per_s": "—",
+         "speedup": "—", "prompts": "—", "rounds": "7"}]
+    assert "NaN" not in out.to_html() and "&lt;NA&gt;" not in out.to_html()

@@ -38,6 +38,7 @@ from eagle3.evaluate.report import (
     category_table,
     comparison_table,
     figures,
+    formatted,
     parity_table,
     pooled_table,
     read_results,
@@ -81,6 +82,7 @@ __all__ = [
     "parity_table",
     "pooled_table",
     "figures",
+    "formatted",
     "read_results",
     "run",
 ]
