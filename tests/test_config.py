@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -462,3 +463,24 @@ def test_params_files_that_cannot_be_read_are_one_line_errors(tmp_path, tmp_para
     err = capsys.readouterr().err
     assert "run name is 300 characters long" in err and "Traceback" not in err
     assert max(len(line) for line in err.splitlines()) < 400 and not (tmp_path / "outputs" / long).exists()
+
+
+def test_a_notebook_opened_on_a_finished_run_leaves_its_params_yaml_alone(tmp_params):
+    """Opening notebook 05 on a finished run (its setup cell) wrote params.yaml again: same content,
+    a new file (mtime, inode). A run opened with the same params is not rewritten."""
+    from eagle3.notebook import setup
+    from eagle3.rundir import stage_dir
+    from eagle3.stage import write_stats
+
+    pf = tmp_params("train:\n  lr: 0.001\n")
+    params = load_params(pf)
+    rd = prepare_run_dir(params, Path(params.run.output_dir) / params.run.name)
+    write_stats(stage_dir(rd, 5), {"settings": {"k": 3}})
+    before = (rd / "params.yaml").stat()
+    time.sleep(0.01)
+    _, opened = setup(str(pf), None, [], stage=5)
+    assert opened.resolve() == rd.resolve()
+    after = (rd / "params.yaml").stat()
+    assert (after.st_mtime_ns, after.st_ino) == (before.st_mtime_ns, before.st_ino)
+    prepare_run_dir(params, rd)  # eagle3 run on the same params: nothing to write either
+    assert (rd / "params.yaml").stat().st_mtime_ns == before.st_mtime_ns
