@@ -397,9 +397,12 @@ def index_html(run_dir: str | Path, pages: list[str], figures: dict[str, list[st
             f = html.escape(fig)
             parts.append(f"<a href='{f}'><img src='{f}' alt='{html.escape(Path(fig).stem)}'></a>")
         if s == 5:
-            where = stage_record(run_dir, s).stats.get("vllm_serve_where")
-            if where:
-                parts.append(f"<p>{html.escape(where)}</p>")
+            st5 = stage_record(run_dir, s).stats
+            if st5.get("vllm_serve_command"):
+                parts.append(f"<p id='serve'>Serve it on this machine, as printed: "
+                             f"<code>{html.escape(st5['vllm_serve_command'])}</code></p>")
+            if st5.get("vllm_serve_where"):
+                parts.append(f"<p>{html.escape(st5['vllm_serve_where'])}</p>")
         logs = sorted((run_dir / name / "logs").glob("*.log")) if (run_dir / name / "logs").is_dir() else []
         if logs:  # engine logs stay out of the notebooks; the page links them (relative to report/)
             links = ", ".join(f"<a href='../{html.escape(name)}/logs/{html.escape(p.name)}'>{html.escape(p.name)}</a>"

@@ -377,6 +377,21 @@ def test_summary_text_is_the_result_table_in_plain_text(tmp_path):
     assert summary_text(tmp_path / "nothing") == ""
 
 
+def test_the_index_labels_the_serve_command_for_this_machine(tmp_path):
+    """The report's stage-5 block: the command that runs here as printed, labelled, then the notes
+    (the GPU-machine form among them)."""
+    import json
+
+    run = _finished_run(tmp_path)
+    st = run / "05_evaluate" / "stats.json"
+    d = json.loads(st.read_text())
+    d["vllm_serve_where"] = "On a GPU machine with vLLM installed, from the run directory: vllm serve X."
+    st.write_text(json.dumps(d))
+    page = index_html(run, [], {})
+    assert "<p id='serve'>Serve it on this machine, as printed: <code>SERVE HERE</code></p>" in page
+    assert page.index("id='serve'") < page.index("On a GPU machine with vLLM installed")
+
+
 def test_eagle3_run_ends_with_the_result_table(tmp_path, monkeypatch, capsys):
     """`eagle3 run` prints the result table, the warnings and the serve command after the report
     line, on stdout (so a log of the run holds them too); nothing more follows."""
