@@ -130,7 +130,8 @@ def apply_overrides(data: dict, overrides: dict, defaults: dict | None = None, p
         # fill the rest), except a list to index: the default's entries
         cur = merged[key] if key in merged else below if isinstance(below, list) else None
         if isinstance(value, dict) and isinstance(cur, list):
-            merged[key] = _apply_to_list(cur, value, below, here)
+            # the defaults describe the default's own entries only: a list the data states has none
+            merged[key] = _apply_to_list(cur, value, None if key in merged else below, here)
         elif isinstance(value, dict) and _is_index(next(iter(value), None)) and not isinstance(cur, dict):
             shown = _short(json.dumps(cur if key in merged else below))
             raise ParamsError(f"--set {'.'.join(here)}.{next(iter(value))}: {'.'.join(here)} is {shown}, "
