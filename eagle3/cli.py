@@ -26,8 +26,12 @@ _ENVIRONMENT_ERRNOS = {
     errno.EACCES: "no permission: set run.output_dir to a folder you can write, or fix its owner",
 }
 
-_SET_HELP = ("override one params key, e.g. --set train.lr=0.003 --set synthesize.limit=64 "
-             "(repeatable; VALUE is parsed as YAML)")
+_SET_HELP = ("override one params key, e.g. --set train.lr=0.003 --set synthesize.limit=64 (repeatable; VALUE "
+             "is parsed as YAML); an integer part indexes a list, e.g. --set synthesize.sources.1.self_prompt.count=2000 "
+             "(the default's second source)")
+
+# the default run's folder (`make run`), the one a reader has
+_RUN_DIR_HELP = "the run directory, <run.output_dir>/<run.name>, e.g. outputs/smollm2-135m (the default run)"
 
 
 def _seconds(text: str) -> float:
@@ -66,15 +70,15 @@ def _build_parser() -> argparse.ArgumentParser:
                         "and run nothing")
 
     v = sub.add_parser("verify", help="check a run directory's files: stale stages, manifest, hidden-state sha256s")
-    v.add_argument("run_dir", help="the run directory, <run.output_dir>/<run.name>, e.g. outputs/ci")
+    v.add_argument("run_dir", help=_RUN_DIR_HELP)
     v.add_argument("--no-values", action="store_true", help="skip the finite-values check (hashes only)")
 
     s = sub.add_parser("status", help="show each stage's progress for a run directory")
-    s.add_argument("run_dir", help="the run directory, <run.output_dir>/<run.name>, e.g. outputs/ci")
+    s.add_argument("run_dir", help=_RUN_DIR_HELP)
     s.add_argument("--watch", type=_seconds, default=None, metavar="SECONDS", help="refresh every SECONDS")
 
     rep = sub.add_parser("report", help="render the executed notebooks and an index page to HTML")
-    rep.add_argument("run_dir", help="the run directory, <run.output_dir>/<run.name>, e.g. outputs/ci")
+    rep.add_argument("run_dir", help=_RUN_DIR_HELP)
 
     sw = sub.add_parser("sweep", help="recipe variants of a run (train.*, evaluate.*): stages 4-5 each, one comparison")
     sw.add_argument("params", help="params YAML file of the base run, e.g. params/ci.yaml")
@@ -106,7 +110,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def _run(args: argparse.Namespace) -> int:
     """The stages, then the report; a report that cannot be rendered is a warning, exit 0 (the stages'
     results stand: :func:`eagle3.commands.report.render_after_run`)."""
-    from eagle3.commands.report import render_after_run
+    from eagle3.commands.report import print_result, render_after_run
     from eagle3.commands.run import check_machine, parse_stages, run_pipeline
 
     if args.check_machine:
@@ -117,6 +121,7 @@ def _run(args: argparse.Namespace) -> int:
                            redo=redo, remeasure_speed=args.remeasure_speed)
     if not args.no_report:
         render_after_run(run_dir)
+    print_result(run_dir)  # the answer last: the result table, parity, warnings, the serve command
     return 0
 
 
@@ -150,11 +155,13 @@ def _status(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from eagle3.commands.verify import verify_run
 
-    problems = verify_run(args.run_dir, check_values=not args.no_values)
+    checked: list[str] = []
+    problems = verify_run(args.run_dir, check_values=not args.no_values, checked=checked)
     for line in problems:
         print(line)
     print(f"eagle3 verify: {len(problems)} problem(s) in {args.run_dir}" if problems
           else f"eagle3 verify: {args.run_dir}: no problem found", flush=True)
+    print("checked: " + "; ".join(checked), flush=True)
     return 1 if problems else 0
 
 

@@ -83,7 +83,9 @@ def _format_errors(err: ValidationError, source: str) -> str:
 
 
 def parse_overrides(items: list[str] | None) -> dict:
-    """Parse ``["section.key=value", ...]`` into a nested dict; values are parsed as YAML.
+    """Parse ``["section.key=value", ...]`` into a nested dict; values are parsed as YAML. A key part
+    that is an integer stays a string here (``synthesize.sources.0.limit`` ->
+    ``{"synthesize": {"sources": {"0": {"limit": ...}}}}``) and indexes a list in :func:`apply_overrides`.
 
     Raises ParamsError when an item has no ``=`` or no section.
     """
@@ -108,15 +110,71 @@ def parse_overrides(items: list[str] | None) -> dict:
     return out
 
 
-def apply_overrides(data: dict, overrides: dict) -> dict:
-    """Deep-merge ``overrides`` into a copy of ``data`` (dicts merge, everything else replaces)."""
+def apply_overrides(data: dict, overrides: dict, defaults: dict | None = None, path: tuple = ()) -> dict:
+    """Deep-merge ``overrides`` into a copy of ``data`` (dicts merge, everything else replaces).
+
+    A key that is a non-negative integer (``"0"``, as :func:`parse_overrides` leaves it) indexes a
+    list: ``{"synthesize": {"sources": {"0": {"self_prompt": {"count": 100}}}}}`` changes the first
+    source's count and keeps the rest of the list. A list the file does not state is taken from
+    ``defaults`` (the resolved defaults, :func:`load_params`), so that the embedded default's sources
+    can be reached too. ``path``: the keys above ``data``, for messages.
+
+    Raises:
+        ParamsError: an index past the end of the list, a key into a list that is not an index, an
+            index into a value that is not a list (each naming the override's key path).
+    """
     merged = json.loads(json.dumps(data)) if data else {}
     for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = apply_overrides(merged[key], value)
+        here = (*path, str(key))
+        below = defaults.get(key) if isinstance(defaults, dict) else None
+        # a key the data lacks stays absent but for what the override sets (the schema's defaults
+        # fill the rest), except a list to index: the default's entries
+        cur = merged[key] if key in merged else below if isinstance(below, list) else None
+        if isinstance(value, dict) and isinstance(cur, list):
+            # the defaults describe the default's own entries only: a list the data states has none
+            merged[key] = _apply_to_list(cur, value, None if key in merged else below, here)
+        elif isinstance(value, dict) and _is_index(next(iter(value), None)) and not isinstance(cur, dict):
+            shown = _short(json.dumps(cur if key in merged else below))
+            raise ParamsError(f"--set {'.'.join(here)}.{next(iter(value))}: {'.'.join(here)} is {shown}, "
+                              f"not a list (an integer key part indexes a list)")
+        elif isinstance(value, dict) and (isinstance(cur, dict) or key not in merged):
+            merged[key] = apply_overrides(cur or {}, value, below, here)
         else:
             merged[key] = value
     return merged
+
+
+def _is_index(part) -> bool:
+    """Whether an override's key part indexes a list: a non-negative integer (``0``, ``12``)."""
+    return isinstance(part, int) or (isinstance(part, str) and part.isdigit())
+
+
+def _apply_to_list(items: list, overrides: dict, defaults, path: tuple) -> list:
+    """``items`` with ``overrides`` (``{index: value}``) applied, each entry merged as
+    :func:`apply_overrides` merges a dict (an entry that is no dict is replaced).
+
+    Raises:
+        ParamsError: a key that is no index, or an index past the end (the message gives the range).
+    """
+    out = json.loads(json.dumps(items))
+    name = ".".join(path)
+    for part, value in overrides.items():
+        if not _is_index(part):
+            raise ParamsError(f"--set {name}.{part}: {name} is a list of {len(out)}; index its entries with "
+                              f"0..{len(out) - 1} (e.g. {name}.0.KEY=VALUE)")
+        i = int(part)
+        if i >= len(out):
+            whole = f"--set '{name}=[...]'"
+            raise ParamsError(f"--set {name}.{i}: index out of range: {name} has {len(out)} entr"
+                              f"{'y' if len(out) == 1 else 'ies'} (0..{len(out) - 1}); to add one, set the whole "
+                              f"list: {whole}" if out else
+                              f"--set {name}.{i}: {name} is an empty list; set the whole list: {whole}")
+        below = defaults[i] if isinstance(defaults, list) and i < len(defaults) else None
+        if isinstance(value, dict) and isinstance(out[i], dict):
+            out[i] = apply_overrides(out[i], value, below, (*path, str(i)))
+        else:
+            out[i] = value
+    return out
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -195,7 +253,8 @@ def load_params(
         data = loaded
     if overrides:
         ov = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
-        data = apply_overrides(data, ov)
+        # a list the file leaves at its default is indexed in the default (the embedded sources)
+        data = apply_overrides(data, ov, _shown_dump(Params()))
         if not isinstance(overrides, dict):
             source += f" with overrides {[_short(o) for o in overrides]}"
     try:

@@ -234,7 +234,9 @@ def prepare_run_dir(params, run_dir: str | Path | None = None, redo=(), params_f
     pfile = rd / PARAMS_FILE
     if pfile.exists() and not _replaces_recorded(read_run_params(rd), params, rd, redo, stages, params_file, options):
         return rd
-    atomic_write_text(pfile, dump_params(_named_after(params, rd.resolve().name)))
+    text = dump_params(_named_after(params, rd.resolve().name))
+    if not (pfile.is_file() and pfile.read_text(encoding="utf-8") == text):  # a finished run opened: left as it is
+        atomic_write_text(pfile, text)
     return rd
 
 

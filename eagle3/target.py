@@ -24,6 +24,7 @@ __all__ = [
     "TargetError",
     "ResolvedTarget",
     "resolve_target",
+    "verifier_name",
     "load_target",
     "load_tokenizer",
     "pick_device",
@@ -97,6 +98,19 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def verifier_name(params: TargetParams) -> str:
+    """The verifier's portable name, written into an exported drafter's ``config.json``
+    (``speculators_config.verifier.name_or_path``): ``target.served_name`` when set; for an embedded
+    target the hub id of the model its GGUF was made from (speculators reads the verifier's config
+    from it; the weights vLLM runs are the embedded conversion, given to vLLM by path); else
+    ``target.model`` as the params give it (a hub id, the user's path). Never a machine's cache folder.
+    """
+    if params.served_name:
+        return params.served_name
+    key = params.model.split(":", 1)[1] if params.model.startswith("embedded:") else None
+    return EMBEDDED_MODELS[key][2] if key in EMBEDDED_MODELS else params.model
 
 
 def resolve_target(params: TargetParams) -> ResolvedTarget:

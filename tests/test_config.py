@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,50 @@ def test_bad_override_is_clear():
         parse_overrides(["train.lr"])
     with pytest.raises(ParamsError, match=r"train\.lrr: unknown key. Did you mean 'lr'"):
         load_params(ROOT / "params" / "ci.yaml", ["train.lrr=1"])
+
+
+def test_set_indexes_lists():
+    """--set reaches into a list: the GPU recipe's self-prompt count, without editing the file; the
+    rest of the entry and of the list stays the file's (or the default's, when the file has no list)."""
+    gpu = load_params(ROOT / "params" / "smollm2-135m-h200.yaml")
+    p = load_params(ROOT / "params" / "smollm2-135m-h200.yaml", ["synthesize.sources.0.self_prompt.count=1234"])
+    assert p.synthesize.sources[0].self_prompt.count == 1234
+    assert p.synthesize.sources[0].self_prompt.seed_topics == gpu.synthesize.sources[0].self_prompt.seed_topics
+    assert p.synthesize.sources[0].self_prompt.top_p == 0.95 and len(p.synthesize.sources) == 1
+    # the default params file states no sources: the embedded default's two are indexed
+    d = load_params(ROOT / "params" / "smollm2-135m.yaml", ["synthesize.sources.1.self_prompt.count=50",
+                                                            "synthesize.sources.0.limit=7"])
+    base = load_params(ROOT / "params" / "smollm2-135m.yaml")
+    assert [(s.kind, s.limit) for s in d.synthesize.sources] == [("embedded", 7), ("self", None)]
+    assert d.synthesize.sources[1].self_prompt.count == 50
+    assert d.synthesize.sources[1].self_prompt.seed_topics == base.synthesize.sources[1].self_prompt.seed_topics
+    # a key the file lacks stays "not set" but for the override (the exclusive pair still validates)
+    assert load_params(ROOT / "params" / "smollm2-135m.yaml", ["vocab.target_coverage=0.9"]).vocab.target_coverage == 0.9
+
+
+@pytest.mark.parametrize("override, message", [
+    ("synthesize.sources.5.limit=3", "--set synthesize.sources.5: index out of range: synthesize.sources has 2 "
+                                     "entries (0..1); to add one, set the whole list: --set 'synthesize.sources=[...]'"),
+    ("synthesize.sources.x.limit=3", "--set synthesize.sources.x: synthesize.sources is a list of 2; index its "
+                                     "entries with 0..1"),
+    ("train.lr.0=1", "--set train.lr.0: train.lr is 0.001, not a list (an integer key part indexes a list)"),
+    ("synthesize.limit.0=3", "--set synthesize.limit.0: synthesize.limit is null, not a list"),
+    ("evaluate.sources.0.limit=2", "--set evaluate.sources.0: evaluate.sources is an empty list; set the whole list"),
+])
+def test_set_into_a_list_errors_are_clear(override, message):
+    f = "ci.yaml" if override.startswith("train.lr") else "smollm2-135m.yaml"
+    with pytest.raises(ParamsError) as e:
+        load_params(ROOT / "params" / f, [override])
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_set_help_says_lists_are_indexed(capsys):
+    from eagle3.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["params", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "an integer part indexes a list, e.g. --set synthesize.sources.1.self_prompt.count=2000" in out
 
 
 def test_run_dir_refuses_other_params(tmp_params):
@@ -418,3 +463,24 @@ def test_params_files_that_cannot_be_read_are_one_line_errors(tmp_path, tmp_para
     err = capsys.readouterr().err
     assert "run name is 300 characters long" in err and "Traceback" not in err
     assert max(len(line) for line in err.splitlines()) < 400 and not (tmp_path / "outputs" / long).exists()
+
+
+def test_a_notebook_opened_on_a_finished_run_leaves_its_params_yaml_alone(tmp_params):
+    """Opening notebook 05 on a finished run (its setup cell) wrote params.yaml again: same content,
+    a new file (mtime, inode). A run opened with the same params is not rewritten."""
+    from eagle3.notebook import setup
+    from eagle3.rundir import stage_dir
+    from eagle3.stage import write_stats
+
+    pf = tmp_params("train:\n  lr: 0.001\n")
+    params = load_params(pf)
+    rd = prepare_run_dir(params, Path(params.run.output_dir) / params.run.name)
+    write_stats(stage_dir(rd, 5), {"settings": {"k": 3}})
+    before = (rd / "params.yaml").stat()
+    time.sleep(0.01)
+    _, opened = setup(str(pf), None, [], stage=5)
+    assert opened.resolve() == rd.resolve()
+    after = (rd / "params.yaml").stat()
+    assert (after.st_mtime_ns, after.st_ino) == (before.st_mtime_ns, before.st_ino)
+    prepare_run_dir(params, rd)  # eagle3 run on the same params: nothing to write either
+    assert (rd / "params.yaml").stat().st_mtime_ns == before.st_mtime_ns

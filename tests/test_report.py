@@ -203,6 +203,27 @@ def test_a_data_size_warning_alone_does_not_say_the_drafter_may_not_help(tmp_pat
             "on a set); ood_far_below_id (out-of-domain τ far below in-distribution τ); narrow_training_data") in html.unescape(page)
 
 
+def test_an_expected_warning_is_a_note_not_an_alarm(tmp_path):
+    """The default demonstration's small_training_data (expected: true) opens the page as a note
+    without the red box; a real warning beside it is still the red banner."""
+    sets = {"general-chat": {"domain": "out-of-domain", "prompts": 96, "methods": _methods(
+        eagle3={"tokens_per_forward": 1.535}, ngram={"tokens_per_forward": 1.303})}}
+    warn = {"rule": "small_training_data", "expected": True, "numbers": {}, "fix": "train on more: params/smollm2-135m-2x.yaml",
+            "message": "expected of the default demonstration, small by design to finish in about 35 minutes on 2 "
+                       "CPU cores: the drafter was trained on 958 conversations"}
+    write_stats(stage_dir(tmp_path, 5), _evaluate(96, sets=sets, warnings=[warn]))
+    page = html.unescape(index_html(tmp_path, [], {}))
+    assert ("<div class='note' id='mismatch-warning'>\u24d8 1 expected warning (small_training_data): expected of the "
+            "default demonstration, small by design to finish in about 35 minutes on 2 CPU cores.") in page
+    assert "class='warn'" not in page and "mismatch warning:" not in page
+    assert "<ul class='note'><li><strong>small_training_data</strong>" in page
+    loss = {"rule": "drafter_below_ngram", "message": "m", "numbers": {}, "fix": "f"}
+    write_stats(stage_dir(tmp_path, 5), _evaluate(96, sets=sets, warnings=[loss, warn]))
+    page = html.unescape(index_html(tmp_path, [], {}))
+    assert "<div class='warn' id='mismatch-warning'><strong>\u26a0 1 mismatch warning: this drafter may not help" in page
+    assert "<ul class='warn'><li><strong>drafter_below_ngram</strong>" in page and "<ul class='note'>" in page
+
+
 def test_a_set_label_says_why_it_has_fewer_prompts_than_its_source(tmp_path):
     """A 12-prompt file shown as '8 prompts' says why (the cap is evaluate.num_prompts, otherwise in
     results.json only), and that a malformed line of it was skipped."""
@@ -335,3 +356,82 @@ def test_a_grid_cell_not_measured_is_empty_on_the_index_not_missing(tmp_path):
     nums = key_numbers(tmp_path)[STAGES[5]]
     assert nums["pooled.methods.vllm/eagle3.tau"] == 1.5 and nums["parity.ok"] is True
     assert nums["pooled.methods.vllm/ngram.tau"] is None and nums["vllm_serve_command"] == MISSING
+
+
+def _finished_run(tmp_path) -> Path:
+    """A run folder whose stage 5 finished: two sets, the three vLLM methods, parity, the default's
+    expected warning and the serve command."""
+    sets = {"heldout": {"domain": "in-distribution", "prompts": 44, "methods": _methods(
+                eagle3={"tokens_per_forward": 1.787, "tau": 1.95}, ngram={"tokens_per_forward": 1.322, "tau": 2.1},
+                none={"tokens_per_s": 37.8})},
+            "general-chat": {"domain": "out-of-domain", "prompts": 96, "methods": _methods(
+                eagle3={"tokens_per_forward": 1.535, "tau": 1.61}, ngram={"tokens_per_forward": 1.303, "tau": 2.2})}}
+    warn = {"rule": "small_training_data", "expected": True, "numbers": {}, "fix": "params/smollm2-135m-2x.yaml",
+            "message": "expected of the default demonstration"}
+    write_stats(stage_dir(tmp_path, 5), _evaluate(140, sets=sets, warnings=[warn], vllm_serve_command="SERVE HERE",
+                                                  parity={"ok": True, "gap": 0.02, "tolerance": 0.15, "prompts": 16,
+                                                          "tau_offline": 1.596, "tau_vllm": 1.559}))
+    return tmp_path
+
+
+def test_summary_text_is_the_result_table_in_plain_text(tmp_path):
+    """The terminal's last lines: per set (out-of-domain first) the drafter, n-gram and no speculation
+    with tokens per target forward and τ ("—" where not measured), parity and the warnings."""
+    from eagle3.report import summary_text
+
+    lines = summary_text(_finished_run(tmp_path)).splitlines()
+    assert lines[0] == "Result (vLLM, k = 3 draft tokens, temperature 0):"
+    table = [ln.split("  ") for ln in lines[1:8]]
+    cells = [[c.strip() for c in row if c.strip()] for row in table]
+    assert cells == [
+        ["set", "vLLM", "tokens per target forward", "τ", "drafter / n-gram"],
+        ["general-chat (out-of-domain, 96 prompts)", "EAGLE-3 drafter", "1.535", "1.610", "1.18x"],
+        ["n-gram lookup", "1.303", "2.200"],
+        ["no speculation", "—", "—"],
+        ["heldout (in-distribution, 44 prompts)", "EAGLE-3 drafter", "1.787", "1.950", "1.35x"],
+        ["n-gram lookup", "1.322", "2.100"],
+        ["no speculation", "1.000", "—"]]
+    # the columns line up: every row's τ starts where the header's does
+    assert len({ln.index("τ") for ln in lines[1:2]}) == 1 and lines[2].index("1.610") == lines[1].index("τ")
+    assert lines[8] == "Parity: offline τ 1.596 vs vLLM τ 1.559 on the same 16 prompts: agrees."
+    assert lines[9] == ("note (expected) small_training_data: expected of the default demonstration. "
+                        "Fix: params/smollm2-135m-2x.yaml")
+    assert summary_text(tmp_path / "nothing") == ""
+
+
+def test_the_index_labels_the_serve_command_for_this_machine(tmp_path):
+    """The report's stage-5 block: the command that runs here as printed, labelled, then the notes
+    (the GPU-machine form among them)."""
+    import json
+
+    run = _finished_run(tmp_path)
+    st = run / "05_evaluate" / "stats.json"
+    d = json.loads(st.read_text())
+    d["vllm_serve_where"] = "On a GPU machine with vLLM installed, from the run directory: vllm serve X."
+    st.write_text(json.dumps(d))
+    page = index_html(run, [], {})
+    assert "<p id='serve'>Serve it on this machine, as printed: <code>SERVE HERE</code></p>" in page
+    assert page.index("id='serve'") < page.index("On a GPU machine with vLLM installed")
+
+
+def test_eagle3_run_ends_with_the_result_table(tmp_path, monkeypatch, capsys):
+    """`eagle3 run` prints the result table, the warnings and the serve command after the report
+    line, on stdout (so a log of the run holds them too); nothing more follows."""
+    import eagle3.commands.report as cr
+    import eagle3.commands.run as crun
+    from eagle3.cli import main
+
+    run = _finished_run(tmp_path)
+    monkeypatch.setattr(crun, "run_pipeline", lambda *a, **k: run)
+    monkeypatch.setattr(cr, "render_report", lambda rd: Path(rd) / "report" / "index.html")
+    assert main(["run", "params/smollm2-135m.yaml"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    at = out.index("Result (vLLM, k = 3 draft tokens, temperature 0):")
+    assert out[at - 2] == f"eagle3: report {run / 'report' / 'index.html'}"
+    assert out[at + 1].startswith("set") and "general-chat (out-of-domain, 96 prompts)" in out[at + 2]
+    assert out[-2].startswith("note (expected) small_training_data")
+    assert out[-1] == "Serve it on this machine (as printed): SERVE HERE"
+    # --no-report: the table all the same
+    assert main(["run", "params/smollm2-135m.yaml", "--no-report"]) == 0
+    out = capsys.readouterr().out
+    assert "eagle3: report" not in out and "heldout (in-distribution, 44 prompts)" in out

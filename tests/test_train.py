@@ -1168,9 +1168,16 @@ def test_verify_checks_the_checkpoints_and_the_exported_drafter(ref_run, tmp_pat
     rd2 = tmp_path / "run"
     shutil.copytree(rd, rd2)
     (rd2 / "params.yaml").write_text(dump_params(params))
-    assert verify_run(rd2) == []
+    checked: list[str] = []
+    assert verify_run(rd2, checked=checked) == []
     ck = rd2 / TRAIN_DIR / "checkpoints"
     steps = sorted(ck.glob("step_*"))
+    # "no problem found" says what was checked: stages, files, counts
+    n_files = len(list((rd2 / "03_extract").rglob("*.safetensors")))
+    assert checked[0].startswith("inputs of the complete stages (") and n_files > 0
+    assert f"{n_files:,} hidden-state files" in checked[1] and "sha256" in checked[1]
+    assert checked[2].startswith(f"stage 4: {len(steps)} checkpoints (every file loads")
+    assert checked[3].startswith("the exported drafter 04_train/drafter (loads, finite values")
     assert len(steps) >= 2
     w = steps[0] / "model.safetensors"
     data = bytearray(w.read_bytes())

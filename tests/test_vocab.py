@@ -569,13 +569,34 @@ def test_explorer_numbers_and_slider(tok):
     assert lost["mass_%"].tolist() == pytest.approx([100 / 29, 100 / 29])
     src = ex.by_source_table(4).set_index("source")
     assert src.loc["a", "coverage"] == pytest.approx(27 / 29) and src.loc["b", "coverage"] == pytest.approx(1 / 3)
-    assert ex.sizes_table()["draft_vocab_size"].tolist() == [4]  # 8K.. exceed this 12-token vocab
+    # fractions of the 6 distinct tokens, the chosen 4 and all 6 (8K.. exceed this 12-token vocab)
+    assert ex.sizes_table()["draft_vocab_size"].tolist() == [1, 2, 3, 4, 6]
     assert set(ex.figures()) == {"coverage_curve", "rank_frequency", "sequence_lengths"}
     box = ex.widget()
     slider, out = box.children[0].children[0], box.children[1]
     assert "draft vocab 4</b>" in out.value and "93.1034%" in out.value
     slider.value = 6
     assert "draft vocab 6</b>" in out.value and "100.0000%" in out.value and "lost 0 of 29" in out.value
+
+
+def test_explorer_sizes_say_something_about_a_small_corpus():
+    """The default run: 7,061 distinct masked tokens, draft vocab 8,192. 8K/16K/32K all cover 1.0 of
+    it: the table shows fractions of the distinct count instead, and the explorer opens where
+    something is lost (half of them), not on "nothing lost at this size"."""
+    from eagle3.vocab.report import CoverageExplorer
+
+    counts = np.zeros(49152, np.int64)
+    counts[:7061] = np.arange(7061, 0, -1)
+    ex = CoverageExplorer(counts, chosen_size=8192)
+    sizes = ex.sizes_table()["draft_vocab_size"].tolist()
+    assert sizes == [441, 883, 1765, 3530, 8192]
+    assert [c < 1.0 for c in ex.sizes_table()["coverage"]] == [True, True, True, True, False]
+    assert ex.start_size() == 3530 and "nothing lost" not in ex.render_html(ex.start_size())
+    static = ex.widget()._repr_mimebundle_()["text/html"]
+    assert ("Static view at draft vocab size 3,530, half of the corpus's 7,061 distinct tokens (the run's 8,192 keeps "
+            "every one)") in static
+    big = CoverageExplorer(np.arange(60000, 0, -1), chosen_size=16384)  # a GPU-recipe corpus: common sizes stay
+    assert big.telling_sizes() == [3750, 7500, 8192, 15000, 16384, 30000, 32768, 60000] and big.start_size() == 16384
 
 
 def test_explorer_counts_padding_ids_up_to_the_full_vocab():

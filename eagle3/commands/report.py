@@ -14,8 +14,8 @@ from eagle3.errors import RunnerError
 from eagle3.io import atomic_write_text, format_bytes
 from eagle3.rundir import NOTEBOOKS, STAGES, RunDir
 
-__all__ = ["NotebookUnreadable", "render_report", "render_after_run", "static_widgets", "offline_html", "notebook_html", "notebook_tables",
-           "single_file", "single_file_line"]
+__all__ = ["NotebookUnreadable", "render_report", "render_after_run", "print_result", "static_widgets", "offline_html",
+           "notebook_html", "notebook_tables", "single_file", "single_file_line"]
 
 
 _REMOTE_SCRIPT = re.compile(r"<script[^>]*\bsrc=[\"']https?://[^>]*>\s*</script>", re.I)
@@ -191,3 +191,17 @@ def render_after_run(run_dir: str | Path) -> Path | None:
     if single_file(run_dir).is_file():
         print(single_file_line(run_dir), flush=True)
     return index
+
+
+def print_result(run_dir: str | Path) -> None:
+    """The last lines of ``eagle3 run`` on stdout (the terminal, and a log the output is sent to): the
+    result table, the parity line and the mismatch warnings (:func:`eagle3.report.summary_text`), then
+    the command that serves the drafter on this machine; nothing when stage 5 has not finished."""
+    from eagle3.report import summary_text
+    from eagle3.stage import stage_record
+
+    text = summary_text(run_dir)
+    if not text:
+        return
+    cmd = stage_record(run_dir, 5).stats.get("vllm_serve_command")
+    print("\n" + text + (f"\nServe it on this machine (as printed): {cmd}" if cmd else ""), flush=True)

@@ -13,6 +13,7 @@ One module per concern (see ``docs/DESIGN.md``, "Acceptance", for the definition
 * :mod:`~eagle3.evaluate.mismatch`: the train/serve mismatch warnings and their rules;
 * :mod:`~eagle3.evaluate.vllm_jobs` (stage side) and :mod:`~eagle3.evaluate.vllm_worker` (the
   subprocess, one engine each): vLLM with the drafter, n-gram lookup and no speculation;
+* :mod:`~eagle3.evaluate.serve`: the command that serves the target with the drafter (here, and on a GPU machine);
 * :mod:`~eagle3.evaluate.parity` and :mod:`~eagle3.evaluate.diagnosis`: offline vs vLLM, and why;
 * :mod:`~eagle3.evaluate.methods`: the measurements' names (``vllm/eagle3``, ``vllm/ngram``, ``vllm/none``,
   ``offline/eagle3``);
@@ -37,15 +38,17 @@ from eagle3.evaluate.report import (
     category_table,
     comparison_table,
     figures,
+    formatted,
     parity_table,
     pooled_table,
     read_results,
     set_table,
     warnings_table,
 )
+from eagle3.evaluate.serve import serve_commands
 from eagle3.evaluate.stage import find_drafter, run, training_reference
 from eagle3.evaluate.stats import EvaluateStats, read_stats
-from eagle3.evaluate.vllm_jobs import run_vllm_job, vllm_records, vllm_serve_command
+from eagle3.evaluate.vllm_jobs import run_vllm_job, vllm_records
 
 __all__ = [
     "EvaluateError",
@@ -72,13 +75,14 @@ __all__ = [
     "parity_check",
     "probe_layer_ids",
     "diagnose",
-    "vllm_serve_command",
+    "serve_commands",
     "find_drafter",
     "training_reference",
     "comparison_table",
     "parity_table",
     "pooled_table",
     "figures",
+    "formatted",
     "read_results",
     "run",
 ]

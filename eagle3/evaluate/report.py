@@ -16,7 +16,7 @@ from eagle3.io import read_json
 from eagle3.rundir import RunDir
 
 __all__ = ["read_results", "comparison_table", "pooled_table", "parity_table", "set_table", "category_table",
-           "warnings_table", "figures"]
+           "warnings_table", "formatted", "MISSING_CELL", "figures"]
 
 _SIZE = (6.5, 3.6)  # inches
 
@@ -41,6 +41,43 @@ def _frame(rows: list[dict], counts: tuple[str, ...] = (), columns: list[str] | 
 
     df = pd.DataFrame(rows, columns=columns)
     return df.astype({c: "Int64" for c in counts if c in df.columns})
+
+
+MISSING_CELL = "—"  # a number not measured (a method not run, no speed pass), in every shown table
+
+# decimals of a float column by its name (the rest: 3); a speed-up is written with its "x"
+_DECIMALS = {"tokens_per_s": 1, "speedup": 2, "draft_acceptance_rate": 3}
+
+
+def _cell(value, column: str) -> str:
+    """One table cell as shown: a count with thousands separators, a rate with fixed decimals
+    (:data:`_DECIMALS`), a speed-up as ``1.23x``, :data:`MISSING_CELL` for None / NaN / ``<NA>``."""
+    import math
+
+    if value is None or (isinstance(value, float) and math.isnan(value)) or str(value) == "<NA>":
+        return MISSING_CELL
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        return str(value)
+    if float(value).is_integer() and not isinstance(value, float):
+        return f"{int(value):,}"
+    text = f"{float(value):.{_DECIMALS.get(column, 3)}f}"
+    return text + "x" if column == "speedup" else text
+
+
+def formatted(df):
+    """``df`` with every cell as text for display (:func:`_cell`): rates with fixed decimals, counts
+    as integers, a missing number as "—" (pandas shows ``NaN`` / ``<NA>`` and six decimals).
+
+    Args:
+        df: a table of this module (pandas DataFrame).
+
+    Returns:
+        pandas.DataFrame: the same rows and columns, each cell a string.
+    """
+    out = df.astype(object).copy()
+    for col in out.columns:
+        out[col] = [_cell(v, str(col)) for v in df[col].tolist()]
+    return out
 
 
 def comparison_table(results: dict):

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle3.chat import stop_token_ids, template_kwargs
-from eagle3.contracts.drafter import DrafterSettings, kind_name, read_config, settings_from_config
-from eagle3.drafters import check_drafter, get
+from eagle3.contracts.drafter import DrafterSettings, read_config, settings_from_config
+from eagle3.drafters import check_drafter
 from eagle3.errors import EvaluateError, ParityError
 from eagle3.evaluate.decoding import backend_summary, evaluate_offline, offline_prompt_key
 from eagle3.evaluate.diagnosis import diagnose
@@ -29,10 +29,11 @@ from eagle3.evaluate.drafter import load_drafter
 from eagle3.evaluate.layer_ids import aux_layer_id_warnings
 from eagle3.evaluate.methods import OFFLINE_EAGLE3, VLLM_EAGLE3, VLLM_NONE, vllm_method
 from eagle3.evaluate.metrics import group_metrics, speed_stats, summarize_rounds
-from eagle3.evaluate.mismatch import mismatch_warnings
+from eagle3.evaluate.mismatch import default_demonstration, mismatch_warnings
 from eagle3.evaluate.parity import parity_result
 from eagle3.evaluate.prompts import EvalSet, evaluation_sets, out_of_domain_first, spread
 from eagle3.evaluate.report import figures
+from eagle3.evaluate.serve import serve_commands
 from eagle3.evaluate.stats import EvaluateStats, Parity, PooledStats, Settings, grid, set_stats
 from eagle3.evaluate.vllm_jobs import (
     build_job,
@@ -41,7 +42,6 @@ from eagle3.evaluate.vllm_jobs import (
     speed_by_set,
     speed_lengths_differ,
     vllm_records,
-    vllm_serve_command,
     vllm_summary,
 )
 from eagle3.io import atomic_write_json, file_sha256, json_digest, read_json, read_jsonl
@@ -500,16 +500,9 @@ def _check(params, inp: _Inputs, rd: RunDir, m: _Measured) -> tuple[dict, list[s
 
 
 def _serve_command(params, inp: _Inputs, rd: RunDir) -> tuple[str, str]:
-    """``(command, where)``: the ``vllm serve`` line with the measured engine settings
-    (:func:`eagle3.evaluate.vllm_jobs.vllm_serve_command`)."""
-    from eagle3.target import target_dtype
-    from eagle3.vllm_utils import serve_settings
-
-    flags, env = serve_settings(target_dtype(params.target), params.target.max_model_len)
-    kind = get(kind_name(inp.drafter_dir, EvaluateError), EvaluateError)
-    spec = kind.speculative_config(inp.drafter_dir, params.evaluate.num_speculative_tokens)
-    return vllm_serve_command(inp.resolved.name, spec, flags, run_dir=rd.root, target=inp.resolved,
-                              target_spec=params.target.model, env=env)
+    """``(command, notes)``: the command that serves the target with the drafter here, with the
+    measured engine settings, and the GPU-machine form (:func:`eagle3.evaluate.serve.serve_commands`)."""
+    return serve_commands(params, rd.root, inp.resolved, inp.drafter_dir)
 
 
 def _write_prompts(rd: RunDir, inp: _Inputs) -> None:
@@ -548,7 +541,8 @@ def run(params, run_dir: str | Path) -> EvaluateStats:
         parity, drafter_check, diagnosis, layer_warnings = _check(params, inp, rd, m)
         cmd = _serve_command(params, inp, rd)
         stats = _stats(params, inp, m.backends, sets, parity, diagnosis, cmd)
-        stats.warnings = mismatch_warnings(stats.sets, inp.training, ev, stats.pooled) + layer_warnings
+        stats.warnings = (mismatch_warnings(stats.sets, inp.training, ev, stats.pooled, default_demonstration(params))
+                          + layer_warnings)
         results = _results(params, inp, m.backends, sets, parity, diagnosis, drafter_check, stats.warnings, cmd)
         atomic_write_json(rd.evaluate_results, results)
         # The W&B run opens only now, once the results exist (StageRun.tracker is lazy).

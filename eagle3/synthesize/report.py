@@ -56,7 +56,8 @@ def _length_and_finish_figures(samples: list[dict]) -> dict:
 
 
 def _throughput_figure(tl: list[dict]) -> Figure:
-    fig = Figure(figsize=(7, 3.2))
+    # constrained layout: the right panel's y label clears the left panel's tick labels
+    fig = Figure(figsize=(7, 3.2), layout="constrained")
     ax1, ax2 = fig.subplots(1, 2)
     writes = sorted((r for r in tl if "completion_tokens" in r), key=lambda r: r["t"])
     if writes:

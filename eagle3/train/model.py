@@ -36,8 +36,8 @@ class DrafterInputs:
 
     Attributes:
         target_path: local target (verifier) model directory.
-        target_name: the portable verifier name written into the export (``target.served_name``,
-            else the hub id or the resolved local path; never a temp path of this run).
+        target_name: the portable verifier name written into the export
+            (:func:`eagle3.target.verifier_name`; never one machine's cache folder).
         target_config: the target's transformers config (text config for multimodal models).
         hidden_size: target hidden size H.
         num_hidden_layers: target decoder layers N.
@@ -101,7 +101,7 @@ def resolve_inputs(params: Params, run_dir: str | Path) -> DrafterInputs:
     """
     from transformers import AutoConfig
 
-    from eagle3.target import resolve_target
+    from eagle3.target import resolve_target, verifier_name
 
     resolved = resolve_target(params.target)
     cfg = _text_config(AutoConfig.from_pretrained(resolved.path, trust_remote_code=params.target.trust_remote_code))
@@ -141,7 +141,8 @@ def resolve_inputs(params: Params, run_dir: str | Path) -> DrafterInputs:
             f"layers (id k = transformers hidden_states[k])"
         )
     return DrafterInputs(
-        target_path=Path(resolved.path), target_name=resolved.name, target_config=cfg, hidden_size=H,
+        # an embedded or GGUF target's resolved folder is one machine's cache: the portable name instead
+        target_path=Path(resolved.path), target_name=verifier_name(params.target), target_config=cfg, hidden_size=H,
         num_hidden_layers=N, target_vocab_size=V, aux_layer_ids=aux, draft_vocab_size=draft, d2t=d2t,
         t2d=t2d, mapping_file=mfile, meta=meta,
     )

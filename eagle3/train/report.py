@@ -144,14 +144,15 @@ def export_summary(run_dir: str | Path) -> dict:
         return {"exported": False}
     cfg = json.loads((d / "config.json").read_text())
     verifier = cfg["speculators_config"]["verifier"]["name_or_path"]
-    problems = check_drafter(d, _target_dir(run_dir) if rd.params_file.exists() else verifier)
+    target = _target_dir(run_dir) if rd.params_file.exists() else verifier
+    problems = check_drafter(d, target)
     k = cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
     spec = json.dumps(get(kind_name(d)).speculative_config(d, k))
     return {"drafter": str(d), "exported checkpoint": f"step_{stats['best_step']:06d}", "why": stats.get("export_reason"),
             "best validation tau_hat": stats.get("best_val_tau_hat"), "final validation tau_hat": stats.get("final_val_tau_hat"),
             "final validation tau_sim (rounds)": stats.get("final_val_tau_sim"),
             "verifier in config.json": verifier, "check_drafter problems": problems or "none",
-            "serve with": f"vllm serve {verifier} --speculative-config '{spec}'"}
+            "serve with": f"vllm serve {target} --speculative-config '{spec}' (stage 5 prints the measured command)"}
 
 
 def _target_dir(run_dir: str | Path) -> str:

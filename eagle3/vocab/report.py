@@ -125,14 +125,33 @@ class CoverageExplorer:
             "heldout_oov_rate": oov,
         }
 
+    def telling_sizes(self) -> list[int]:
+        """Draft vocab sizes that say something about this corpus: 1/16, 1/8, 1/4 and 1/2 of its
+        distinct masked tokens, the common sizes (:data:`COMMON_SIZES`) below that count, the chosen
+        size, and the distinct count itself (every token kept) when no chosen size reaches it. A size
+        at or above the distinct count covers everything (coverage 1.0): 8K, 16K and 32K on a corpus
+        of 7,061 distinct tokens would be three equal rows."""
+        d, V = self.cov.distinct, self.cov.vocab_size
+        sizes = {max(1, round(d * f)) for f in (1 / 16, 1 / 8, 1 / 4, 1 / 2)} | {s for s in COMMON_SIZES if s < d}
+        if self.chosen_size:
+            sizes.add(int(self.chosen_size))
+        if not self.chosen_size or self.chosen_size < d:
+            sizes.add(d)
+        return sorted(s for s in sizes if 1 <= s <= V)
+
     def sizes_table(self, sizes=None):
-        """DataFrame: :meth:`summary` at 8K/16K/32K/64K (those <= V) and the chosen size."""
+        """DataFrame: :meth:`summary` at ``sizes`` (default :meth:`telling_sizes`)."""
         import pandas as pd
 
-        sizes = list(sizes or [s for s in COMMON_SIZES if s <= self.cov.vocab_size])
-        if self.chosen_size and self.chosen_size not in sizes:
-            sizes.append(int(self.chosen_size))
-        return pd.DataFrame([self.summary(s) for s in sorted(sizes)])
+        return pd.DataFrame([self.summary(s) for s in sorted(sizes or self.telling_sizes())])
+
+    def start_size(self) -> int:
+        """The size the explorer opens on: the chosen size when it loses something, else half the
+        corpus's distinct tokens (a chosen size holding every token shows "nothing lost")."""
+        d = self.cov.distinct
+        if self.chosen_size and self.chosen_size < d:
+            return int(self.chosen_size)
+        return max(1, round(d / 2)) if d > 1 else int(self.chosen_size or self.cov.vocab_size)
 
     def top_lost(self, size: int, n: int = 20):
         """DataFrame of the ``n`` most frequent tokens outside a draft vocab of ``size``:
@@ -247,7 +266,7 @@ class CoverageExplorer:
         import ipywidgets as w
 
         V = self.cov.vocab_size
-        start = int(self.chosen_size or min(32768, V))
+        start = self.start_size()
         slider = w.FloatLogSlider(value=start, base=2, min=0, max=math.log2(V), step=step, description="draft vocab",
                                   continuous_update=False, readout_format=".0f", layout=w.Layout(width="90%"))
         box = w.BoundedIntText(value=start, min=1, max=V, description="exact")
@@ -263,7 +282,10 @@ class CoverageExplorer:
 
         slider.observe(from_slider, names="value")
         box.observe(from_box, names="value")
-        static = (f"<p><em>Static view at the chosen draft vocab size {start:,}: the slider needs a live kernel "
+        at = (f"the chosen draft vocab size {start:,}" if start == self.chosen_size else
+              f"draft vocab size {start:,}, half of the corpus's {self.cov.distinct:,} distinct tokens"
+              + (f" (the run's {int(self.chosen_size):,} keeps every one)" if self.chosen_size else ""))
+        static = (f"<p><em>Static view at {at}: the slider needs a live kernel "
                   f"(open this notebook in JupyterLab).</em></p>" + self.render_html(start))
 
         class Explorer(w.VBox):
