@@ -1202,7 +1202,7 @@ def test_small_training_data_on_the_default_demonstration_is_expected_and_names_
                                                  ["synthesize.sources.1.self_prompt.count=4000"]))
     training = {"known": True, "conversations": 958, "completion_tokens": 90000,
                 "sources": {"human-eval": 46, "self": 912}, "categories": {"human-eval": 46, "self": 912}}
-    w = mismatch_warnings({}, training, default.evaluate, default_demonstration(default))
+    w = mismatch_warnings({}, training, default.evaluate, demonstration=default_demonstration(default))
     assert [x["rule"] for x in w] == ["small_training_data"] and w[0]["expected"] is True
     assert w[0]["message"].startswith("expected of the default demonstration, small by design to finish in about "
                                       "35 minutes on 2 CPU cores: the drafter was trained on 958 conversations")

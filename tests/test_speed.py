@@ -279,7 +279,7 @@ def test_the_warning_names_the_set_the_method_and_the_one_command():
     from eagle3.evaluate.mismatch import mismatch_warnings
 
     sets, pooled, _ = _stats_and_results()
-    w = [x for x in mismatch_warnings(sets, {"known": False}, EvaluateParams(), pooled) if x["rule"] == "unsteady_speed"]
+    w = [x for x in mismatch_warnings(sets, {"known": False}, EvaluateParams(), pooled=pooled) if x["rule"] == "unsteady_speed"]
     assert [x["numbers"]["set"] for x in w] == ["heldout", "chat", "all sets pooled"]
     assert all(x["numbers"]["methods"] == ["vllm/none"] for x in w)
     assert w[0]["message"].startswith("on heldout the timing rounds disagree beyond 25%: no speculation (vLLM) 35.0 "
@@ -290,7 +290,7 @@ def test_the_warning_names_the_set_the_method_and_the_one_command():
     quiet_sets = {s: g for s, g in sets.items()}
     for g in list(quiet_sets.values()) + [pooled]:
         g.methods["vllm/none"]["speed_steady"] = True
-    assert [x for x in mismatch_warnings(quiet_sets, {"known": False}, EvaluateParams(), pooled)
+    assert [x for x in mismatch_warnings(quiet_sets, {"known": False}, EvaluateParams(), pooled=pooled)
             if x["rule"] == "unsteady_speed"] == []
 
 

@@ -206,7 +206,7 @@ def _unsteady_speed(sets: dict[str, SetStats], pooled: PooledStats | None, toler
     return out
 
 
-def mismatch_warnings(sets: dict[str, SetStats], training: dict, ev, pooled: PooledStats | None = None,
+def mismatch_warnings(sets: dict[str, SetStats], training: dict, ev, *, pooled: PooledStats | None = None,
                       demonstration: bool = False) -> list[dict]:
     """The warnings that apply, in :data:`RULES` order.
 

@@ -541,7 +541,8 @@ def run(params, run_dir: str | Path) -> EvaluateStats:
         parity, drafter_check, diagnosis, layer_warnings = _check(params, inp, rd, m)
         cmd = _serve_command(params, inp, rd)
         stats = _stats(params, inp, m.backends, sets, parity, diagnosis, cmd)
-        stats.warnings = (mismatch_warnings(stats.sets, inp.training, ev, stats.pooled, default_demonstration(params))
+        stats.warnings = (mismatch_warnings(stats.sets, inp.training, ev, pooled=stats.pooled,
+                                            demonstration=default_demonstration(params))
                           + layer_warnings)
         results = _results(params, inp, m.backends, sets, parity, diagnosis, drafter_check, stats.warnings, cmd)
         atomic_write_json(rd.evaluate_results, results)
