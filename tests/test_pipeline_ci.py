@@ -29,9 +29,10 @@ def test_every_stage_complete_with_progress(ci_run):
         assert prog["status"] == "done" and prog["done"] == prog["total"], (name, prog)
     assert format_status(ci_run).count("complete") == 5
     assert len(list((ci_run / "notebooks").glob("0*.ipynb"))) == 5
-    # stage 5 ends in its second phase (offline prompts, then vLLM measurements: each its own ETA)
+    # stage 5 ends in its last phase (offline prompts, vLLM measurements, then the timed requests: each its
+    # own ETA): speed_prompts x sets x vLLM methods x speed_rounds = 2 x 2 x 3 x 3
     prog = read_json(ci_run / "05_evaluate" / "progress.json")
-    assert (prog["unit"], prog["total"]) == ("vLLM measurements", 3), prog
+    assert (prog["unit"], prog["total"]) == ("timed requests", 2 * 2 * 3 * 3), prog
 
 
 def test_every_headline_key_is_in_stats_json(ci_run):
