@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["CPU_FEATURES", "MEASURED_RUNS", "MachineInfo", "machine_info", "cpu_flags", "dtype_choice",
-           "expected_duration", "machine_line", "OtherLoad"]
+           "expected_duration", "machine_line", "OtherLoad", "CPU_THREAD_ENV", "cpu_thread_env"]
 
 # /proc/cpuinfo flag -> name, the ones that decide the target's dtype and speed on a CPU (best first)
 CPU_FEATURES = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"), ("avx2", "AVX2"))
@@ -30,6 +30,30 @@ MEASURED_RUNS = {
     ("smollm2-135m-2x", "bfloat16"): (63, "63 min 25 s on 2 cores with AVX512-BF16"),
 }
 MEASURED_CPUS = 2
+
+# OpenMP (libgomp: torch's and vLLM's CPU threads) makes a thread that reaches the end of a parallel
+# region spin while it waits for the others. Where another job takes a core, the thread that shares it
+# is descheduled mid-region and the spinning one burns its own core waiting: on 2 cores beside one
+# CPU-bound job stage 5's offline prompts took over 2 s per target forward of the 135M target, and the
+# target's greedy decoding ran 7-10x faster with PASSIVE threads, which sleep instead
+# (benchmarks/bench_cpu_threads.py; its quiet-machine cost in benchmarks/RESULTS.md).
+CPU_THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def cpu_thread_env(env: dict | None = None) -> dict:
+    """``env`` (default: ``os.environ`` itself, changed in place) with :data:`CPU_THREAD_ENV` set where unset.
+
+    OpenMP reads the wait policy once, when a process loads it, so this takes effect for the processes
+    started afterwards (notebook kernels, torchrun ranks, vLLM engines and servers) and for this one
+    only when called before ``import torch``. A value the caller set is kept.
+
+    Returns:
+        dict: ``env`` (the same mapping, for chaining).
+    """
+    env = os.environ if env is None else env
+    for key, value in CPU_THREAD_ENV.items():
+        env.setdefault(key, value)
+    return env
 
 
 @dataclass(frozen=True)
