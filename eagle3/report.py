@@ -331,8 +331,10 @@ def _text_table(rows: list[list[str]]) -> list[str]:
 def summary_text(run_dir: str | Path) -> str:
     """The result as plain text for the terminal and a log (what :func:`summary_html` opens with): per
     evaluation set, out-of-domain first, the drafter, n-gram lookup and no speculation in vLLM (tokens
-    per target forward, τ; "—" where not measured), the drafter over n-gram, the parity line and each
-    mismatch warning with its fix (an expected one as a note). Empty when stage 5 has not finished.
+    per target forward, τ, tokens/s one request at a time and the speed-up over no speculation, marked
+    "(unsteady)" where the timing rounds disagree; "—" where not measured), the drafter over n-gram,
+    the parity line and each mismatch warning with its fix (an expected one as a note). Empty when
+    stage 5 has not finished.
     """
     try:
         st = read_stats(run_dir)
@@ -344,14 +346,21 @@ def summary_text(run_dir: str | Path) -> str:
     def num(v, decimals: int) -> str:
         return _fixed(v, decimals) if isinstance(v, (int, float)) and not isinstance(v, bool) else "—"
 
-    rows = [["set", "vLLM", "tokens per target forward", "τ", "drafter / n-gram"]]
+    def unsteady(ok) -> str:  # timing rounds that disagree: the report's disturbed-speed mark, in words
+        return " (unsteady)" if ok is False else ""
+
+    rows = [["set", "vLLM", "tokens per target forward", "τ", "drafter / n-gram", "tokens/s", "speed-up"]]
     sets = sorted(st.sets.items(), key=lambda kv: out_of_domain_first(kv[1].domain)) or [("all prompts", st.pooled)]
     for name, g in sets:
         label = f"{name} ({g.domain}, {g.prompts} prompts)" if isinstance(g, SetStats) else f"{name} ({g.prompts})"
         ratio = _ratio(g.get(VLLM_EAGLE3, "tokens_per_forward"), g.get(VLLM_NGRAM, "tokens_per_forward"))
         for i, (m, method_label) in enumerate(_TABLE_METHODS):
+            up = g.get(m, "speedup") if m != VLLM_NONE else None
             rows.append([label if i == 0 else "", method_label, num(g.get(m, "tokens_per_forward"), 3),
-                         num(g.get(m, "tau"), 3), num(ratio, 2) + "x" * (ratio is not None) if i == 0 else ""])
+                         num(g.get(m, "tau"), 3), num(ratio, 2) + "x" * (ratio is not None) if i == 0 else "",
+                         num(g.get(m, "tokens_per_s"), 1) + unsteady(g.get(m, "speed_steady")),
+                         (num(up, 2) + "x" * (up is not None) + unsteady(g.get(m, "speedup_steady")))
+                         if m != VLLM_NONE else ""])
     p = st.parity
     verdict = "not checked" if p.ok is None else ("agrees" if p.ok else "DISAGREES")
     lines = [f"Result (vLLM, k = {_fmt(st.settings.k)} draft tokens, temperature {_fmt(st.settings.temperature)}):",

@@ -362,8 +362,9 @@ def _finished_run(tmp_path) -> Path:
     """A run folder whose stage 5 finished: two sets, the three vLLM methods, parity, the default's
     expected warning and the serve command."""
     sets = {"heldout": {"domain": "in-distribution", "prompts": 44, "methods": _methods(
-                eagle3={"tokens_per_forward": 1.787, "tau": 1.95}, ngram={"tokens_per_forward": 1.322, "tau": 2.1},
-                none={"tokens_per_s": 37.8})},
+                eagle3={"tokens_per_forward": 1.787, "tau": 1.95, "tokens_per_s": 48.4, "speed_steady": True},
+                ngram={"tokens_per_forward": 1.322, "tau": 2.1, "tokens_per_s": 57.5, "speed_steady": False},
+                none={"tokens_per_s": 37.8, "speed_steady": True})},
             "general-chat": {"domain": "out-of-domain", "prompts": 96, "methods": _methods(
                 eagle3={"tokens_per_forward": 1.535, "tau": 1.61}, ngram={"tokens_per_forward": 1.303, "tau": 2.2})}}
     warn = {"rule": "small_training_data", "expected": True, "numbers": {}, "fix": "params/smollm2-135m-2x.yaml",
@@ -376,7 +377,8 @@ def _finished_run(tmp_path) -> Path:
 
 def test_summary_text_is_the_result_table_in_plain_text(tmp_path):
     """The terminal's last lines: per set (out-of-domain first) the drafter, n-gram and no speculation
-    with tokens per target forward and τ ("—" where not measured), parity and the warnings."""
+    with tokens per target forward, τ, tokens/s and speed-up ("—" where not measured, "(unsteady)" where
+    the timing rounds disagree), parity and the warnings."""
     from eagle3.report import summary_text
 
     lines = summary_text(_finished_run(tmp_path)).splitlines()
@@ -384,13 +386,13 @@ def test_summary_text_is_the_result_table_in_plain_text(tmp_path):
     table = [ln.split("  ") for ln in lines[1:8]]
     cells = [[c.strip() for c in row if c.strip()] for row in table]
     assert cells == [
-        ["set", "vLLM", "tokens per target forward", "τ", "drafter / n-gram"],
-        ["general-chat (out-of-domain, 96 prompts)", "EAGLE-3 drafter", "1.535", "1.610", "1.18x"],
-        ["n-gram lookup", "1.303", "2.200"],
-        ["no speculation", "—", "—"],
-        ["heldout (in-distribution, 44 prompts)", "EAGLE-3 drafter", "1.787", "1.950", "1.35x"],
-        ["n-gram lookup", "1.322", "2.100"],
-        ["no speculation", "1.000", "—"]]
+        ["set", "vLLM", "tokens per target forward", "τ", "drafter / n-gram", "tokens/s", "speed-up"],
+        ["general-chat (out-of-domain, 96 prompts)", "EAGLE-3 drafter", "1.535", "1.610", "1.18x", "—", "—"],
+        ["n-gram lookup", "1.303", "2.200", "—", "—"],
+        ["no speculation", "—", "—", "—"],
+        ["heldout (in-distribution, 44 prompts)", "EAGLE-3 drafter", "1.787", "1.950", "1.35x", "48.4", "1.28x"],
+        ["n-gram lookup", "1.322", "2.100", "57.5 (unsteady)", "1.52x (unsteady)"],
+        ["no speculation", "1.000", "—", "37.8"]]
     # the columns line up: every row's τ starts where the header's does
     assert len({ln.index("τ") for ln in lines[1:2]}) == 1 and lines[2].index("1.610") == lines[1].index("τ")
     assert lines[8] == "Parity: offline τ 1.596 vs vLLM τ 1.559 on the same 16 prompts: agrees."
