@@ -132,12 +132,17 @@ def dtype_choice(target, info: MachineInfo) -> tuple[str, str]:
                    "fraction of the float32 rate")
 
 
-def expected_duration(params_file: str | Path, dtype: str, info: MachineInfo, overridden: bool = False) -> str:
+def expected_duration(params_file: str | Path, dtype: str, info: MachineInfo, overridden: bool = False,
+                      stages: list[int] | None = None) -> str:
     """The expected duration of ``eagle3 run`` in words, from :data:`MEASURED_RUNS` (``params_file``'s
     stem and ``dtype``); it says where this machine differs from the measured one (CPUs, a GPU, other
-    load) and when ``--set`` changed the params (``overridden``)."""
+    load) and when ``--set`` changed the params (``overridden``). The measurements are whole runs: a
+    call of some ``stages`` only (e.g. ``--stages 5 --remeasure-speed``) gets each stage's ETA instead."""
     stem = Path(params_file).stem
     hit = MEASURED_RUNS.get((stem, dtype))
+    if stages is not None and sorted(set(stages)) != [1, 2, 3, 4, 5]:
+        whole = f" (the measured {hit[0]} min are for all five stages)" if hit and not info.gpu else ""
+        return f"stage{'s' * (len(stages) > 1)} {', '.join(map(str, stages))} only: each stage shows its ETA{whole}"
     if hit is None or info.gpu:
         known = sorted({s for s, _ in MEASURED_RUNS})
         return (f"no measured duration for {Path(params_file).name} in {dtype}{' on a GPU' if info.gpu else ''} "
@@ -153,10 +158,12 @@ def expected_duration(params_file: str | Path, dtype: str, info: MachineInfo, ov
     return f"expected about {minutes} min ({how}" + "".join(f"; {n}" for n in notes) + ")"
 
 
-def machine_line(params, params_file: str | Path, info: MachineInfo | None = None, overridden: bool = False) -> str:
+def machine_line(params, params_file: str | Path, info: MachineInfo | None = None, overridden: bool = False,
+                 stages: list[int] | None = None) -> str:
     """The line ``eagle3 run`` prints before it starts (and ``--check-machine`` prints alone): the CPUs
     and their features, a GPU, the target's dtype and why, the expected duration (by ``params_file``'s
-    name; for a run directory's ``params.yaml``, by the run's name)."""
+    name; for a run directory's ``params.yaml``, by the run's name; of the ``stages`` this call runs,
+    default all: :func:`expected_duration`)."""
     info = info or machine_info()
     names = [name for flag, name in CPU_FEATURES if flag in info.flags]
     missing = [name for flag, name in CPU_FEATURES[:2] if flag not in info.flags]
@@ -169,7 +176,7 @@ def machine_line(params, params_file: str | Path, info: MachineInfo | None = Non
     # a run directory's own params.yaml: the run's name stands for the params file it was made from
     named = f"{params.run.name}.yaml" if Path(params_file).name == "params.yaml" else params_file
     return (f"eagle3: machine: {cpu}: {feats}{gpu}; target dtype {dtype} ({why}); "
-            f"{expected_duration(named, dtype, info, overridden)}")
+            f"{expected_duration(named, dtype, info, overridden, stages)}")
 
 
 def _machine_ticks() -> tuple[int, int]:

@@ -191,7 +191,7 @@ BF16 = AVX2_ONLY.replace("avx2 fma", "avx2 avx512f avx512_bf16 fma").replace("AM
 
 
 def _line(monkeypatch, cpuinfo: str, native: bool, params_file: str = "params/smollm2-135m.yaml", cpus: int = 2,
-          load: float = 0.3, overrides: list[str] | None = None) -> str:
+          load: float = 0.3, overrides: list[str] | None = None, stages: list[int] | None = None) -> str:
     import eagle3.target as target
     from eagle3.machine import MachineInfo, cpu_flags, machine_line
     from eagle3.params_file import load_params
@@ -200,7 +200,7 @@ def _line(monkeypatch, cpuinfo: str, native: bool, params_file: str = "params/sm
     monkeypatch.setattr(target, "pick_device", lambda device="auto": "cpu")
     flags, model = cpu_flags(cpuinfo)
     info = MachineInfo(cpus=cpus, model=model, flags=flags, native_bf16=native, gpu=None, load_1m=load)
-    return machine_line(load_params(ROOT / params_file, overrides or []), params_file, info, bool(overrides))
+    return machine_line(load_params(ROOT / params_file, overrides or []), params_file, info, bool(overrides), stages)
 
 
 def test_the_start_line_of_an_avx2_only_machine_says_float32_and_78_minutes(monkeypatch):
@@ -225,6 +225,17 @@ def test_the_start_line_names_what_differs_from_the_measurement(monkeypatch):
     assert "target dtype float32 (target.dtype says so)" in ci  # ci.yaml sets it
     assert ci.endswith("no measured duration for ci.yaml in float32 (measured: smollm2-135m, smollm2-135m-2x on 2 "
                        "CPU cores); each stage shows its ETA")
+
+
+def test_a_call_of_some_stages_gets_their_etas_not_the_whole_runs_duration(monkeypatch):
+    """``--stages 5 --remeasure-speed`` said "expected about 32 min" for a stage that took 3; the measured
+    durations are whole runs, so a call of some stages says so and points at each stage's ETA."""
+    line = _line(monkeypatch, BF16, native=True, stages=[5])
+    assert line.endswith("stage 5 only: each stage shows its ETA (the measured 32 min are for all five stages)")
+    assert _line(monkeypatch, BF16, native=True, stages=[4, 5]).endswith("stages 4, 5 only: each stage shows its ETA "
+                                                                        "(the measured 32 min are for all five stages)")
+    assert _line(monkeypatch, BF16, native=True, stages=[1, 2, 3, 4, 5]).endswith("expected about 32 min (31 min 52 s "
+                                                                                 "on 2 cores with AVX512-BF16)")
 
 
 def test_a_run_directorys_params_file_is_known_by_the_run_name(monkeypatch):

@@ -308,8 +308,8 @@ def run_pipeline(
             stage notebooks this call executes run under its lock).
     """
     ov = [*(overrides or []), *([f"run.name={run_name}"] if run_name else [])]
-    params = _print_machine_line(load_params(params_file, ov), params_file, overrides)
     selected = list(stages or STAGES)
+    params = _print_machine_line(load_params(params_file, ov), params_file, overrides, selected)
     redo_set = set(redo or []) | ({5} if remeasure_speed else set())
     if redo_set - set(selected):
         raise ParamsError(f"--redo {','.join(map(str, sorted(redo_set)))}: stage(s) {sorted(redo_set - set(selected))} "
@@ -331,9 +331,9 @@ def run_pipeline(
     return run_dir
 
 
-def _print_machine_line(params, params_file, overrides: list[str] | None):
+def _print_machine_line(params, params_file, overrides: list[str] | None, stages: list[int]):
     """Print the machine line of a run of ``params`` (:func:`eagle3.machine.machine_line`); returns ``params``."""
-    print(machine_line(params, params_file, overridden=bool(overrides)), flush=True)
+    print(machine_line(params, params_file, overridden=bool(overrides), stages=stages), flush=True)
     return params
 
 
