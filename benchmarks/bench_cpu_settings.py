@@ -105,8 +105,8 @@ def main() -> None:
     import torch
 
     from eagle3.config import TargetParams
+    from eagle3.machine import usable_cpus
     from eagle3.target import cpu_has_native_bf16, target_dtype
-    from eagle3.vllm_utils import usable_cpus
 
     print(f"CPU: {torch.backends.cpu.get_cpu_capability()}, {len(usable_cpus())} usable CPUs, torch "
           f"{torch.__version__} ({torch.get_num_threads()} threads); native bf16: {cpu_has_native_bf16()}; "

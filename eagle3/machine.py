@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["CPU_FEATURES", "MEASURED_RUNS", "MachineInfo", "machine_info", "cpu_flags", "dtype_choice",
-           "expected_duration", "machine_line", "OtherLoad", "CPU_THREAD_ENV", "cpu_thread_env"]
+           "expected_duration", "machine_line", "OtherLoad", "CPU_THREAD_ENV", "cpu_thread_env", "usable_cpus"]
 
 # /proc/cpuinfo flag -> name, the ones that decide the target's dtype and speed on a CPU (best first)
 CPU_FEATURES = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"), ("avx2", "AVX2"))
@@ -38,6 +38,14 @@ MEASURED_CPUS = 2
 # target's greedy decoding ran 7-10x faster with PASSIVE threads, which sleep instead
 # (benchmarks/bench_cpu_threads.py; its quiet-machine cost in benchmarks/RESULTS.md).
 CPU_THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def usable_cpus() -> list[int]:
+    """The CPU ids this process may run on (its affinity mask; all CPUs where there is none)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
 
 
 def cpu_thread_env(env: dict | None = None) -> dict:
@@ -95,7 +103,6 @@ def cpu_flags(cpuinfo: str) -> tuple[frozenset[str], str]:
 def machine_info(cpuinfo: str | None = None) -> MachineInfo:
     """This machine's :class:`MachineInfo`; ``cpuinfo``: ``/proc/cpuinfo``'s text (read when None)."""
     from eagle3.target import cpu_has_native_bf16
-    from eagle3.vllm_utils import usable_cpus
 
     if cpuinfo is None:
         try:
@@ -236,7 +243,6 @@ class OtherLoad:
 
     def __init__(self, machine: Callable[[], tuple[int, int]] | None = None, own: Callable[[], int] | None = None,
                  clock: Callable[[], float] = time.monotonic, cpus: tuple[int, int] | None = None) -> None:
-        from eagle3.vllm_utils import usable_cpus
 
         self.machine, self.own, self.clock = machine or _machine_ticks, own or _tree_ticks, clock
         self.cpus = cpus or (os.cpu_count() or 1, len(usable_cpus()))

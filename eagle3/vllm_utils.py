@@ -19,14 +19,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from eagle3.machine import CPU_THREAD_ENV, cpu_thread_env
+from eagle3.machine import CPU_THREAD_ENV, cpu_thread_env, usable_cpus
 
 __all__ = [
     "on_cpu",
     "serve_cli_works",
     "serve_settings",
     "cpu_env",
-    "usable_cpus",
     "engine_kwargs",
     "free_port",
     "VllmServer",
@@ -70,14 +69,6 @@ def on_cpu() -> bool:
     import torch
 
     return not torch.cuda.is_available()
-
-
-def usable_cpus() -> list[int]:
-    """The CPU ids this process may run on (its affinity mask; all CPUs where there is none)."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return list(range(os.cpu_count() or 1))
 
 
 def cpu_env(env: dict | None = None) -> dict:

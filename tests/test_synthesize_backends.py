@@ -14,11 +14,12 @@ from eagle3.chat import ChatRenderer
 from eagle3.config import Params
 from eagle3.contracts.samples import read_samples
 from eagle3.io import read_json
+from eagle3.machine import usable_cpus
 from eagle3.rundir import SYNTHESIZE, RunDir, prepare_run_dir
 from eagle3.synthesize import TurnRequest
 from eagle3.synthesize import run as run_stage
 from eagle3.synthesize.local import TransformersBackend
-from eagle3.vllm_utils import CPU_SHARE_RESERVED_MAX_CPUS, VllmServer, usable_cpus
+from eagle3.vllm_utils import CPU_SHARE_RESERVED_MAX_CPUS, VllmServer
 
 
 def run(params: Params, rd: Path) -> dict:
