@@ -291,11 +291,20 @@ def _warning_banner(warnings: list[dict]) -> str:
     # in the order of the list below, a rule that fired on several sets counted (5 warnings, 4 rules)
     counts = Counter(w["rule"] for w in warnings)
     rules = ", ".join(f"{rule} x{n}" if n > 1 else rule for rule, n in counts.items())
-    # a measured loss says "may not help"; a data-size/breadth rule alone says what it is
-    measured = {w["rule"] for w in warnings} - {"small_training_data", "narrow_training_data"}
-    what = ("this drafter may not help on the traffic you will serve" if measured else
-            "the training data is small or narrow: the numbers below may not carry over to other traffic")
-    return (f"<div class='warn' id='mismatch-warning'><strong>&#9888; {len(warnings)} mismatch "
+    # a measured loss says "may not help"; a data-size/breadth rule alone says what it is, and so does a
+    # disturbed timing alone (the machine's load, not the drafter)
+    fired = {w["rule"] for w in warnings}
+    data = fired & {"small_training_data", "narrow_training_data"}
+    speed = fired & {"unsteady_speed"}
+    if fired - data - speed:
+        what = "this drafter may not help on the traffic you will serve"
+    elif data:
+        what = "the training data is small or narrow: the numbers below may not carry over to other traffic"
+    else:
+        what = ("other load on the machine disturbed the speed timing: re-measure before reading the tokens/s "
+                f"or speed-ups (<code>{html.escape(REMEASURE_SPEED)}</code>)")
+    kind = "speed" if fired == speed else "mismatch"
+    return (f"<div class='warn' id='mismatch-warning'><strong>&#9888; {len(warnings)} {kind} "
             f"warning{'s' if len(warnings) > 1 else ''}: {what} "
             f"({html.escape(rules)}). See <a href='#warnings'>Warnings</a>.</strong></div>")
 

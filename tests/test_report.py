@@ -203,6 +203,22 @@ def test_a_data_size_warning_alone_does_not_say_the_drafter_may_not_help(tmp_pat
             "on a set); ood_far_below_id (out-of-domain τ far below in-distribution τ); narrow_training_data") in html.unescape(page)
 
 
+def test_a_disturbed_timing_alone_is_not_called_a_drafter_mismatch(tmp_path):
+    """unsteady_speed alone opened the page with "1 mismatch warning: this drafter may not help on the
+    traffic you will serve": the machine's load, not the drafter; the banner says so and how to re-measure."""
+    sets = {"general-chat": {"domain": "out-of-domain", "prompts": 96, "methods": _methods(
+        eagle3={"tokens_per_forward": 1.535}, ngram={"tokens_per_forward": 1.303})}}
+    warn = {"rule": "unsteady_speed", "message": "m", "numbers": {}, "fix": "f"}
+    write_stats(stage_dir(tmp_path, 5), _evaluate(96, sets=sets, warnings=[warn]))
+    page = html.unescape(index_html(tmp_path, [], {}))
+    assert ("⚠ 1 speed warning: other load on the machine disturbed the speed timing: re-measure before reading "
+            "the tokens/s or speed-ups (<code>eagle3 run PARAMS --stages 5 --remeasure-speed</code>)") in page
+    assert "may not help" not in page and "mismatch warning:" not in page
+    loss = {"rule": "drafter_below_ngram", "message": "m", "numbers": {}, "fix": "f"}
+    write_stats(stage_dir(tmp_path, 5), _evaluate(96, sets=sets, warnings=[loss, warn]))
+    assert "2 mismatch warnings: this drafter may not help" in html.unescape(index_html(tmp_path, [], {}))
+
+
 def test_an_expected_warning_is_a_note_not_an_alarm(tmp_path):
     """The default demonstration's small_training_data (expected: true) opens the page as a note
     without the red box; a real warning beside it is still the red banner."""
