@@ -1,7 +1,8 @@
 """A thin wrapper over wandb: one W&B run per run directory, one key prefix per stage.
 
 Mode comes from ``tracking.mode``: ``online``, ``offline`` or ``disabled``; ``auto`` is online
-when an API key is configured (``WANDB_API_KEY`` or a netrc entry) and offline otherwise. The W&B
+when an API key is configured (``WANDB_API_KEY`` or a netrc entry), offline otherwise, and off where
+the ``wandb`` package is not installed. The W&B
 run is named by ``run.name``; its config is the resolved params flattened to dotted keys
 (:func:`flat_params`: ``train.lr``, ``synthesize.sources.0.limit``), the keys ``eagle3 compare``
 names, so that W&B's own comparison of runs (its runs table, parallel coordinates) lines up with
@@ -20,7 +21,7 @@ from typing import Any
 
 from eagle3.config import Params
 
-__all__ = ["Tracker", "resolve_mode", "scrub_secrets", "offline_fallback_id", "flat_params"]
+__all__ = ["Tracker", "resolve_mode", "check_tracking", "wandb_installed", "scrub_secrets", "offline_fallback_id", "flat_params"]
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +34,36 @@ _SECRET_SUFFIXES = ("_api_key", "_apikey", "_access_token", "_auth_token", "_sec
 _SECRET_VALUE_RE = re.compile(r"^(sk-[A-Za-z0-9_-]{8,}|hf_[A-Za-z0-9]{20,}|local-[0-9a-f]{30,}|[0-9a-f]{40})$")
 
 
+def wandb_installed() -> bool:
+    """Whether the ``wandb`` package can be imported here (a bare GPU image may lack it)."""
+    import importlib.util
+
+    return importlib.util.find_spec("wandb") is not None
+
+
+def check_tracking(params: Params) -> None:
+    """Refuse, before a stage runs, a ``tracking.mode`` that needs W&B where ``wandb`` is not installed
+    (the stage would fail at its end, after its work, when it logs).
+
+    Raises:
+        ParamsError: ``tracking.mode`` online/offline without the package, naming both ways out.
+    """
+    from eagle3.errors import ParamsError
+
+    if params.tracking.mode in ("online", "offline") and not wandb_installed():
+        raise ParamsError(f"tracking.mode: {params.tracking.mode} needs the wandb package, which is not installed "
+                          f"here: pip install wandb, or --set tracking.mode=disabled (auto skips W&B without it)")
+
+
 def resolve_mode(mode: str) -> str:
-    """'auto' -> 'online' if a W&B API key is configured, else 'offline'; others unchanged."""
+    """'auto' -> 'online' if a W&B API key is configured, else 'offline', and 'disabled' where the
+    ``wandb`` package is not installed (the figures are still written as PNGs); others unchanged."""
     if mode != "auto":
         return mode
+    if not wandb_installed():
+        log.warning("tracking.mode auto: the wandb package is not installed; W&B logging is off (figures "
+                    "are still saved as PNG files)")
+        return "disabled"
     if os.environ.get("WANDB_API_KEY"):
         return "online"
     netrc = Path.home() / ".netrc"

@@ -22,6 +22,31 @@ def test_resolve_mode(monkeypatch, tmp_path):
     assert resolve_mode("disabled") == "disabled"
 
 
+def test_without_the_wandb_package_auto_is_off_and_an_explicit_mode_is_refused_before_a_stage(monkeypatch, tmp_path):
+    """A GPU image without wandb failed stage 1 after its 3 minutes of answers (ModuleNotFoundError when
+    the stage logged): ``auto`` turns W&B off there, and ``online``/``offline`` are refused before any
+    stage runs, naming both ways out; nothing is written."""
+    import importlib.util
+
+    import pytest
+
+    import eagle3.tracking as tracking
+    from eagle3.commands.run import run_pipeline
+    from eagle3.errors import ParamsError
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    assert not tracking.wandb_installed()
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert resolve_mode("auto") == "disabled"
+    monkeypatch.chdir(tmp_path)
+    params_file = Path(__file__).resolve().parents[1] / "params" / "ci.yaml"
+    with pytest.raises(ParamsError, match=r"tracking.mode: offline needs the wandb package.*pip install wandb.*"
+                                          r"--set tracking.mode=disabled"):
+        run_pipeline(params_file, overrides=["tracking.mode=offline", f"run.output_dir={tmp_path / 'out'}"])
+    assert not (tmp_path / "out").exists()
+
+
 def test_scrub_secrets_keeps_env_names():
     d = {"server": {"api_key_env": "OPENAI_API_KEY", "api_key": "sk-123"}, "token": "abc", "n": 1}
     assert scrub_secrets(d) == {"server": {"api_key_env": "OPENAI_API_KEY", "api_key": "***"}, "token": "***", "n": 1}

@@ -35,6 +35,7 @@ from eagle3.rundir import (
     resolve_run_dir,
 )
 from eagle3.stage import RunLock, shared_from, stage_record, stale_inputs, stale_message, this_command
+from eagle3.tracking import check_tracking
 
 __all__ = ["KERNEL", "check_machine", "parse_stages", "format_stages", "resume_stages", "params_options", "run_dir_for",
            "check_prompt_files", "reopen_stage", "run_pipeline", "stages_read", "require_earlier_complete",
@@ -295,7 +296,8 @@ def run_pipeline(
     Raises:
         StaleStage: a complete stage with changed inputs, not covered by ``redo``.
         PromptError: a local prompt file of a stage to run has no usable prompt, or a field mapping
-            that matches none of its records (:func:`check_prompt_files`; nothing written yet).
+            that matches none of its records (:func:`check_prompt_files`; nothing written yet);
+            ``tracking.mode`` online/offline without the wandb package (:func:`eagle3.tracking.check_tracking`).
         ParamsError: a run directory in the source tree (:func:`eagle3.rundir.check_run_location`); stages
             after 1 only on a folder without ``params.yaml`` (nothing is created); invalid params or a run
             made with others (:func:`eagle3.rundir.prepare_run_dir`); a ``redo`` stage not selected.
@@ -322,6 +324,7 @@ def run_pipeline(
     _refuse_before_writing(target_dir, to_run, params, again, selected)
     nbs = stage_notebooks(Path(notebooks) if notebooks else None, selected)
     check_prompt_files(params, to_run)
+    check_tracking(params)
     check_run_location(target_dir)
     with RunLock(target_dir, this_command()):  # one writer per run folder, from here to the last stage
         run_dir = prepare_run_dir(params, target_dir, redo=redo_set, params_file=params_file, stages=selected,
