@@ -1,14 +1,15 @@
-"""The target's decoding on a CPU, quiet and beside one CPU-bound job, with OpenMP's default wait
-policy and with ``OMP_WAIT_POLICY=PASSIVE`` (what ``eagle3`` sets for its processes:
-:data:`eagle3.machine.CPU_THREAD_ENV`).
+"""The target's decoding on a CPU, quiet and beside one CPU-bound job, under OpenMP wait settings:
+libgomp's default (threads spin at the end of each parallel region), ``OMP_WAIT_POLICY=PASSIVE``
+(they sleep) or a ``GOMP_SPINCOUNT`` (spin that long, then sleep).
 
-    python benchmarks/bench_cpu_threads.py [--params params/smollm2-135m.yaml] [--tokens 48] [--rounds 2] [--vllm]
+    python benchmarks/bench_cpu_threads.py [--params params/smollm2-135m.yaml] [--tokens 48] [--rounds 2] \
+        [--policies default,PASSIVE,GOMP_SPINCOUNT=1000] [--vllm]
 
-Each cell is a fresh process (the wait policy is read when OpenMP starts), the cells interleaved
-round by round; "beside a job" starts ``python -c 'while True: pass'`` for the cell's duration.
-transformers: greedy decoding of one prompt in the target's dtype on every CPU (torch's default
-thread count); ``--vllm``: the same in a vLLM engine with the project's CPU settings (about a minute
-per cell). Prints tokens/s per cell (the median over rounds) and the ratios.
+Each cell is a fresh process (OpenMP reads its settings when it starts), the cells interleaved round by
+round; "beside a job" starts ``python -c 'while True: pass'`` for the cell's duration. transformers:
+greedy decoding of one prompt in the target's dtype on every CPU (torch's default thread count);
+``--vllm``: the same in a vLLM engine with the project's CPU settings (about a minute per cell). Prints
+tokens/s per cell (the median over rounds) and the ratios to the first setting.
 """
 
 from __future__ import annotations
@@ -55,10 +56,15 @@ def child(params_file: str, tokens: int, use_vllm: bool) -> None:
 
 
 def cell(args, policy: str | None, loaded: bool) -> float:
-    """One fresh process's tokens/s under ``policy`` (None: OpenMP's default), beside a busy job if ``loaded``."""
+    """One fresh process's tokens/s under ``policy`` (None: OpenMP's default; ``NAME=value``: that variable,
+    e.g. ``GOMP_SPINCOUNT=10000``; else an ``OMP_WAIT_POLICY``), beside a busy job if ``loaded``."""
     env = dict(os.environ)
-    env.pop("OMP_WAIT_POLICY", None)
-    if policy:
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        env.pop(name, None)
+    if policy and "=" in policy:
+        name, value = policy.split("=", 1)
+        env[name] = value
+    elif policy:
         env["OMP_WAIT_POLICY"] = policy
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if loaded else None
     try:
@@ -78,11 +84,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--vllm", action="store_true")
+    ap.add_argument("--policies", default="default,PASSIVE",
+                    help="comma-separated: default, an OMP_WAIT_POLICY value, or NAME=value (GOMP_SPINCOUNT=10000)")
     ap.add_argument("--child", action="store_true")
     args = ap.parse_args()
     if args.child:
         return child(args.params, args.tokens, args.vllm)
-    cells = [(p, loaded) for loaded in (False, True) for p in (None, "PASSIVE")]
+    policies = [None if p == "default" else p for p in args.policies.split(",")]
+    cells = [(p, loaded) for loaded in (False, True) for p in policies]
     rates: dict = {c: [] for c in cells}
     for r in range(args.rounds):
         for c in cells:
@@ -91,13 +100,12 @@ def main() -> None:
     med = {c: statistics.median(v) for c, v in rates.items()}
     engine = "vLLM" if args.vllm else "transformers"
     print(f"\n{engine} decoding, {args.tokens} tokens, {os.cpu_count()} CPUs, median of {args.rounds} rounds")
-    print("| OMP_WAIT_POLICY | quiet tokens/s | beside one busy job | busy / quiet |")
-    print("| --- | --- | --- | --- |")
-    for p in (None, "PASSIVE"):
+    print("| OpenMP setting | quiet tokens/s | beside one busy job | busy / quiet | vs default: quiet / beside a job |")
+    print("| --- | --- | --- | --- | --- |")
+    for p in policies:
         q, b = med[(p, False)], med[(p, True)]
-        print(f"| {p or 'default (spin)'} | {q:.1f} | {b:.1f} | {b / q:.2f} |")
-    print(f"PASSIVE / default: quiet {med[('PASSIVE', False)] / med[(None, False)]:.2f}, "
-          f"beside a job {med[('PASSIVE', True)] / med[(None, True)]:.2f}")
+        print(f"| {p or 'default (spin)'} | {q:.1f} | {b:.1f} | {b / q:.2f} | "
+              f"{q / med[(policies[0], False)]:.2f} / {b / med[(policies[0], True)]:.2f} |")
 
 
 if __name__ == "__main__":  # vLLM engines spawn processes

@@ -234,9 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         Exception: anything that is not an :class:`eagle3.errors.Eagle3Error` (a bug: full traceback).
     """
     from eagle3.errors import Eagle3Error, RunInterrupted
-    from eagle3.machine import cpu_thread_env
 
-    cpu_thread_env()  # before torch loads OpenMP, here and in every process a command starts
     parser = _build_parser()
     args = parser.parse_args(argv)
     if args.cmd is None:

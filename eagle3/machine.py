@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["CPU_FEATURES", "MEASURED_RUNS", "MachineInfo", "machine_info", "cpu_flags", "dtype_choice",
-           "expected_duration", "machine_line", "OtherLoad", "CPU_THREAD_ENV", "cpu_thread_env", "usable_cpus"]
+           "expected_duration", "machine_line", "OtherLoad", "usable_cpus"]
 
 # /proc/cpuinfo flag -> name, the ones that decide the target's dtype and speed on a CPU (best first)
 CPU_FEATURES = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"), ("avx2", "AVX2"))
@@ -31,14 +31,6 @@ MEASURED_RUNS = {
 }
 MEASURED_CPUS = 2
 
-# OpenMP (libgomp: torch's and vLLM's CPU threads) makes a thread that reaches the end of a parallel
-# region spin while it waits for the others. Where another job takes a core, the thread that shares it
-# is descheduled mid-region and the spinning one burns its own core waiting: on 2 cores beside one
-# CPU-bound job stage 5's offline prompts took over 2 s per target forward of the 135M target, and the
-# target's greedy decoding ran 7-10x faster with PASSIVE threads, which sleep instead
-# (benchmarks/bench_cpu_threads.py; its quiet-machine cost in benchmarks/RESULTS.md).
-CPU_THREAD_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
-
 
 def usable_cpus() -> list[int]:
     """The CPU ids this process may run on (its affinity mask; all CPUs where there is none)."""
@@ -46,22 +38,6 @@ def usable_cpus() -> list[int]:
         return sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return list(range(os.cpu_count() or 1))
-
-
-def cpu_thread_env(env: dict | None = None) -> dict:
-    """``env`` (default: ``os.environ`` itself, changed in place) with :data:`CPU_THREAD_ENV` set where unset.
-
-    OpenMP reads the wait policy once, when a process loads it, so this takes effect for the processes
-    started afterwards (notebook kernels, torchrun ranks, vLLM engines and servers) and for this one
-    only when called before ``import torch``. A value the caller set is kept.
-
-    Returns:
-        dict: ``env`` (the same mapping, for chaining).
-    """
-    env = os.environ if env is None else env
-    for key, value in CPU_THREAD_ENV.items():
-        env.setdefault(key, value)
-    return env
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from eagle3.machine import CPU_THREAD_ENV, cpu_thread_env, usable_cpus
+from eagle3.machine import usable_cpus
 
 __all__ = [
     "on_cpu",
@@ -77,14 +77,11 @@ def cpu_env(env: dict | None = None) -> dict:
     Sets ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache), ``TOKENIZERS_PARALLELISM=false`` and, on a
     machine of at most :data:`CPU_SHARE_RESERVED_MAX_CPUS` usable CPUs, ``VLLM_CPU_OMP_THREADS_BIND``
     = every usable CPU with ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` (vLLM would otherwise keep one of the
-    two cores for its scheduler: 1.75x the generation rate measured on 2 cores), and
-    :data:`eagle3.machine.CPU_THREAD_ENV` (OpenMP threads that sleep rather than spin while they wait:
-    an engine beside another CPU-bound job keeps about half its rate instead of a tenth). A variable the
+    two cores for its scheduler: 1.75x the generation rate measured on 2 cores). A variable the
     caller set is never changed.
     """
     out = dict(os.environ if env is None else env)
     if on_cpu():
-        cpu_thread_env(out)
         out.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KVCACHE_GIB)
         out.setdefault("TOKENIZERS_PARALLELISM", "false")
         cpus = usable_cpus()
@@ -103,16 +100,16 @@ def _engine_settings(dtype: str, max_model_len: int) -> dict:
 
 
 def _vllm_cpu_env() -> dict[str, str]:
-    """The ``VLLM_CPU_*`` and OpenMP variables of :func:`cpu_env` (empty off a CPU)."""
-    return {k: v for k, v in cpu_env().items() if k.startswith("VLLM_CPU") or k in CPU_THREAD_ENV} if on_cpu() else {}
+    """The ``VLLM_CPU_*`` variables of :func:`cpu_env` (empty off a CPU)."""
+    return {k: v for k, v in cpu_env().items() if k.startswith("VLLM_CPU")} if on_cpu() else {}
 
 
 def engine_kwargs(model_path: str | Path, *, dtype: str = "auto", max_model_len: int = 2048,
                   seed: int = 0, tensor_parallel_size: int = 1, **extra) -> dict:
     """Keyword arguments for ``vllm.LLM(...)`` with this project's CPU defaults.
 
-    Sets the ``VLLM_CPU_*`` and OpenMP variables of :func:`cpu_env` in ``os.environ`` (those not
-    already set: the engine's worker processes read them).
+    Sets the ``VLLM_CPU_*`` variables of :func:`cpu_env` in ``os.environ`` (those not already set:
+    the engine's worker processes read them).
 
     Args:
         model_path: the target model directory.
@@ -133,7 +130,7 @@ def serve_settings(dtype: str, max_model_len: int) -> tuple[str, str]:
     ``flags``: ``--dtype D --max-model-len N`` and, on a CPU, ``--gpu-memory-utilization`` and
     ``--enforce-eager`` (:data:`CPU_MEMORY_UTILIZATION`, :data:`CPU_ENFORCE_EAGER`): each engine
     keyword as its ``vllm serve`` flag (a true boolean as a bare flag, a false one left out); ``env``:
-    the ``VLLM_CPU_*`` and OpenMP variables of :func:`cpu_env` as ``NAME=value`` words to put before the command
+    the ``VLLM_CPU_*`` variables of :func:`cpu_env` as ``NAME=value`` words to put before the command
     ('' off a CPU). A drafter served without them runs the target in another dtype or on other cores
     than the measurement (``target.dtype: auto`` is float32 on a CPU without native bf16, where the
     checkpoint says bfloat16).

@@ -790,21 +790,19 @@ def test_serve_command_carries_the_settings_the_measurement_ran_with(tmp_path, m
     float32 (an AVX2 CPU) - another number than the report's."""
     import eagle3.vllm_utils as vu
 
-    for name in [n for n in os.environ if n.startswith("VLLM_CPU") or n == "OMP_WAIT_POLICY"]:
+    for name in [n for n in os.environ if n.startswith("VLLM_CPU")]:
         monkeypatch.delenv(name)
     monkeypatch.setattr(vu, "on_cpu", lambda: True)
     monkeypatch.setattr(vu, "usable_cpus", lambda: [0, 1])
     flags, env = vu.serve_settings("float32", 2048)
     assert flags == "--dtype float32 --max-model-len 2048 --gpu-memory-utilization 0.3 --enforce-eager"
-    assert env == ("OMP_WAIT_POLICY=PASSIVE VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 "
-                   "VLLM_CPU_OMP_THREADS_BIND=0,1")
+    assert env == "VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_CPU_OMP_THREADS_BIND=0,1"
     # the measuring engine gets the same settings: its keywords and the variables it sets
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()})  # engine_kwargs writes here
     kw = vu.engine_kwargs("/models/t", dtype="float32", max_model_len=2048)
     assert {k: kw[k] for k in ("dtype", "max_model_len", "gpu_memory_utilization", "enforce_eager")} == \
         {"dtype": "float32", "max_model_len": 2048, "gpu_memory_utilization": 0.3, "enforce_eager": True}
-    assert " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
-                    if k.startswith("VLLM_CPU") or k == "OMP_WAIT_POLICY") == env
+    assert " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("VLLM_CPU")) == env
     monkeypatch.setattr(vu, "on_cpu", lambda: False)  # a GPU: vLLM's own settings, no CPU variables
     assert vu.serve_settings("auto", 4096) == ("--dtype auto --max-model-len 4096", "")
 
@@ -943,7 +941,7 @@ def test_stage_parity_passes_and_vllm_returns_counters(fitted_drafter, tmp_param
     assert "--host 127.0.0.1" in stats.vllm_serve_command and "$TARGET" not in stats.vllm_serve_command
     assert f"{RunDir(run_dir).drafter_dir.resolve()}" in stats.vllm_serve_command
     # the measured engine's settings (this test's target: float32, max_model_len 1024; the CPU variables first)
-    assert stats.vllm_serve_command.startswith("OMP_WAIT_POLICY=PASSIVE VLLM_CPU_KVCACHE_SPACE=")
+    assert stats.vllm_serve_command.startswith("VLLM_CPU_KVCACHE_SPACE=")
     assert stats.vllm_serve_command.endswith(f"--dtype {target_dtype(params.target)} --max-model-len "
                                              f"{params.target.max_model_len} --gpu-memory-utilization 0.3 --enforce-eager")
     assert 'vllm serve "$TARGET" --served-model-name smollm2-135m --speculative-config' in stats.vllm_serve_where

@@ -3,7 +3,6 @@ and the machine line at the start of a run (synthetic timings, progress sequence
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -262,28 +261,6 @@ def test_check_machine_prints_the_line_without_a_run(monkeypatch, tmp_path, caps
     assert main(["run", str(ROOT / "params/smollm2-135m.yaml"), "--check-machine"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("eagle3: machine: ") and "target dtype" in out and not (tmp_path / "outputs").exists()
-
-
-def test_every_process_eagle3_starts_gets_sleeping_openmp_threads(monkeypatch, tmp_path):
-    """OpenMP threads that spin while they wait decoded at a tenth of the rate beside one CPU-bound job
-    on 2 cores (stage 5's offline prompts took over 2 s per target forward); ``eagle3`` sets
-    ``OMP_WAIT_POLICY=PASSIVE`` before anything loads OpenMP, so the notebook kernels, torchrun ranks and
-    vLLM engines it starts inherit it, and a child process reads it. A value the user set is kept."""
-    import subprocess
-    import sys
-
-    from eagle3.cli import main
-
-    monkeypatch.setenv("OMP_WAIT_POLICY", "")  # restored (or removed) after the test
-    monkeypatch.delenv("OMP_WAIT_POLICY")
-    monkeypatch.chdir(tmp_path)
-    assert main(["run", str(ROOT / "params/smollm2-135m.yaml"), "--check-machine"]) == 0
-    child = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('OMP_WAIT_POLICY'))"],
-                           capture_output=True, text=True, check=True)
-    assert child.stdout.strip() == "PASSIVE"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert main(["run", str(ROOT / "params/smollm2-135m.yaml"), "--check-machine"]) == 0
-    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
 # -------------------------------------------------------- the flag wherever the number is shown

@@ -296,8 +296,7 @@ def run_pipeline(
     Raises:
         StaleStage: a complete stage with changed inputs, not covered by ``redo``.
         PromptError: a local prompt file of a stage to run has no usable prompt, or a field mapping
-            that matches none of its records (:func:`check_prompt_files`; nothing written yet);
-            ``tracking.mode`` online/offline without the wandb package (:func:`eagle3.tracking.check_tracking`).
+            that matches none of its records (:func:`check_prompt_files`; nothing written yet).
         ParamsError: a run directory in the source tree (:func:`eagle3.rundir.check_run_location`); stages
             after 1 only on a folder without ``params.yaml`` (nothing is created); invalid params or a run
             made with others (:func:`eagle3.rundir.prepare_run_dir`); a ``redo`` stage not selected.
@@ -324,7 +323,6 @@ def run_pipeline(
     _refuse_before_writing(target_dir, to_run, params, again, selected)
     nbs = stage_notebooks(Path(notebooks) if notebooks else None, selected)
     check_prompt_files(params, to_run)
-    check_tracking(params)
     check_run_location(target_dir)
     with RunLock(target_dir, this_command()):  # one writer per run folder, from here to the last stage
         run_dir = prepare_run_dir(params, target_dir, redo=redo_set, params_file=params_file, stages=selected,
@@ -369,7 +367,10 @@ def _refuse_before_writing(run_dir: Path, to_run: list[int], params, again: str,
 
     Raises:
         RunnerError: naming the stage and what to run instead.
+        ParamsError: ``tracking.mode`` online/offline without the wandb package (a stage would fail
+            when it logs, after its work: :func:`eagle3.tracking.check_tracking`).
     """
+    check_tracking(params)
     for s in to_run:
         base = shared_from(run_dir, s)
         if base is not None:
