@@ -374,6 +374,8 @@ def summary_text(run_dir: str | Path) -> str:
     verdict = "not checked" if p.ok is None else ("agrees" if p.ok else "DISAGREES")
     lines = [f"Result (vLLM, k = {_fmt(st.settings.k)} draft tokens, temperature {_fmt(st.settings.temperature)}):",
              *_text_table(rows),
+             "(tokens per target forward compare the methods; τ counts only rounds with drafts, so n-gram "
+             "lookup, which often has nothing to propose, can show a higher τ and still fewer tokens per forward)",
              f"Parity: offline τ {num(p.tau_offline, 3)} vs vLLM τ {num(p.tau_vllm, 3)}"
              + (f" on the same {p.prompts} prompts" if p.prompts else "") + f": {verdict}."]
     warnings = [w for w in st.warnings if isinstance(w, dict)]
