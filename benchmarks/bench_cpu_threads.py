@@ -1,9 +1,9 @@
 """The target's decoding on a CPU, quiet and beside one CPU-bound job, under OpenMP wait settings:
 libgomp's default (threads spin at the end of each parallel region), ``OMP_WAIT_POLICY=PASSIVE``
-(they sleep) or a ``GOMP_SPINCOUNT`` (spin that long, then sleep).
+(they sleep) or a ``GOMP_SPINCOUNT`` (spin that long, then sleep), or any other variables (fewer threads).
 
     python benchmarks/bench_cpu_threads.py [--params params/smollm2-135m.yaml] [--tokens 48] [--rounds 2] \
-        [--policies default,PASSIVE,GOMP_SPINCOUNT=1000] [--vllm]
+        [--policies default,PASSIVE,GOMP_SPINCOUNT=1000,OMP_NUM_THREADS=1] [--vllm]
 
 Each cell is a fresh process (OpenMP reads its settings when it starts), the cells interleaved round by
 round; "beside a job" starts ``python -c 'while True: pass'`` for the cell's duration. transformers:
@@ -57,15 +57,17 @@ def child(params_file: str, tokens: int, use_vllm: bool) -> None:
 
 def cell(args, policy: str | None, loaded: bool) -> float:
     """One fresh process's tokens/s under ``policy`` (None: OpenMP's default; ``NAME=value``: that variable,
-    e.g. ``GOMP_SPINCOUNT=10000``; else an ``OMP_WAIT_POLICY``), beside a busy job if ``loaded``."""
+    e.g. ``GOMP_SPINCOUNT=10000``, several joined by ``+``; else an ``OMP_WAIT_POLICY``), beside a busy
+    job if ``loaded``."""
     env = dict(os.environ)
-    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "EAGLE3_OPENMP_AUTO"):
         env.pop(name, None)
-    if policy and "=" in policy:
-        name, value = policy.split("=", 1)
-        env[name] = value
-    elif policy:
-        env["OMP_WAIT_POLICY"] = policy
+    for setting in (policy or "").split("+"):
+        if "=" in setting:
+            name, value = setting.split("=", 1)
+            env[name] = value
+        elif setting:
+            env["OMP_WAIT_POLICY"] = setting
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if loaded else None
     try:
         cmd = [sys.executable, __file__, "--child", "--params", args.params, "--tokens", str(args.tokens)]
@@ -85,7 +87,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--vllm", action="store_true")
     ap.add_argument("--policies", default="default,PASSIVE",
-                    help="comma-separated: default, an OMP_WAIT_POLICY value, or NAME=value (GOMP_SPINCOUNT=10000)")
+                    help="comma-separated: default, an OMP_WAIT_POLICY value, or NAME=value[+NAME=value] "
+                         "(GOMP_SPINCOUNT=10000, OMP_NUM_THREADS=1, VLLM_CPU_OMP_THREADS_BIND=0)")
     ap.add_argument("--child", action="store_true")
     args = ap.parse_args()
     if args.child:

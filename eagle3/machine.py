@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["CPU_FEATURES", "MEASURED_RUNS", "MachineInfo", "machine_info", "cpu_flags", "dtype_choice",
-           "expected_duration", "machine_line", "OtherLoad", "usable_cpus"]
+           "expected_duration", "machine_line", "OtherLoad", "usable_cpus", "BUSY_OPENMP", "openmp_env",
+           "openmp_for_start"]
 
 # /proc/cpuinfo flag -> name, the ones that decide the target's dtype and speed on a CPU (best first)
 CPU_FEATURES = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"), ("avx2", "AVX2"))
@@ -30,6 +31,18 @@ MEASURED_RUNS = {
     ("smollm2-135m-2x", "bfloat16"): (63, "63 min 25 s on 2 cores with AVX512-BF16"),
 }
 MEASURED_CPUS = 2
+
+# libgomp's threads spin after each parallel region before they sleep (GOMP_SPINCOUNT iterations; 300,000
+# by default). Beside another CPU-bound job on 2 cores a spinning thread holds a core the job needs, the
+# thread descheduled from it stalls every region, and the target's decoding ran at 7.4 tokens/s instead
+# of 25.3 (quiet). Threads that sleep at once (OMP_WAIT_POLICY=PASSIVE) ran at 17.1 beside the job but
+# 15.8 quiet; a spin of 1,000 at 12.6 / 19.0; of 10,000 at 5.9 / 23.5 (benchmarks/bench_cpu_threads.py,
+# benchmarks/RESULTS.md). So a process that starts while other processes keep the CPUs busy gets PASSIVE,
+# and one that starts on a quiet machine keeps the default, at full speed.
+BUSY_OPENMP = {"OMP_WAIT_POLICY": "PASSIVE"}
+OPENMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+# set beside the OpenMP variables eagle3 chose: a later start may choose again (the user's are kept)
+OPENMP_AUTO = "EAGLE3_OPENMP_AUTO"
 
 
 def usable_cpus() -> list[int]:
@@ -211,6 +224,7 @@ class OtherLoad:
         own: ``() -> ticks`` of this process tree (default ``/proc/<pid>/stat``).
         clock: seconds (default ``time.monotonic``).
         cpus: CPUs of the machine and of this run (default ``os.cpu_count()`` and the affinity mask).
+        min_interval_s: the shortest interval between samples (default :attr:`MIN_INTERVAL_S`).
     """
 
     MIN_INTERVAL_S = 10.0
@@ -218,7 +232,9 @@ class OtherLoad:
     SLACK_CPUS = 0.5
 
     def __init__(self, machine: Callable[[], tuple[int, int]] | None = None, own: Callable[[], int] | None = None,
-                 clock: Callable[[], float] = time.monotonic, cpus: tuple[int, int] | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, cpus: tuple[int, int] | None = None,
+                 min_interval_s: float | None = None) -> None:
+        self.min_interval_s = self.MIN_INTERVAL_S if min_interval_s is None else min_interval_s
 
         self.machine, self.own, self.clock = machine or _machine_ticks, own or _tree_ticks, clock
         self.cpus = cpus or (os.cpu_count() or 1, len(usable_cpus()))
@@ -235,9 +251,9 @@ class OtherLoad:
 
     def sample(self) -> float | None:
         """CPUs other processes took over the interval since the last sample (at least
-        :attr:`MIN_INTERVAL_S` old; else the last value), or None where unknown."""
+        ``min_interval_s`` old; else the last value), or None where unknown."""
         now = self.clock()
-        if self._last is not None and now - self._last[0] < self.MIN_INTERVAL_S:
+        if self._last is not None and now - self._last[0] < self.min_interval_s:
             return self.others
         point = self._take()
         if point is not None and self._last is not None:
@@ -252,11 +268,53 @@ class OtherLoad:
             self._last = (now, 0, 0, 0)
         return self.others
 
-    def busy_text(self) -> str | None:
-        """``"other processes took 1.4 of 2 CPUs"`` while they take more than the CPUs this run leaves
-        free plus :attr:`SLACK_CPUS`, else None."""
+    def busy(self) -> bool:
+        """Whether other processes took more than the CPUs this run leaves free plus :attr:`SLACK_CPUS`
+        over the last interval (False where unknown)."""
         others = self.sample()
         total, run = self.cpus
-        if others is None or others <= (total - run) + self.SLACK_CPUS:
+        return others is not None and others > (total - run) + self.SLACK_CPUS
+
+    def busy_text(self) -> str | None:
+        """``"other processes took 1.4 of 2 CPUs"`` while :meth:`busy`, else None."""
+        if not self.busy():
             return None
-        return f"machine busy: other processes took {others:.1f} of {total} CPUs (this run's rates and ETA are slower)"
+        return (f"machine busy: other processes took {self.others:.1f} of {self.cpus[0]} CPUs "
+                f"(this run's rates and ETA are slower)")
+
+
+def openmp_env(env: dict[str, str], busy: bool) -> dict[str, str]:
+    """A copy of ``env`` (a process environment) with the OpenMP wait setting for a process that starts
+    now: :data:`BUSY_OPENMP` when the machine is ``busy`` (marked with ``EAGLE3_OPENMP_AUTO=1``), libgomp's
+    default otherwise. An ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` the user set (no mark) is kept as is;
+    one eagle3 set for an earlier start (marked) is chosen again."""
+    out = dict(env)
+    if OPENMP_AUTO not in out and any(v in out for v in OPENMP_VARS):
+        return out
+    for var in (*OPENMP_VARS, OPENMP_AUTO):
+        out.pop(var, None)
+    if busy:
+        out.update(BUSY_OPENMP)
+        out[OPENMP_AUTO] = "1"
+    return out
+
+
+def openmp_for_start(env: dict[str, str] | None = None, window_s: float = 2.0,
+                     load: OtherLoad | None = None) -> tuple[dict[str, str], str | None]:
+    """``(environment, note)`` for a process (a stage's kernel, a vLLM worker) that starts now: the
+    other load is measured over ``window_s`` seconds (``load``: an :class:`OtherLoad` already sampled,
+    for tests) and :func:`openmp_env` applied to ``env`` (default ``os.environ``). ``note`` says what was
+    chosen and why when the short spin was chosen, else None."""
+    env = dict(os.environ if env is None else env)
+    if OPENMP_AUTO not in env and any(v in env for v in OPENMP_VARS):
+        return env, None  # the user's setting: nothing to measure
+    if load is None:
+        load = OtherLoad(min_interval_s=0.0)
+        time.sleep(window_s)
+    busy = load.busy()
+    out = openmp_env(env, busy)
+    if not busy:
+        return out, None
+    setting = " ".join(f"{k}={v}" for k, v in BUSY_OPENMP.items())
+    return out, (f"other processes took {load.others:.1f} of {load.cpus[0]} CPUs: OpenMP threads sleep while "
+                 f"they wait ({setting}), so a core shared with them does not stall every step")

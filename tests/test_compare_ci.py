@@ -66,6 +66,7 @@ def test_the_comparison_page_opens_alone_with_the_differing_key_and_every_runs_t
     page = tmp_path / "page.html"
     r = run_eagle3("compare", str(ci), str(variant), str(partial), "--out", str(page), timeout=900)
     assert f"eagle3 compare: page {page} (" in r.stdout and (tmp_path / "page.ipynb").is_file()
+    assert "over TCP" not in r.stdout + r.stderr  # the kernel talks over Unix sockets, as in `eagle3 run`
     with launch(require_chromium()) as browser:
         view, outside = view_alone(browser, page)
         assert outside == [] and view.js_errors == []

@@ -1335,3 +1335,34 @@ def test_shown_tables_have_fixed_decimals_and_a_dash_for_missing():
         {"method": "no speculation (vLLM)", "tau": "—", "tokens_per_forward": "1.000", "tokens_per_s": "—",
          "speedup": "—", "prompts": "—", "rounds": "7"}]
     assert "NaN" not in out.to_html() and "&lt;NA&gt;" not in out.to_html()
+
+
+def test_vllm_workers_start_with_the_openmp_setting_of_that_moment(tmp_path, monkeypatch):
+    """Every vLLM worker is a fresh process: it starts with the OpenMP setting chosen for the load of that
+    moment (eagle3.machine.openmp_for_start), its note at the top of the worker's log; the speed pass's
+    engines, timed against each other, share one choice."""
+    import types
+
+    import eagle3.evaluate.vllm_jobs as vllm_jobs
+    import eagle3.machine as machine
+
+    calls = []
+
+    def busy(env):
+        calls.append(1)
+        return dict(env, OMP_WAIT_POLICY="PASSIVE", EAGLE3_OPENMP_AUTO="1"), "other processes took 1.0 of 2 CPUs: ..."
+
+    monkeypatch.setattr(machine, "openmp_for_start", busy)
+    fake = tmp_path / "python"  # stands in for the worker: reports the setting it was started with
+    fake.write_text('#!/bin/sh\nif [ "$3" = --serve-speed ]; then echo "{\\"ready\\": true, \\"openmp\\": \\"$OMP_WAIT_POLICY\\"}"; '
+                    'cat > /dev/null; else echo "{\\"openmp\\": \\"$OMP_WAIT_POLICY\\"}" > "$4"; fi\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(vllm_jobs, "sys", types.SimpleNamespace(executable=str(fake)))
+    out = tmp_path / "vllm_eagle3.json"
+    assert vllm_jobs.run_vllm_job({"method": "eagle3"}, out) == {"openmp": "PASSIVE"}
+    assert out.with_suffix(".log").read_text().startswith("eagle3: other processes took 1.0 of 2 CPUs: ...\n")
+    calls.clear()
+    got = vllm_jobs.run_speed({m: {"method": m} for m in ("eagle3", "ngram", "none")}, [], 1, tmp_path)
+    assert {m: r["openmp"] for m, r in got.items()} == {"eagle3": "PASSIVE", "ngram": "PASSIVE", "none": "PASSIVE"}
+    assert calls == [1]
+    assert (tmp_path / "speed_none.log").read_text().startswith("eagle3: other processes took")

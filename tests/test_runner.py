@@ -566,7 +566,7 @@ def test_the_kernel_is_not_sent_sigint_when_papermill_shuts_it_down(monkeypatch)
 
     from jupyter_client.manager import AsyncKernelManager
 
-    from eagle3.commands.run import _InterruptForwarder
+    from eagle3.commands.run import InterruptForwarder
 
     calls = []
 
@@ -574,7 +574,7 @@ def test_the_kernel_is_not_sent_sigint_when_papermill_shuts_it_down(monkeypatch)
         calls.append(self.shutting_down)
 
     monkeypatch.setattr(AsyncKernelManager, "_async_interrupt_kernel", interrupt)
-    with _InterruptForwarder() as fwd:  # its exit removes the kernel's socket folder
+    with InterruptForwarder() as fwd:  # its exit removes the kernel's socket folder
         km = fwd.manager_class()()
         km.shutting_down = True
         asyncio.run(km._async_interrupt_kernel())
@@ -763,3 +763,30 @@ def test_the_kernel_s_sockets_stay_out_of_the_notebooks_folder(tmp_params, nbdir
     assert ip.is_absolute() and ip.name == "kernel-ipc" and ip.parent.name.startswith("eagle3-kernel-")
     assert len([n for n in seen["there"] if n.startswith("kernel-ipc-")]) >= 5  # shell, iopub, stdin, control, hb
     assert not ip.parent.exists() and not list(nbdir.glob("kernel-ipc*"))
+
+
+def test_each_stage_kernel_starts_with_the_openmp_setting_chosen_for_that_moment(tmp_params, tmp_path, monkeypatch,
+                                                                               capsys):
+    """The kernel reads OpenMP's settings when it starts: `eagle3 run` chooses them per stage from the load
+    of that moment (eagle3.machine.openmp_for_start) and starts the stage's kernel with them; the choice
+    is printed. Stage 1 here starts on a busy machine, stage 2 on a quiet one."""
+    import eagle3.commands.run as run_mod
+    from eagle3.machine import OPENMP_AUTO
+
+    d = tmp_path / "nbs"
+    d.mkdir()
+    body = WRITE_STAGE + "(d / 'openmp.txt').write_text(os.environ.get('OMP_WAIT_POLICY', 'default'))\n"
+    for s in (1, 2):
+        _nb(d / NOTEBOOKS[s], "import os\n" + body.format(s=s))
+    # read at the call: the run sets its own variables (its writer lock's holder) before the stage starts
+    choices = iter([lambda: (dict(os.environ, OMP_WAIT_POLICY="PASSIVE", **{OPENMP_AUTO: "1"}),
+                             "other processes took 1.0 of 2 CPUs: ..."),
+                    lambda: (dict(os.environ), None)])
+    monkeypatch.setattr(run_mod, "openmp_for_start", lambda: next(choices)())
+    rd = run_pipeline(tmp_params(), [1, 2], notebooks=d)
+    assert (rd / "01_synthesize" / "openmp.txt").read_text() == "PASSIVE"
+    assert (rd / "02_vocab" / "openmp.txt").read_text() == "default"
+    assert OPENMP_AUTO not in os.environ  # this process's own environment is unchanged
+    out = capsys.readouterr().out
+    assert "eagle3: stage 1 (01_synthesize): other processes took 1.0 of 2 CPUs: ..." in out
+    assert "stage 2 (02_vocab): other" not in out

@@ -41,10 +41,15 @@ def _execute(nb_in: Path, nb_out: Path, run_dirs: list[Path], kernel: str) -> No
 
     import papermill as pm
 
+    from eagle3.commands.run import InterruptForwarder
+
     try:
-        pm.execute_notebook(str(nb_in), str(nb_out), parameters={"run_dirs": [str(d) for d in run_dirs]},
-                            kernel_name=kernel, cwd=str(nb_in.parent), log_output=False, progress_bar=False,
-                            stdout_file=sys.stdout, stderr_file=sys.stderr)
+        # the kernel as `eagle3 run` starts it: Unix sockets (over TCP ipykernel warns at its start), Ctrl-C
+        # passed on to the running cell
+        with InterruptForwarder() as fwd:
+            pm.execute_notebook(str(nb_in), str(nb_out), parameters={"run_dirs": [str(d) for d in run_dirs]},
+                                kernel_name=kernel, kernel_manager_class=fwd.manager_class(), cwd=str(nb_in.parent),
+                                log_output=False, progress_bar=False, stdout_file=sys.stdout, stderr_file=sys.stderr)
     except pm.PapermillExecutionError as exc:
         raise RunnerError(f"the comparison notebook {nb_in.name} failed at In [{exc.exec_count}]: {exc.ename}: "
                           f"{exc.evalue}\nExecuted notebook: {nb_out}") from None

@@ -20,7 +20,7 @@ from pathlib import Path
 from eagle3.commands.status import ProgressEcho
 from eagle3.errors import ParamsError, RunInterrupted, RunnerError, StageFailed, StaleStage
 from eagle3.io import naming_file, read_json
-from eagle3.machine import machine_line
+from eagle3.machine import machine_line, openmp_for_start
 from eagle3.params_file import load_params
 from eagle3.rundir import (
     NOTEBOOKS,
@@ -156,7 +156,7 @@ def reopen_stage(run_dir: str | Path, stage: int, params=None) -> str:
     return f"stage {stage} ({STAGES[stage]}) re-opened: it re-checks its files and redoes what is broken or missing"
 
 
-class _InterruptForwarder:
+class InterruptForwarder:
     """SIGINT (Ctrl-C) while a stage notebook runs: the first one is sent on to the kernel, whose
     cell then stops as an interrupted Python program does (``StageRun`` marks ``progress.json``
     'interrupted', the stage's ``finally`` blocks stop its engines) and papermill saves the executed
@@ -177,8 +177,9 @@ class _InterruptForwarder:
         # a private temp folder (a socket path must stay under ~107 bytes), removed on exit
         self.socket_dir: Path | None = None
 
-    def manager_class(self):
-        """An ``AsyncKernelManager`` subclass that records its instances here (nbclient's default class)."""
+    def manager_class(self, env: dict[str, str] | None = None):
+        """An ``AsyncKernelManager`` subclass that records its instances here (nbclient's default class)
+        and starts the kernel with the environment ``env`` (default: this process's)."""
         from jupyter_client.manager import AsyncKernelManager
 
         self.socket_dir = self.socket_dir or Path(tempfile.mkdtemp(prefix="eagle3-kernel-"))
@@ -192,6 +193,11 @@ class _InterruptForwarder:
                 kwargs.setdefault("ip", sockets)  # the sockets' path prefix (kernel-ipc-<port>)
                 super().__init__(*args, **kwargs)
                 managers.append(self)
+
+            async def _async_pre_start_kernel(self, **kw):
+                if env is not None:
+                    kw.setdefault("env", env)
+                return await super()._async_pre_start_kernel(**kw)
 
             async def _async_interrupt_kernel(self) -> None:
                 # jupyter_client's shutdown_kernel sends SIGINT before its shutdown request; papermill
@@ -222,7 +228,7 @@ class _InterruptForwarder:
         print("\neagle3: Ctrl-C: stopping the stage (it keeps what it wrote); Ctrl-C again to stop at once",
               file=sys.stderr, flush=True)
 
-    def __enter__(self) -> _InterruptForwarder:
+    def __enter__(self) -> InterruptForwarder:
         if threading.current_thread() is threading.main_thread():
             self._old = signal.signal(signal.SIGINT, self._on_sigint)
         return self
@@ -491,9 +497,13 @@ def _execute_stage(run_dir: Path, s: int, nb_in: Path, kernel: str, next_stage: 
     out_nb = RunDir(run_dir).executed_dir / NOTEBOOKS[s]
     out_nb.parent.mkdir(exist_ok=True)
     print(f"eagle3: stage {s} ({STAGES[s]}) running {nb_in.name} (watch: eagle3 status {run_dir})", flush=True)
+    # the kernel reads its OpenMP settings when it starts: chosen from the load of this moment
+    kernel_env, openmp_note = openmp_for_start()
+    if openmp_note:
+        print(f"eagle3: stage {s} ({STAGES[s]}): {openmp_note}", flush=True)
     t0 = time.time()
     stopped = RunInterrupted(f"stage {s} ({STAGES[s]}) was interrupted (Ctrl-C)", stage=s, run_dir=run_dir)
-    fwd = _InterruptForwarder()
+    fwd = InterruptForwarder()
     try:
         # papermill saves the executed notebook after every cell and once more when the kernel died: on
         # a full disk that write fails with an OSError that names no file (naming_file names it)
@@ -504,7 +514,7 @@ def _execute_stage(run_dir: Path, s: int, nb_in: Path, kernel: str, next_stage: 
                 str(out_nb),
                 parameters={"params_file": str(run_dir / PARAMS_FILE), "run_dir": str(run_dir)},
                 kernel_name=kernel,
-                kernel_manager_class=fwd.manager_class(),
+                kernel_manager_class=fwd.manager_class(kernel_env),
                 cwd=str(nb_in.parent),
                 log_output=False,  # True would print its stderr twice: stderr_file and a logged warning
                 progress_bar=False,

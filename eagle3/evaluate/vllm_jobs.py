@@ -57,14 +57,17 @@ def build_job(params, method: str, target_path: str | Path, drafter_dir: str | P
             "prompts": [{"id": p["id"], "messages": p["messages"], "prompt_ids": p["prompt_ids"]} for p in prompts]}
 
 
-def _worker_env() -> dict:
-    """A worker's environment: vLLM's CPU settings, this tree on its path, this process as its parent."""
+def _worker_env() -> tuple[dict, str]:
+    """``(environment, note)`` of a worker that starts now: vLLM's CPU settings, the OpenMP setting for
+    the load of this moment (:func:`eagle3.machine.openmp_for_start`; ``note`` says what it chose on a
+    busy machine, '' otherwise, for the worker's log), this tree on its path, this process as its parent."""
+    from eagle3.machine import openmp_for_start
     from eagle3.vllm_utils import cpu_env
 
-    env = cpu_env()
+    env, openmp_note = openmp_for_start(cpu_env())
     env["PYTHONPATH"] = str(_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["EAGLE3_PARENT_PID"] = str(os.getpid())
-    return env
+    return env, f"eagle3: {openmp_note}\n" if openmp_note else ""
 
 
 def _log_tail(path: Path, n: int = 30) -> str:
@@ -89,9 +92,12 @@ def run_vllm_job(job: dict, out_path: str | Path, log_path: str | Path | None = 
     job_path = out_path.with_suffix(".job.json")
     atomic_write_json(job_path, job)
     log_path = Path(log_path) if log_path else out_path.with_suffix(".log")
+    env, note = _worker_env()
     with open(log_path, "wb") as log:
+        log.write(note.encode())
+        log.flush()
         proc = subprocess.Popen([sys.executable, "-m", "eagle3.evaluate.vllm_worker", str(job_path), str(out_path)],
-                                stdout=log, stderr=subprocess.STDOUT, env=_worker_env(), start_new_session=True)
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -147,14 +153,17 @@ def run_speed(jobs: dict[str, dict], ids: list[str], rounds: int, work_dir: str 
     """
     work_dir = Path(work_dir)
     procs: dict[str, tuple[subprocess.Popen, Path]] = {}
+    env, note = _worker_env()  # one OpenMP setting for every method's engine: timed alike
     try:
         for m, job in jobs.items():
             job_path, log_path = work_dir / f"speed_{m}.job.json", work_dir / f"speed_{m}.log"
             atomic_write_json(job_path, job)
             with open(log_path, "wb") as log:
+                log.write(note.encode())
+                log.flush()
                 procs[m] = (subprocess.Popen(
                     [sys.executable, "-m", "eagle3.evaluate.vllm_worker", "--serve-speed", str(job_path)],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=_worker_env(),
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
                     start_new_session=True), log_path)
         out = {m: _reply(p, m, log, timeout_s) for m, (p, log) in procs.items()}  # the engines are up
         for m in out:
