@@ -7,6 +7,7 @@
   ... --hs-dtype float8_e4m3fn                            # Stage 3 files in fp8 (dequantized by the loader)
   ... --compare-autocast --ttt 2 --draft-vocab 8192 --token-budget 2048   # CPU: ours in float32 vs
                                                           # bf16 autocast (train.autocast), alternating
+  ... --compare-optimizer --ttt 2 --draft-vocab 8192     # ours with AdamW vs Muon (train.optimizer), alternating
 
 Both modes write a synthetic run directory (Stage 2 mapping + Stage 3 files of random hidden
 states in the contract layout) and time, on the same packed micro-batches:
@@ -347,6 +348,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ttt", type=int, default=3, help="train.ttt_steps (the CPU default trains 2)")
     ap.add_argument("--autocast", default="auto", choices=["auto", "bfloat16", "none"],
                     help="train.autocast of both loops ('auto': bf16 on GPU, float32 on CPU for this float32 fake target)")
+    ap.add_argument("--compare-optimizer", action="store_true",
+                    help="instead of ours vs bare: ours with train.optimizer adamw vs muon, alternating, and their ratio")
     ap.add_argument("--compare-autocast", action="store_true",
                     help="instead of ours vs bare: ours with train.autocast none (float32) vs bfloat16, alternating, "
                     "and their ratio (does bf16 autocast pay on an AMX CPU?)")
@@ -390,6 +393,10 @@ def main(argv=None) -> int:
             loops = tuple((f"ours {m}", run_ours, params_for(target_s, "cuda" if cuda else "cpu", budget, steps + warmup,
                                                              epochs, autocast=m, **common))
                           for m in ("none", "bfloat16"))
+        if a.compare_optimizer:
+            loops = tuple((f"ours {m}", run_ours, params_for(target_s, "cuda" if cuda else "cpu", budget, steps + warmup,
+                                                             epochs, autocast=a.autocast, optimizer=m, **common))
+                          for m in ("adamw", "muon"))
         res = {name: [] for name, _, _ in loops}
         for _ in range(a.repeats):
             for name, fn, p in loops:
@@ -425,6 +432,10 @@ def main(argv=None) -> int:
         if a.compare_autocast and len(best) == 2:
             ratio = best["ours bfloat16"]["tokens_per_s"] / best["ours none"]["tokens_per_s"]
             print(f"\nbf16 autocast / float32 = {ratio:.3f}  (same batches, same steps, alternating runs)")
+            best["ratio"] = ratio
+        elif a.compare_optimizer and len(best) == 2:
+            ratio = best["ours muon"]["tokens_per_s"] / best["ours adamw"]["tokens_per_s"]
+            print(f"\nMuon / AdamW = {ratio:.3f}  (same batches, same steps, alternating runs)")
             best["ratio"] = ratio
         elif "ours" in best and "bare" in best:
             ratio = best["ours"]["tokens_per_s"] / best["bare"]["tokens_per_s"]
