@@ -12,7 +12,7 @@ from pathlib import Path
 from eagle3.evaluate.methods import VLLM_EAGLE3, VLLM_NGRAM, VLLM_NONE
 from eagle3.evaluate.mismatch import REMEASURE_SPEED, RULE_TEXT, RULES
 from eagle3.evaluate.prompts import left_out_reasons, out_of_domain_first
-from eagle3.evaluate.stats import EvaluateStats, PooledStats, SetStats, read_stats, value_at
+from eagle3.evaluate.stats import SPEEDUP_SLACK, EvaluateStats, PooledStats, SetStats, read_stats, value_at
 from eagle3.io import read_json
 from eagle3.rundir import STAGES
 from eagle3.stage import Stats, stage_record
@@ -111,11 +111,6 @@ _TABLE_COLUMNS = (("tokens_per_forward", "tokens per target forward", 3, ""),
                   ("tokens_per_s", "tokens/s (one request at a time)", 1, ""),
                   ("speedup", "speed-up vs no speculation", 2, "x"))
 
-# how far a speed-up may exceed the tokens per target forward before the report calls the timing
-# disturbed (a method's tokens/s over no speculation's is at most its tokens per forward, less its
-# drafting cost; 1.25 leaves room for the noise of a few prompts timed one at a time)
-_SPEEDUP_SLACK = 1.25
-
 _Group = SetStats | PooledStats
 
 
@@ -160,7 +155,7 @@ def _method_rows(name: str, label: str, g: _Group, disturbed: list[str]) -> str:
         # a method cannot run faster than the tokens per target forward of the answers it was timed
         # on allow (its drafts cost time too): a speed-up well above that is a disturbed timing
         mark, bound = "", timed if isinstance(timed, (int, float)) else tpf
-        if isinstance(up, float) and isinstance(bound, (int, float)) and up > _SPEEDUP_SLACK * bound:
+        if isinstance(up, float) and isinstance(bound, (int, float)) and up > SPEEDUP_SLACK * bound:
             mark = " &#9888;"
             disturbed.append(f"{method_label} on {name}: {_fixed(up, 2, 'x')} with {_fixed(bound, 3)} tokens per target "
                              f"forward")
@@ -341,7 +336,8 @@ def summary_text(run_dir: str | Path) -> str:
     """The result as plain text for the terminal and a log (what :func:`summary_html` opens with): per
     evaluation set, out-of-domain first, the drafter, n-gram lookup and no speculation in vLLM (tokens
     per target forward, τ, tokens/s one request at a time and the speed-up over no speculation, marked
-    "(unsteady)" where the timing rounds disagree; "—" where not measured), the drafter over n-gram,
+    "(unsteady)" where the timing was disturbed: rounds that disagree, requests timed beside other load,
+    a speed-up above what the tokens per forward allow; "—" where not measured), the drafter over n-gram,
     the parity line and each mismatch warning with its fix (an expected one as a note). Empty when
     stage 5 has not finished.
     """

@@ -407,3 +407,77 @@ def test_remeasure_speed_drops_only_the_timing(tmp_path):
     params = load_params(ROOT / "params/ci.yaml", ["evaluate.speed_engines=one_at_a_time"])
     assert [f.name for f in forget_speed(tmp_path, params)] == ["vllm_eagle3.json", "vllm_ngram.json", "vllm_none.json"]
     assert [f.name for f in stage.iterdir()] == ["vllm_speed.json"]
+
+
+def test_a_steady_but_impossible_speed_up_is_flagged_in_the_stats_and_warned():
+    """A load that slows one engine more than another all along leaves rounds that agree: no speculation
+    at ~9 tokens/s in every round beside a busy job, the drafter at ~37, so a speed-up of 3.8x where its
+    timed answers' 1.624 tokens per target forward allow at most ~1.6x. The stats mark it (the terminal,
+    report and notebook read `speedup_steady`), and the warning names it with the command."""
+    from eagle3.config import EvaluateParams
+    from eagle3.evaluate.mismatch import mismatch_warnings
+    from eagle3.evaluate.stats import SetStats
+
+    def timed(rounds, tpf):
+        return {"tokens_per_s": sorted(rounds)[1], "tokens_per_s_rounds": rounds, "speed_spread": 0.05,
+                "speed_steady": True, "speed_tokens_per_forward": tpf, "tokens_per_forward": tpf, "tau": 2.0}
+
+    g = grid({VLLM_NONE: timed([9.2, 9.4, 9.6], 1.0), VLLM_EAGLE3: timed([35.9, 36.4, 37.0], 1.624),
+              VLLM_NGRAM: timed([10.2, 10.4, 10.5], 1.2)})
+    assert g[VLLM_EAGLE3]["speedup"] == pytest.approx(36.4 / 9.4, rel=0.02)
+    assert g[VLLM_EAGLE3]["speedup_steady"] is False  # 3.87x > 1.25 x 1.624
+    assert g[VLLM_NGRAM]["speedup_steady"] is True  # 1.11x within what 1.2 tokens per forward allow
+    sets = {"general-chat": SetStats(domain="out-of-domain", prompts=8, methods=g)}
+    w = [x for x in mismatch_warnings(sets, {"known": False}, EvaluateParams()) if x["rule"] == "unsteady_speed"]
+    assert len(w) == 1 and w[0]["numbers"]["methods"] == [VLLM_EAGLE3]
+    assert w[0]["message"] == ("on general-chat the speed-up exceeds what the timed answers allow: EAGLE-3 in vLLM "
+                               "3.87x with 1.624 tokens per target forward; another load disturbed the timing, so the "
+                               "speed-ups of EAGLE-3 in vLLM are not a result")
+    assert "--remeasure-speed" in w[0]["fix"]
+
+
+def test_requests_timed_beside_other_load_are_not_a_result_even_when_their_rounds_agree(tmp_path, monkeypatch):
+    """The speed pass asks the machine's other load after each timed request; timed while other processes
+    kept the CPUs busy, every method's tokens/s is flagged (speed_steady False, the CPUs named) and the
+    warning says so, whatever the rounds say."""
+    import types
+
+    import eagle3.evaluate.vllm_jobs as vllm_jobs
+    import eagle3.machine as machine
+    from eagle3.config import EvaluateParams
+    from eagle3.evaluate.mismatch import mismatch_warnings
+    from eagle3.evaluate.stats import SetStats
+
+    monkeypatch.setattr(machine, "openmp_for_start", lambda env: (dict(env), None))
+    fake = tmp_path / "python"  # a speed worker: ready, then 8 tokens in 0.25 s per request
+    fake.write_text('#!/bin/sh\necho \'{"ready": true}\'\nwhile read line; do\n'
+                    '  id=$(echo "$line" | sed \'s/.*"id": "\\([^"]*\\)".*/\\1/\')\n'
+                    '  r=$(echo "$line" | sed \'s/.*"round": \\([0-9]*\\).*/\\1/\')\n'
+                    '  echo "{\\"id\\": \\"$id\\", \\"round\\": $r, \\"output_tokens\\": 8, \\"time_s\\": 0.25}"\ndone\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(vllm_jobs, "sys", types.SimpleNamespace(executable=str(fake)))
+
+    class Load:  # other processes take 1.2 CPUs from the third timed request on
+        def __init__(self):
+            self.calls, self.others = 0, 0.1
+
+        def busy(self):
+            self.calls += 1
+            self.others = 1.2 if self.calls >= 3 else 0.1
+            return self.calls >= 3
+
+    jobs = {m: {"method": m, "k": 3} for m in ("eagle3", "none")}
+    quiet = vllm_jobs.run_speed(jobs, ["p1"], 2, tmp_path)
+    assert [quiet[m]["machine_busy_cpus"] for m in jobs] == [None, None]
+    busy = vllm_jobs.run_speed(jobs, ["p1"], 2, tmp_path, load=Load())
+    assert [busy[m]["machine_busy_cpus"] for m in jobs] == [1.2, 1.2]
+    prompts = [{"id": "p1", "set": "chat"}]
+    q, b = (speed_by_set(r["none"], prompts, 0.25)["chat"] for r in (quiet, busy))
+    assert (q["tokens_per_s"], q["speed_steady"], q["speed_busy_cpus"]) == (32.0, True, None)
+    assert (b["tokens_per_s"], b["speed_steady"], b["speed_busy_cpus"]) == (32.0, False, 1.2)
+    entries = {f"vllm/{m}": {k: v for k, v in speed_by_set(r, prompts, 0.25)["chat"].items() if k != "tokens_per_forward"}
+               for m, r in busy.items()}
+    sets = {"chat": SetStats(domain="out-of-domain", prompts=1, methods=grid(entries))}
+    w = [x for x in mismatch_warnings(sets, {"known": False}, EvaluateParams()) if x["rule"] == "unsteady_speed"]
+    assert w[0]["message"].startswith("on chat the requests were timed while other processes took 1.2 CPUs: "
+                                      "EAGLE-3 in vLLM 32.0 tokens/s; no speculation (vLLM) 32.0 tokens/s;")

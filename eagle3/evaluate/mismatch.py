@@ -27,7 +27,7 @@ Each warning is a dict ``{"rule", "message", "numbers", "fix"}`` (stage 5's ``st
 from __future__ import annotations
 
 from eagle3.evaluate.methods import LABELS, OFFLINE_EAGLE3, VLLM_EAGLE3, VLLM_NGRAM, VLLM_NONE, is_vllm
-from eagle3.evaluate.stats import PooledStats, SetStats
+from eagle3.evaluate.stats import SPEEDUP_SLACK, PooledStats, SetStats, speedup_bound
 
 __all__ = ["RULES", "RULE_TEXT", "SIZED_RECIPES", "default_demonstration", "mismatch_warnings", "set_tau",
            "set_tokens_per_forward"]
@@ -190,17 +190,31 @@ def _unsteady_speed(sets: dict[str, SetStats], pooled: PooledStats | None, toler
     out = []
     for name, g in groups:
         bad = [m for m in g.methods if is_vllm(m) and g.get(m, "speed_steady") is False]
-        if not bad:
+        # rounds that agree, but a speed-up above what the timed answers allow: a load that slowed one
+        # engine more than another all along (stats.SPEEDUP_SLACK)
+        over = [m for m in g.methods if is_vllm(m) and m != VLLM_NONE and m not in bad
+                and speedup_bound(g.methods[m]) and isinstance(g.get(m, "speedup"), float)
+                and g.get(m, "speedup") > SPEEDUP_SLACK * speedup_bound(g.methods[m])]
+        if not bad and not over:
             continue
+        busy = [m for m in bad if g.get(m, "speed_busy_cpus")]
         rows = "; ".join(f"{LABELS.get(m, m)} {g.get(m, 'tokens_per_s'):.1f} tokens/s, rounds "
                          f"{', '.join(f'{x:.1f}' for x in g.get(m, 'tokens_per_s_rounds') or [])} (spread "
-                         f"{g.get(m, 'speed_spread'):.0%})" for m in bad)
+                         f"{g.get(m, 'speed_spread'):.0%})" for m in bad if m not in busy)
+        beside = "; ".join(f"{LABELS.get(m, m)} {g.get(m, 'tokens_per_s'):.1f} tokens/s" for m in busy)
+        above = "; ".join(f"{LABELS.get(m, m)} {g.get(m, 'speedup'):.2f}x with "
+                          f"{speedup_bound(g.methods[m]):.3f} tokens per target forward" for m in over)
         hit = [LABELS.get(m, m) for m in g.methods if g.get(m, "speedup_steady") is False and m != VLLM_NONE]
+        cpus = max((g.get(m, "speed_busy_cpus") for m in busy), default=0.0)
+        what = " and ".join(x for x in (
+            f"the requests were timed while other processes took {cpus:.1f} CPUs: {beside}" if busy else "",
+            f"the timing rounds disagree beyond {tolerance:.0%}: {rows}" if rows else "",
+            f"the speed-up exceeds what the timed answers allow: {above}" if over else "") if x)
         out.append({"rule": "unsteady_speed",
-                    "message": f"on {name} the timing rounds disagree beyond {tolerance:.0%}: {rows}; another load "
-                               f"disturbed them, so these tokens/s" + (f" and the speed-ups of {', '.join(hit)}"
-                                                                       if hit else "") + " are not a result",
-                    "numbers": {"set": name, "methods": bad,
+                    "message": f"on {name} {what}; another load disturbed the timing, so "
+                               + ("these tokens/s" if bad else "") + (" and " if bad and hit else "")
+                               + (f"the speed-ups of {', '.join(hit)}" if hit else "") + " are not a result",
+                    "numbers": {"set": name, "methods": bad + over,
                                 "speed_spread": {m: g.get(m, "speed_spread") for m in bad}, "tolerance": tolerance},
                     "fix": f"measure the speed again on a quiet machine: `{REMEASURE_SPEED}` (acceptance is reused)"})
     return out

@@ -306,7 +306,8 @@ def _speed(params, inp: _Inputs, rd: RunDir, prog: Progress) -> dict[str, dict]:
     prog.next_phase(len(jobs) * len(inp.speed_ids) * ev.speed_rounds, "timed requests",
                     desc=f"{rd.stage(EVALUATE).name} vLLM speed")
     methods = run_speed(jobs, inp.speed_ids, ev.speed_rounds, rd.stage(EVALUATE) / ENGINE_LOGS_DIR,
-                        timeout_s=ev.vllm_timeout_s, on_row=lambda m, row: prog.update(1, tokens=row["output_tokens"]))
+                        timeout_s=ev.vllm_timeout_s, on_row=lambda m, row: prog.update(1, tokens=row["output_tokens"]),
+                        load=prog.other_load)
     atomic_write_json(out, {"job_key": key, "methods": methods})
     return methods
 
@@ -317,7 +318,8 @@ def _with_speed(res: dict | None, sp: dict) -> dict:
     rows = sp["speed"]
     n, t = sum(r["output_tokens"] for r in rows), sum(r["time_s"] for r in rows)
     speed = {"speed": rows, "speed_output_tokens": n, "speed_s": round(t, 3),
-             "tokens_per_s": speed_stats(rows)["tokens_per_s"], "speed_startup_s": sp.get("startup_s")}
+             "tokens_per_s": speed_stats(rows)["tokens_per_s"], "speed_startup_s": sp.get("startup_s"),
+             "machine_busy_cpus": sp.get("machine_busy_cpus")}
     if res is None:
         return sp | {"per_prompt": [], "counters": None, "generate_s": None, "output_tokens": 0} | speed
     return res | speed
@@ -350,7 +352,8 @@ def _per_set(inp: _Inputs, offline_recs: list[dict] | None, vllm_results: dict, 
                 entry["methods"].setdefault(vllm_method(m), {}).update(
                     {"tokens_per_s": sp[s.name]["tokens_per_s"], "speed_prompts": sp[s.name]["prompts"],
                      "speed_tokens_per_forward": sp[s.name].get("tokens_per_forward"),
-                     **{key: sp[s.name].get(key) for key in ("tokens_per_s_rounds", "speed_spread", "speed_steady")}})
+                     **{key: sp[s.name].get(key) for key in ("tokens_per_s_rounds", "speed_spread", "speed_steady",
+                                                              "speed_busy_cpus")}})
         # timed prompts whose answers have other lengths under other methods: tokens/s of different texts
         entry["speed_lengths_differ"] = speed_lengths_differ(vllm_results, [p["id"] for p in s.prompts])
         if VLLM_NONE in entry["methods"]:

@@ -31,7 +31,7 @@ from eagle3.evaluate.prompts import out_of_domain_first
 from eagle3.rundir import EVALUATE
 from eagle3.stage import Stats, stage_record
 
-__all__ = ["METRICS", "SPEED_METRICS", "HEADLINE_PAIRS", "Settings", "Parity", "PooledStats", "SetStats",
+__all__ = ["METRICS", "SPEED_METRICS", "SPEEDUP_SLACK", "speedup_bound", "HEADLINE_PAIRS", "Settings", "Parity", "PooledStats", "SetStats",
            "EvaluateStats", "grid", "set_stats", "read_stats", "value_at", "number_leaves"]
 
 # What stats.json keeps of each measurement (results.json keeps the rest: per-position rates, rounds,
@@ -43,9 +43,18 @@ METRICS = ("tau", "tokens_per_forward", "draft_acceptance_rate", "prompts")
 # round with the methods interleaved): output tokens/s (the median of the per-round rates), the
 # per-round rates, their spread ((max - min) / median) and whether it stayed within
 # evaluate.speed_spread_tolerance (False: the rounds disagree, another load disturbed the timing),
-# and the tokens per target forward of the timed answers themselves (they bound the speed-up).
-# Offline decoding's rate (transformers) is not a serving speed: results.json keeps it.
-SPEED_METRICS = ("tokens_per_s", "tokens_per_s_rounds", "speed_spread", "speed_steady", "speed_tokens_per_forward")
+# and the tokens per target forward of the timed answers themselves (they bound the speed-up), and
+# the most CPUs other processes took while the requests were timed (None: the machine was not busy;
+# else speed_steady is False). Offline decoding's rate (transformers) is not a serving speed:
+# results.json keeps it.
+SPEED_METRICS = ("tokens_per_s", "tokens_per_s_rounds", "speed_spread", "speed_steady", "speed_tokens_per_forward",
+                 "speed_busy_cpus")
+
+# How far a speed-up may exceed the tokens per target forward of the answers it was timed on before it
+# counts as a disturbed timing: a method's tokens/s over no speculation's is at most its tokens per
+# forward, less its drafting cost; 1.25 leaves room for the noise of a few prompts timed one at a time.
+# A load that slows one engine more than another all the time (rounds that agree) shows here only.
+SPEEDUP_SLACK = 1.25
 
 # The (method, metric) numbers of every set pooled that the report's index and the notebook show.
 # The speed-up's flag stands beside it: False when the timing rounds disagree.
@@ -54,13 +63,21 @@ HEADLINE_PAIRS = ((OFFLINE_EAGLE3, "tau"), (VLLM_EAGLE3, "tau"), (VLLM_EAGLE3, "
                   (VLLM_EAGLE3, "speedup_steady"))
 
 
+def speedup_bound(entry: dict) -> float | None:
+    """The most a method's speed-up over no speculation can be: the tokens per target forward of its timed
+    answers (``speed_tokens_per_forward``), else of its acceptance pass; None where neither is known."""
+    bound = entry.get("speed_tokens_per_forward") or entry.get("tokens_per_forward")
+    return float(bound) if isinstance(bound, (int, float)) else None
+
+
 def grid(methods: dict[str, dict]) -> dict[str, dict[str, Any]]:
     """``{method: {metric: value}}`` of one group of prompts from results.json's per-method entries:
     the :data:`METRICS` each entry holds, for vLLM also the :data:`SPEED_METRICS`, ``speedup`` (the
     median over rounds of its tokens/s over no speculation's in the same round,
     :func:`eagle3.evaluate.metrics.paired_speedup`; the ratio of the two medians without per-round
     rates; 1.0 for no speculation itself) and ``speedup_steady`` (both rows' ``speed_steady``: False
-    when either's rounds disagree), in the order of :data:`eagle3.evaluate.methods.METHODS`."""
+    when either's rounds disagree, or when the speed-up exceeds :data:`SPEEDUP_SLACK` times
+    :func:`speedup_bound`), in the order of :data:`eagle3.evaluate.methods.METHODS`."""
     none = methods.get(VLLM_NONE) or {}
     out = {}
     for m in sorted(methods, key=lambda m: METHODS.index(m) if m in METHODS else len(METHODS)):
@@ -72,6 +89,8 @@ def grid(methods: dict[str, dict]) -> dict[str, dict[str, Any]]:
             cell["speedup"] = up if up is not None else src["tokens_per_s"] / none["tokens_per_s"]
             steady = (src.get("speed_steady"), none.get("speed_steady"))
             cell["speedup_steady"] = None if None in steady else all(steady)
+            if m != VLLM_NONE and cell["speedup"] > SPEEDUP_SLACK * (speedup_bound(src) or float("inf")):
+                cell["speedup_steady"] = False
         out[m] = cell
     return out
 

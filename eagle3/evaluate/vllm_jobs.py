@@ -129,8 +129,24 @@ def _reply(proc: subprocess.Popen, method: str, log_path: Path, timeout_s: float
     return json.loads(line)
 
 
+def _speed_workers(jobs: dict[str, dict], work_dir: Path, procs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
+    """Start one ``--serve-speed`` worker per method (job files and logs in ``work_dir``), all with one
+    OpenMP setting (timed alike), into ``procs`` = ``{method: (process, log path)}`` as each starts (the
+    caller stops those that started when a later one fails)."""
+    env, note = _worker_env()
+    for m, job in jobs.items():
+        job_path, log_path = work_dir / f"speed_{m}.job.json", work_dir / f"speed_{m}.log"
+        atomic_write_json(job_path, job)
+        with open(log_path, "wb") as log:
+            log.write(note.encode())
+            log.flush()
+            procs[m] = (subprocess.Popen(
+                [sys.executable, "-m", "eagle3.evaluate.vllm_worker", "--serve-speed", str(job_path)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True), log_path)
+
+
 def run_speed(jobs: dict[str, dict], ids: list[str], rounds: int, work_dir: str | Path, timeout_s: float = 1800.0,
-              on_row=None) -> dict[str, dict]:
+              on_row=None, load=None) -> dict[str, dict]:
     """Time the prompts ``ids`` under every method at once: one engine per method, each in its own
     ``python -m eagle3.evaluate.vllm_worker --serve-speed`` subprocess (all alive together), asked for
     one prompt at a time in the order of :func:`speed_schedule`, so that a method never runs its
@@ -143,39 +159,37 @@ def run_speed(jobs: dict[str, dict], ids: list[str], rounds: int, work_dir: str 
         rounds: times each prompt is timed under each method.
         work_dir: where the job files (``speed_<method>.job.json``) and logs (``speed_<method>.log``) go.
         on_row: ``on_row(method, row)`` after each timed request (the stage's progress).
+        load: an :class:`eagle3.machine.OtherLoad`, asked after each timed request whether other
+            processes keep the CPUs busy: a load there all along slows the engines unequally while
+            the rounds still agree, so its most CPUs taken go into every method's ``machine_busy_cpus``
+            (None: never busy, or no ``load``).
 
     Returns:
-        dict: ``{method: engine info (method, k, dtype, vLLM version, startup_s, ...) + {"speed": rows}}``,
-        each row as the worker's speed pass writes it, with ``round``.
+        dict: ``{method: engine info (method, k, dtype, vLLM version, startup_s, ...) + {"speed": rows,
+        "machine_busy_cpus": float | None}}``, each row as the worker's speed pass writes it, with ``round``.
 
     Raises:
         EvaluateError: a worker failed or did not answer within ``timeout_s`` (engine start, or one request).
     """
-    work_dir = Path(work_dir)
     procs: dict[str, tuple[subprocess.Popen, Path]] = {}
-    env, note = _worker_env()  # one OpenMP setting for every method's engine: timed alike
     try:
-        for m, job in jobs.items():
-            job_path, log_path = work_dir / f"speed_{m}.job.json", work_dir / f"speed_{m}.log"
-            atomic_write_json(job_path, job)
-            with open(log_path, "wb") as log:
-                log.write(note.encode())
-                log.flush()
-                procs[m] = (subprocess.Popen(
-                    [sys.executable, "-m", "eagle3.evaluate.vllm_worker", "--serve-speed", str(job_path)],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env,
-                    start_new_session=True), log_path)
+        _speed_workers(jobs, Path(work_dir), procs)
         out = {m: _reply(p, m, log, timeout_s) for m, (p, log) in procs.items()}  # the engines are up
         for m in out:
             out[m] = {k: v for k, v in out[m].items() if k != "ready"} | {"speed": []}
+        busy: list[float] = []
         for r, pid, m in speed_schedule(list(jobs), ids, rounds):
             proc, log = procs[m]
             proc.stdin.write((json.dumps({"id": pid, "round": r}) + "\n").encode())
             proc.stdin.flush()
             row = _reply(proc, m, log, timeout_s)
             out[m]["speed"].append(row)
+            if load is not None and load.busy():
+                busy.append(load.others)
             if on_row is not None:
                 on_row(m, row)
+        for m in out:
+            out[m]["machine_busy_cpus"] = round(max(busy), 2) if busy else None
         return out
     finally:
         for proc, _ in procs.values():
@@ -237,8 +251,10 @@ def _counter_metrics(c: dict) -> dict:
 
 def speed_by_set(result: dict, prompts: list[dict], tolerance: float | None = None) -> dict:
     """``{set: {"prompts", "output_tokens", "time_s", "tokens_per_s", "tokens_per_s_rounds",
-    "speed_spread", "speed_steady", "tokens_per_forward"}}`` of the speed pass's rows (one request at a
-    time, each prompt once per round), plus ``"all"`` over every timed prompt.
+    "speed_spread", "speed_steady", "tokens_per_forward", "speed_busy_cpus"}}`` of the speed pass's rows
+    (one request at a time, each prompt once per round), plus ``"all"`` over every timed prompt.
+    ``speed_busy_cpus``: the result's ``machine_busy_cpus`` (:func:`run_speed`); where set,
+    ``speed_steady`` is False.
 
     ``tokens_per_s``: the median over rounds of each round's tokens/s, with the per-round values, their
     spread and whether it stays within ``tolerance`` (``evaluate.speed_spread_tolerance``;
@@ -261,7 +277,10 @@ def speed_by_set(result: dict, prompts: list[dict], tolerance: float | None = No
             m = group_metrics(vllm_records({"per_prompt": rs}, prompts), int(result.get("k") or 0))
             tpf = m["tokens_per_forward"] if m["verification_steps"] else None
         out[g] = {"prompts": len({r["id"] for r in rs}), "output_tokens": n, "time_s": round(t, 3),
-                  **speed_stats(rs, tolerance), "tokens_per_forward": tpf}
+                  **speed_stats(rs, tolerance), "tokens_per_forward": tpf,
+                  "speed_busy_cpus": result.get("machine_busy_cpus")}
+        if result.get("machine_busy_cpus"):  # timed beside other load: not a result, however the rounds agree
+            out[g]["speed_steady"] = False
     return out
 
 
@@ -310,7 +329,8 @@ def vllm_summary(result: dict, prompts: list[dict], k: int, tolerance: float | N
                      "dtype": result.get("dtype"), "vllm_version": result.get("vllm_version"),
                      "max_num_seqs": result.get("max_num_seqs"),
                      "tokens_per_s": every.get("tokens_per_s"), "speed_prompts": every.get("prompts", 0),
-                     **{key: every.get(key) for key in ("tokens_per_s_rounds", "speed_spread", "speed_steady")},
+                     **{key: every.get(key) for key in ("tokens_per_s_rounds", "speed_spread", "speed_steady",
+                                                        "speed_busy_cpus")},
                      "output_tokens": result.get("output_tokens"), "generate_s": result.get("generate_s"),
                      "startup_s": result.get("startup_s"), "counters": result.get("counters"),
                      "prompts": len(result["per_prompt"]), "speed_by_set": by_set}
