@@ -12,7 +12,15 @@ from pathlib import Path
 from eagle3.evaluate.methods import VLLM_EAGLE3, VLLM_NGRAM, VLLM_NONE
 from eagle3.evaluate.mismatch import REMEASURE_SPEED, RULE_TEXT, RULES
 from eagle3.evaluate.prompts import left_out_reasons, out_of_domain_first
-from eagle3.evaluate.stats import SPEEDUP_SLACK, EvaluateStats, PooledStats, SetStats, read_stats, value_at
+from eagle3.evaluate.stats import (
+    SPEEDUP_SLACK,
+    EvaluateStats,
+    PooledStats,
+    SetStats,
+    read_stats,
+    speedup_bound,
+    value_at,
+)
 from eagle3.io import read_json
 from eagle3.rundir import STAGES
 from eagle3.stage import Stats, stage_record
@@ -149,13 +157,13 @@ def _method_rows(name: str, label: str, g: _Group, disturbed: list[str]) -> str:
                              + ", ".join(_fixed(x, 1) for x in g.get(m, "tokens_per_s_rounds") or []))
     for i, (m, method_label) in enumerate(_TABLE_METHODS):
         cell = f"<th rowspan='{len(_TABLE_METHODS)}'>{label}</th>" if i == 0 else ""
-        tpf, up = g.get(m, "tokens_per_forward"), g.get(m, "speedup")
+        up = g.get(m, "speedup")
         # no speculation's answers are one token per forward by definition: no bound of their own
         timed = g.get(m, "speed_tokens_per_forward") if m != VLLM_NONE else None
         # a method cannot run faster than the tokens per target forward of the answers it was timed
         # on allow (its drafts cost time too): a speed-up well above that is a disturbed timing
-        mark, bound = "", timed if isinstance(timed, (int, float)) else tpf
-        if isinstance(up, float) and isinstance(bound, (int, float)) and up > SPEEDUP_SLACK * bound:
+        mark, bound = "", speedup_bound(g.methods.get(m) or {})
+        if m != VLLM_NONE and isinstance(up, float) and bound and up > SPEEDUP_SLACK * bound:
             mark = " &#9888;"
             disturbed.append(f"{method_label} on {name}: {_fixed(up, 2, 'x')} with {_fixed(bound, 3)} tokens per target "
                              f"forward")
