@@ -283,13 +283,18 @@ class OtherLoad:
                 f"(this run's rates and ETA are slower)")
 
 
+def _users_openmp(env: dict[str, str]) -> bool:
+    """Whether ``env`` holds an OpenMP wait setting the user made (one eagle3 chose carries its mark)."""
+    return OPENMP_AUTO not in env and any(v in env for v in OPENMP_VARS)
+
+
 def openmp_env(env: dict[str, str], busy: bool) -> dict[str, str]:
     """A copy of ``env`` (a process environment) with the OpenMP wait setting for a process that starts
     now: :data:`BUSY_OPENMP` when the machine is ``busy`` (marked with ``EAGLE3_OPENMP_AUTO=1``), libgomp's
     default otherwise. An ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` the user set (no mark) is kept as is;
     one eagle3 set for an earlier start (marked) is chosen again."""
     out = dict(env)
-    if OPENMP_AUTO not in out and any(v in out for v in OPENMP_VARS):
+    if _users_openmp(out):
         return out
     for var in (*OPENMP_VARS, OPENMP_AUTO):
         out.pop(var, None)
@@ -306,8 +311,8 @@ def openmp_for_start(env: dict[str, str] | None = None, window_s: float = 2.0,
     for tests) and :func:`openmp_env` applied to ``env`` (default ``os.environ``). ``note`` says what was
     chosen and why when the short spin was chosen, else None."""
     env = dict(os.environ if env is None else env)
-    if OPENMP_AUTO not in env and any(v in env for v in OPENMP_VARS):
-        return env, None  # the user's setting: nothing to measure
+    if _users_openmp(env):
+        return env, None  # nothing to measure
     if load is None:
         load = OtherLoad(min_interval_s=0.0)
         time.sleep(window_s)
