@@ -18,7 +18,7 @@ from pathlib import Path
 
 __all__ = ["CPU_FEATURES", "MEASURED_RUNS", "MachineInfo", "machine_info", "cpu_flags", "dtype_choice",
            "expected_duration", "machine_line", "OtherLoad", "usable_cpus", "BUSY_OPENMP", "openmp_env",
-           "openmp_for_start"]
+           "openmp_for_start", "TIMING_THREAD_VARS", "timing_threads"]
 
 # /proc/cpuinfo flag -> name, the ones that decide the target's dtype and speed on a CPU (best first)
 CPU_FEATURES = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f", "AVX512"), ("avx2", "AVX2"))
@@ -43,6 +43,10 @@ BUSY_OPENMP = {"OMP_WAIT_POLICY": "PASSIVE"}
 OPENMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 # set beside the OpenMP variables eagle3 chose: a later start may choose again (the user's are kept)
 OPENMP_AUTO = "EAGLE3_OPENMP_AUTO"
+
+# The thread counts of an engine that times one request at a time (stage 5's speed pass): OpenMP's (torch,
+# vLLM's CPU kernels) and numba's (vLLM's n-gram proposer starts a numba thread pool of one thread per CPU).
+TIMING_THREAD_VARS = ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")
 
 
 def usable_cpus() -> list[int]:
@@ -268,12 +272,13 @@ class OtherLoad:
             self._last = (now, 0, 0, 0)
         return self.others
 
-    def busy(self) -> bool:
+    def busy(self, run_cpus: float | None = None) -> bool:
         """Whether other processes took more than the CPUs this run leaves free plus :attr:`SLACK_CPUS`
-        over the last interval (False where unknown)."""
+        over the last interval (False where unknown). ``run_cpus``: the CPUs the run's work of this moment
+        uses, where fewer than the run's (default: the run's usable CPUs)."""
         others = self.sample()
         total, run = self.cpus
-        return others is not None and others > (total - run) + self.SLACK_CPUS
+        return others is not None and others > (total - (run if run_cpus is None else run_cpus)) + self.SLACK_CPUS
 
     def busy_text(self) -> str | None:
         """``"other processes took 1.4 of 2 CPUs"`` while :meth:`busy`, else None."""
@@ -304,22 +309,46 @@ def openmp_env(env: dict[str, str], busy: bool) -> dict[str, str]:
     return out
 
 
+def timing_threads(usable: int, others: float | None = None) -> int:
+    """Threads of an engine that times one request at a time: the ``usable`` CPUs less one, kept for the
+    rest of the process as vLLM's own CPU binding keeps one (``VLLM_CPU_NUM_OF_RESERVED_CPU``), and less
+    the CPUs ``others`` (other processes) take; at least 1.
+
+    Why: one request at a time is bound by each step's latency, not by arithmetic. On 2 cores, one
+    thread per engine decoded the drafter's and n-gram's requests faster than two (44.1 vs 41.8 and
+    42.3 vs 40.1 tokens/s; no speculation 29.7 vs 32.2), and beside a CPU-bound job two threads slowed
+    the methods unequally (no speculation 3.7x, the drafter 1.3x: a speed-up of 3.66x instead of 1.30x)
+    while one thread kept the drafter's speed-up within 5% (benchmarks/RESULTS.md, "Speed beside
+    another job")."""
+    free = usable - (others or 0.0)
+    return max(1, min(usable - 1, int(free)))
+
+
 def openmp_for_start(env: dict[str, str] | None = None, window_s: float = 2.0,
-                     load: OtherLoad | None = None) -> tuple[dict[str, str], str | None]:
+                     load: OtherLoad | None = None, timing: bool = False) -> tuple[dict[str, str], str | None]:
     """``(environment, note)`` for a process (a stage's kernel, a vLLM worker) that starts now: the
     other load is measured over ``window_s`` seconds (``load``: an :class:`OtherLoad` already sampled,
-    for tests) and :func:`openmp_env` applied to ``env`` (default ``os.environ``). ``note`` says what was
-    chosen and why when the short spin was chosen, else None."""
+    for tests) and :func:`openmp_env` applied to ``env`` (default ``os.environ``). ``timing``: the process
+    times one request at a time (a speed-pass engine): :data:`TIMING_THREAD_VARS` are set to
+    :func:`timing_threads` of this moment, unless the user set ``OMP_NUM_THREADS``. ``note`` says what
+    was chosen and why (the short spin, the thread count), else None."""
     env = dict(os.environ if env is None else env)
-    if _users_openmp(env):
+    set_threads = timing and "OMP_NUM_THREADS" not in env
+    if _users_openmp(env) and not set_threads:
         return env, None  # nothing to measure
     if load is None:
         load = OtherLoad(min_interval_s=0.0)
         time.sleep(window_s)
     busy = load.busy()
-    out = openmp_env(env, busy)
-    if not busy:
-        return out, None
-    setting = " ".join(f"{k}={v}" for k, v in BUSY_OPENMP.items())
-    return out, (f"other processes took {load.others:.1f} of {load.cpus[0]} CPUs: OpenMP threads sleep while "
-                 f"they wait ({setting}), so a core shared with them does not stall every step")
+    out = env if _users_openmp(env) else openmp_env(env, busy)
+    notes = []
+    if busy and out is not env:
+        setting = " ".join(f"{k}={v}" for k, v in BUSY_OPENMP.items())
+        notes.append(f"other processes took {load.others:.1f} of {load.cpus[0]} CPUs: OpenMP threads sleep while "
+                     f"they wait ({setting}), so a core shared with them does not stall every step")
+    if set_threads:
+        threads = timing_threads(load.cpus[1], load.others)
+        out.update({var: str(threads) for var in TIMING_THREAD_VARS if var not in env})
+        notes.append(f"{threads} thread(s) per timed engine ({load.cpus[1]} usable CPUs less one for the rest "
+                     f"of the process{f' and {load.others:.1f} taken by other processes' if busy else ''})")
+    return out, "; ".join(notes) or None

@@ -218,6 +218,32 @@ def test_a_process_started_on_a_busy_machine_gets_a_short_openmp_spin():
         assert openmp_for_start(user, load=Unread()) == (user, None)
 
 
+def test_an_engine_that_times_one_request_at_a_time_leaves_a_cpu_and_the_others_load():
+    """The speed pass's engines run one thread per usable CPU less one (vLLM's own reservation) less the
+    CPUs other processes take at their start, at least one: on 2 cores one thread quiet or busy, so a
+    second job does not change the configuration that is timed; OpenMP's and numba's pools alike."""
+    from eagle3.machine import OPENMP_AUTO, TIMING_THREAD_VARS, openmp_for_start, timing_threads
+
+    assert [timing_threads(2, o) for o in (None, 0.0, 0.6, 1.0, 2.0)] == [1, 1, 1, 1, 1]
+    assert [timing_threads(16, o) for o in (None, 0.3, 4.2, 15.5)] == [15, 15, 11, 1]
+    assert timing_threads(1) == 1
+    assert TIMING_THREAD_VARS == ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS")
+    # a job on one of 2 CPUs competes with the run's two threads, not with one engine thread; two jobs do
+    assert (_load(1.0).busy(), _load(1.0).busy(run_cpus=1), _load(1.9).busy(run_cpus=1)) == (True, False, True)
+    env, note = openmp_for_start({"PATH": "/bin"}, load=_load(0.1), timing=True)
+    assert env == {"PATH": "/bin", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+    assert note == "1 thread(s) per timed engine (2 usable CPUs less one for the rest of the process)"
+    env, note = openmp_for_start({}, load=_load(5.0, cpus=(16, 16)), timing=True)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", OPENMP_AUTO: "1", "OMP_NUM_THREADS": "11", "NUMBA_NUM_THREADS": "11"}
+    assert note.endswith("; 11 thread(s) per timed engine (16 usable CPUs less one for the rest of the process "
+                         "and 5.0 taken by other processes)")
+    # the user's thread count and wait policy are kept; a wait policy alone still gets the thread count
+    assert openmp_for_start({"OMP_NUM_THREADS": "2"}, load=_load(1.0), timing=True)[0] == {
+        "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE", OPENMP_AUTO: "1"}
+    assert openmp_for_start({"OMP_WAIT_POLICY": "ACTIVE"}, load=_load(1.0), timing=True)[0] == {
+        "OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
+
+
 def test_the_openmp_choice_measures_a_real_busy_loop():
     """Measured, not assumed: beside a CPU-bound process the 2-second window counts it as other load."""
     from eagle3.machine import openmp_for_start
@@ -448,7 +474,8 @@ def test_requests_timed_beside_other_load_are_not_a_result_even_when_their_round
     from eagle3.evaluate.mismatch import mismatch_warnings
     from eagle3.evaluate.stats import SetStats
 
-    monkeypatch.setattr(machine, "openmp_for_start", lambda env: (dict(env), None))
+    monkeypatch.setattr(machine, "openmp_for_start",  # the engines time with one thread each
+                        lambda env, timing=False: (dict(env, OMP_NUM_THREADS="1") if timing else dict(env), None))
     fake = tmp_path / "python"  # a speed worker: ready, then 8 tokens in 0.25 s per request
     fake.write_text('#!/bin/sh\necho \'{"ready": true}\'\nwhile read line; do\n'
                     '  id=$(echo "$line" | sed \'s/.*"id": "\\([^"]*\\)".*/\\1/\')\n'
@@ -459,9 +486,10 @@ def test_requests_timed_beside_other_load_are_not_a_result_even_when_their_round
 
     class Load:  # other processes take 1.2 CPUs from the third timed request on
         def __init__(self):
-            self.calls, self.others = 0, 0.1
+            self.calls, self.others, self.run_cpus = 0, 0.1, set()
 
-        def busy(self):
+        def busy(self, run_cpus=None):
+            self.run_cpus.add(run_cpus)
             self.calls += 1
             self.others = 1.2 if self.calls >= 3 else 0.1
             return self.calls >= 3
@@ -469,8 +497,10 @@ def test_requests_timed_beside_other_load_are_not_a_result_even_when_their_round
     jobs = {m: {"method": m, "k": 3} for m in ("eagle3", "none")}
     quiet = vllm_jobs.run_speed(jobs, ["p1"], 2, tmp_path)
     assert [quiet[m]["machine_busy_cpus"] for m in jobs] == [None, None]
-    busy = vllm_jobs.run_speed(jobs, ["p1"], 2, tmp_path, load=Load())
+    load = Load()
+    busy = vllm_jobs.run_speed(jobs, ["p1"], 2, tmp_path, load=load)
     assert [busy[m]["machine_busy_cpus"] for m in jobs] == [1.2, 1.2]
+    assert load.run_cpus == {1}  # busy means: others take CPUs the engines' one thread could use
     prompts = [{"id": "p1", "set": "chat"}]
     q, b = (speed_by_set(r["none"], prompts, 0.25)["chat"] for r in (quiet, busy))
     assert (q["tokens_per_s"], q["speed_steady"], q["speed_busy_cpus"]) == (32.0, True, None)

@@ -57,14 +57,15 @@ def build_job(params, method: str, target_path: str | Path, drafter_dir: str | P
             "prompts": [{"id": p["id"], "messages": p["messages"], "prompt_ids": p["prompt_ids"]} for p in prompts]}
 
 
-def _worker_env() -> tuple[dict, str]:
+def _worker_env(timing: bool = False) -> tuple[dict, str]:
     """``(environment, note)`` of a worker that starts now: vLLM's CPU settings, the OpenMP setting for
-    the load of this moment (:func:`eagle3.machine.openmp_for_start`; ``note`` says what it chose on a
-    busy machine, '' otherwise, for the worker's log), this tree on its path, this process as its parent."""
+    the load of this moment (:func:`eagle3.machine.openmp_for_start`; ``timing``: a speed-pass engine,
+    with its thread counts; ``note`` says what it chose, '' otherwise, for the worker's log), this tree
+    on its path, this process as its parent."""
     from eagle3.machine import openmp_for_start
     from eagle3.vllm_utils import cpu_env
 
-    env, openmp_note = openmp_for_start(cpu_env())
+    env, openmp_note = openmp_for_start(cpu_env(), timing=timing)
     env["PYTHONPATH"] = str(_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["EAGLE3_PARENT_PID"] = str(os.getpid())
     return env, f"eagle3: {openmp_note}\n" if openmp_note else ""
@@ -129,11 +130,13 @@ def _reply(proc: subprocess.Popen, method: str, log_path: Path, timeout_s: float
     return json.loads(line)
 
 
-def _speed_workers(jobs: dict[str, dict], work_dir: Path, procs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
+def _speed_workers(jobs: dict[str, dict], work_dir: Path,
+                   procs: dict[str, tuple[subprocess.Popen, Path]]) -> int | None:
     """Start one ``--serve-speed`` worker per method (job files and logs in ``work_dir``), all with one
-    OpenMP setting (timed alike), into ``procs`` = ``{method: (process, log path)}`` as each starts (the
-    caller stops those that started when a later one fails)."""
-    env, note = _worker_env()
+    OpenMP setting and thread count (timed alike), into ``procs`` = ``{method: (process, log path)}`` as
+    each starts (the caller stops those that started when a later one fails). Returns the engines'
+    OpenMP thread count (None where not set)."""
+    env, note = _worker_env(timing=True)
     for m, job in jobs.items():
         job_path, log_path = work_dir / f"speed_{m}.job.json", work_dir / f"speed_{m}.log"
         atomic_write_json(job_path, job)
@@ -143,6 +146,7 @@ def _speed_workers(jobs: dict[str, dict], work_dir: Path, procs: dict[str, tuple
             procs[m] = (subprocess.Popen(
                 [sys.executable, "-m", "eagle3.evaluate.vllm_worker", "--serve-speed", str(job_path)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True), log_path)
+    return int(env["OMP_NUM_THREADS"]) if env.get("OMP_NUM_THREADS", "").isdigit() else None
 
 
 def run_speed(jobs: dict[str, dict], ids: list[str], rounds: int, work_dir: str | Path, timeout_s: float = 1800.0,
@@ -160,9 +164,10 @@ def run_speed(jobs: dict[str, dict], ids: list[str], rounds: int, work_dir: str 
         work_dir: where the job files (``speed_<method>.job.json``) and logs (``speed_<method>.log``) go.
         on_row: ``on_row(method, row)`` after each timed request (the stage's progress).
         load: an :class:`eagle3.machine.OtherLoad`, asked after each timed request whether other
-            processes keep the CPUs busy: a load there all along slows the engines unequally while
-            the rounds still agree, so its most CPUs taken go into every method's ``machine_busy_cpus``
-            (None: never busy, or no ``load``).
+            processes take CPUs the engines use (their threads: :func:`eagle3.machine.timing_threads`,
+            which leaves the CPUs other processes took at the start to them): a load there all along
+            slows the engines unequally while the rounds still agree, so its most CPUs taken go into
+            every method's ``machine_busy_cpus`` (None: never busy, or no ``load``).
 
     Returns:
         dict: ``{method: engine info (method, k, dtype, vLLM version, startup_s, ...) + {"speed": rows,
@@ -173,7 +178,7 @@ def run_speed(jobs: dict[str, dict], ids: list[str], rounds: int, work_dir: str 
     """
     procs: dict[str, tuple[subprocess.Popen, Path]] = {}
     try:
-        _speed_workers(jobs, Path(work_dir), procs)
+        threads = _speed_workers(jobs, Path(work_dir), procs)
         out = {m: _reply(p, m, log, timeout_s) for m, (p, log) in procs.items()}  # the engines are up
         for m in out:
             out[m] = {k: v for k, v in out[m].items() if k != "ready"} | {"speed": []}
@@ -184,7 +189,7 @@ def run_speed(jobs: dict[str, dict], ids: list[str], rounds: int, work_dir: str 
             proc.stdin.flush()
             row = _reply(proc, m, log, timeout_s)
             out[m]["speed"].append(row)
-            if load is not None and load.busy():
+            if load is not None and load.busy(run_cpus=threads):
                 busy.append(load.others)
             if on_row is not None:
                 on_row(m, row)

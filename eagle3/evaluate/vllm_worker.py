@@ -203,7 +203,8 @@ def _speed_pass(llm, job: dict, convs: list) -> list[dict]:
 
 
 def _engine_info(llm, job: dict, spec: dict | None, startup_s: float) -> dict:
-    """What a result says of its engine: method, speculative config, k, sampling, dtype, vLLM version."""
+    """What a result says of its engine: method, speculative config, k, sampling, dtype, vLLM version,
+    torch's thread count."""
     return {
         "method": job["method"],
         "speculative_config": spec,
@@ -213,6 +214,7 @@ def _engine_info(llm, job: dict, spec: dict | None, startup_s: float) -> dict:
         "max_num_seqs": int(job.get("max_num_seqs", 1)),
         "dtype": str(llm.llm_engine.model_config.dtype).replace("torch.", ""),
         "vllm_version": __import__("vllm").__version__,
+        "threads": __import__("torch").get_num_threads(),  # the speed pass's engines: eagle3.machine.timing_threads
         "startup_s": round(startup_s, 2),
     }
 
