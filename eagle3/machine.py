@@ -155,7 +155,7 @@ def expected_duration(params_file: str | Path, dtype: str, info: MachineInfo, ov
         notes.append("--set changes the params it was measured with")
     if info.load_1m > info.cpus:
         notes.append(f"the machine is busy (load {info.load_1m:.1f} on {info.cpus} CPUs): expect longer")
-    return f"expected about {minutes} min ({how}" + "".join(f"; {n}" for n in notes) + ")"
+    return f"expected about {minutes} min on a quiet machine ({how}" + "".join(f"; {n}" for n in notes) + ")"
 
 
 def machine_line(params, params_file: str | Path, info: MachineInfo | None = None, overridden: bool = False,
@@ -314,12 +314,11 @@ def timing_threads(usable: int, others: float | None = None) -> int:
     rest of the process as vLLM's own CPU binding keeps one (``VLLM_CPU_NUM_OF_RESERVED_CPU``), and less
     the CPUs ``others`` (other processes) take; at least 1.
 
-    Why: one request at a time is bound by each step's latency, not by arithmetic. On 2 cores, one
-    thread per engine decoded the drafter's and n-gram's requests faster than two (44.1 vs 41.8 and
-    42.3 vs 40.1 tokens/s; no speculation 29.7 vs 32.2), and beside a CPU-bound job two threads slowed
-    the methods unequally (no speculation 3.7x, the drafter 1.3x: a speed-up of 3.66x instead of 1.30x)
-    while one thread kept the drafter's speed-up within 5% (benchmarks/RESULTS.md, "Speed beside
-    another job")."""
+    Why: beside one CPU-bound job on 2 cores, engines of two threads slowed unequally (no speculation
+    4.4x, the drafter 1.5x: its speed-up 4.22x against 1.40x quiet), while one thread per engine kept
+    each speed-up within 5% of its quiet value; the cost, on a quiet 2-core machine, is 0.74x the
+    tokens/s of two threads at the same speed-ups (within 4%) (benchmarks/bench_speed_pass.py,
+    benchmarks/RESULTS.md "The speed pass beside another job")."""
     free = usable - (others or 0.0)
     return max(1, min(usable - 1, int(free)))
 

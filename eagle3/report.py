@@ -380,6 +380,7 @@ def summary_text(run_dir: str | Path) -> str:
              *_text_table(rows),
              "(tokens per target forward compare the methods; τ counts only rounds with drafts, so n-gram "
              "lookup, which often has nothing to propose, can show a higher τ and still fewer tokens per forward)",
+             *_other_load_line(st),
              f"Parity: offline τ {num(p.tau_offline, 3)} vs vLLM τ {num(p.tau_vllm, 3)}"
              + (f" on the same {p.prompts} prompts" if p.prompts else "") + f": {verdict}."]
     warnings = [w for w in st.warnings if isinstance(w, dict)]
@@ -389,6 +390,15 @@ def summary_text(run_dir: str | Path) -> str:
     if not warnings:
         lines.append("No mismatch warning.")
     return "\n".join(lines)
+
+
+def _other_load_line(st) -> list[str]:
+    """The terminal's line on other processes during the speed pass (none where they took under half a CPU)."""
+    cpus = st.pooled.get(VLLM_NONE, "speed_other_cpus") if st.pooled else None
+    if not cpus or cpus < 0.5:
+        return []
+    return [f"(tokens/s timed while other processes took up to {cpus:.1f} CPUs; the timed engines leave the CPUs "
+            f"taken at their start to them, and a load that competed with them marks the numbers unsteady)"]
 
 
 _STYLE = ("<style>body{font-family:sans-serif;max-width:1100px;margin:2em auto;}"

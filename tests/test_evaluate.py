@@ -681,7 +681,8 @@ def test_vllm_records_count_steps_without_drafts():
     assert s["per_position_conditional"] == pytest.approx([2 / 3, 0.5, 1.0])
     # a result written before the speed pass kept its answers: no tokens per forward of the timed answers
     # (and one round: no spread, no verdict on its steadiness)
-    one = {"speed_spread": None, "speed_steady": None, "tokens_per_forward": None, "speed_busy_cpus": None}
+    one = {"speed_spread": None, "speed_steady": None, "tokens_per_forward": None, "speed_busy_cpus": None,
+           "speed_other_cpus": None}
     assert speed_by_set(result, prompts, 0.25) == {
         "s1": {"prompts": 1, "output_tokens": 12, "time_s": 2.0, "tokens_per_s": 6.0, "tokens_per_s_rounds": [6.0]} | one,
         "s2": {"prompts": 1, "output_tokens": 4, "time_s": 2.0, "tokens_per_s": 2.0, "tokens_per_s_rounds": [2.0]} | one,

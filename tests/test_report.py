@@ -454,3 +454,24 @@ def test_eagle3_run_ends_with_the_result_table(tmp_path, monkeypatch, capsys):
     assert main(["run", "params/smollm2-135m.yaml", "--no-report"]) == 0
     out = capsys.readouterr().out
     assert "eagle3: report" not in out and "heldout (in-distribution, 44 prompts)" in out
+
+
+def test_summary_text_says_when_other_processes_ran_beside_the_speed_pass(tmp_path):
+    """A speed pass timed while other processes took CPUs (without competing with the timed engines: not
+    unsteady) says so under the table, so the terminal and the log show what the numbers were timed beside."""
+    import json
+
+    from eagle3.report import summary_text
+
+    run = _finished_run(tmp_path)
+    st = run / "05_evaluate" / "stats.json"
+    d = json.loads(st.read_text())
+    d["pooled"].setdefault("methods", {}).setdefault("vllm/none", {})["speed_other_cpus"] = 1.02
+    st.write_text(json.dumps(d))
+    lines = summary_text(run).splitlines()
+    assert lines[9] == ("(tokens/s timed while other processes took up to 1.0 CPUs; the timed engines leave the CPUs "
+                        "taken at their start to them, and a load that competed with them marks the numbers unsteady)")
+    assert lines[10].startswith("Parity: ")
+    d["pooled"]["methods"]["vllm/none"]["speed_other_cpus"] = 0.2  # the machine's own background: no line
+    st.write_text(json.dumps(d))
+    assert summary_text(run).splitlines()[9].startswith("Parity: ")

@@ -290,18 +290,18 @@ def test_the_start_line_of_an_avx2_only_machine_says_float32_and_78_minutes(monk
     line = _line(monkeypatch, AVX2_ONLY, native=False)
     assert line.startswith("eagle3: machine: 2 CPUs (AMD EPYC 7B12): AVX2; no AMX or AVX512-BF16; target dtype float32 (")
     assert "bfloat16 would be emulated" in line
-    assert line.endswith("expected about 78 min (77 min 39 s on 2 AVX2-only cores)")
+    assert line.endswith("expected about 78 min on a quiet machine (77 min 39 s on 2 AVX2-only cores)")
 
 
 def test_the_start_line_of_a_bf16_machine_says_bfloat16_and_32_minutes(monkeypatch):
     line = _line(monkeypatch, BF16, native=True)
     assert "2 CPUs (AMD EPYC 9B14): AVX512-BF16, AVX512, AVX2; target dtype bfloat16 (target.dtype auto: the CPU " in line
-    assert line.endswith("expected about 32 min (31 min 52 s on 2 cores with AVX512-BF16)")
+    assert line.endswith("expected about 32 min on a quiet machine (31 min 52 s on 2 cores with AVX512-BF16)")
 
 
 def test_the_start_line_names_what_differs_from_the_measurement(monkeypatch):
     line = _line(monkeypatch, AVX2_ONLY, native=False, cpus=4, load=6.5, overrides=["train.epochs=3"])
-    assert line.endswith("expected about 78 min (77 min 39 s on 2 AVX2-only cores; measured on 2 cores, this machine "
+    assert line.endswith("expected about 78 min on a quiet machine (77 min 39 s on 2 AVX2-only cores; measured on 2 cores, this machine "
                          "gives the run 4; --set changes the params it was measured with; the machine is busy (load "
                          "6.5 on 4 CPUs): expect longer)")
     ci = _line(monkeypatch, AVX2_ONLY, native=False, params_file="params/ci.yaml")
@@ -317,7 +317,7 @@ def test_a_call_of_some_stages_gets_their_etas_not_the_whole_runs_duration(monke
     assert line.endswith("stage 5 only: each stage shows its ETA (the measured 32 min are for all five stages)")
     assert _line(monkeypatch, BF16, native=True, stages=[4, 5]).endswith("stages 4, 5 only: each stage shows its ETA "
                                                                         "(the measured 32 min are for all five stages)")
-    assert _line(monkeypatch, BF16, native=True, stages=[1, 2, 3, 4, 5]).endswith("expected about 32 min (31 min 52 s "
+    assert _line(monkeypatch, BF16, native=True, stages=[1, 2, 3, 4, 5]).endswith("expected about 32 min on a quiet machine (31 min 52 s "
                                                                                  "on 2 cores with AVX512-BF16)")
 
 
@@ -331,7 +331,7 @@ def test_a_run_directorys_params_file_is_known_by_the_run_name(monkeypatch):
     flags, model = cpu_flags(AVX2_ONLY)
     info = MachineInfo(cpus=2, model=model, flags=flags, native_bf16=False, gpu=None, load_1m=0.0)
     params = load_params(ROOT / "params/smollm2-135m.yaml", [])  # run.name smollm2-135m
-    assert machine_line(params, "outputs/smollm2-135m/params.yaml", info).endswith("expected about 78 min (77 min 39 s "
+    assert machine_line(params, "outputs/smollm2-135m/params.yaml", info).endswith("expected about 78 min on a quiet machine (77 min 39 s "
                                                                                    "on 2 AVX2-only cores)")
 
 
@@ -501,10 +501,13 @@ def test_requests_timed_beside_other_load_are_not_a_result_even_when_their_round
     busy = vllm_jobs.run_speed(jobs, ["p1"], 2, tmp_path, load=load)
     assert [busy[m]["machine_busy_cpus"] for m in jobs] == [1.2, 1.2]
     assert load.run_cpus == {1}  # busy means: others take CPUs the engines' one thread could use
+    # what other processes took at all, competing or not, is kept beside it (None without a load to ask)
+    assert [busy[m]["machine_other_cpus"] for m in jobs] == [1.2, 1.2]
+    assert [quiet[m]["machine_other_cpus"] for m in jobs] == [None, None]
     prompts = [{"id": "p1", "set": "chat"}]
     q, b = (speed_by_set(r["none"], prompts, 0.25)["chat"] for r in (quiet, busy))
     assert (q["tokens_per_s"], q["speed_steady"], q["speed_busy_cpus"]) == (32.0, True, None)
-    assert (b["tokens_per_s"], b["speed_steady"], b["speed_busy_cpus"]) == (32.0, False, 1.2)
+    assert (b["tokens_per_s"], b["speed_steady"], b["speed_busy_cpus"], b["speed_other_cpus"]) == (32.0, False, 1.2, 1.2)
     entries = {f"vllm/{m}": {k: v for k, v in speed_by_set(r, prompts, 0.25)["chat"].items() if k != "tokens_per_forward"}
                for m, r in busy.items()}
     sets = {"chat": SetStats(domain="out-of-domain", prompts=1, methods=grid(entries))}

@@ -319,7 +319,7 @@ def _with_speed(res: dict | None, sp: dict) -> dict:
     n, t = sum(r["output_tokens"] for r in rows), sum(r["time_s"] for r in rows)
     speed = {"speed": rows, "speed_output_tokens": n, "speed_s": round(t, 3),
              "tokens_per_s": speed_stats(rows)["tokens_per_s"], "speed_startup_s": sp.get("startup_s"),
-             "machine_busy_cpus": sp.get("machine_busy_cpus")}
+             "machine_busy_cpus": sp.get("machine_busy_cpus"), "machine_other_cpus": sp.get("machine_other_cpus")}
     if res is None:
         return sp | {"per_prompt": [], "counters": None, "generate_s": None, "output_tokens": 0} | speed
     return res | speed
@@ -353,7 +353,7 @@ def _per_set(inp: _Inputs, offline_recs: list[dict] | None, vllm_results: dict, 
                     {"tokens_per_s": sp[s.name]["tokens_per_s"], "speed_prompts": sp[s.name]["prompts"],
                      "speed_tokens_per_forward": sp[s.name].get("tokens_per_forward"),
                      **{key: sp[s.name].get(key) for key in ("tokens_per_s_rounds", "speed_spread", "speed_steady",
-                                                              "speed_busy_cpus")}})
+                                                              "speed_busy_cpus", "speed_other_cpus")}})
         # timed prompts whose answers have other lengths under other methods: tokens/s of different texts
         entry["speed_lengths_differ"] = speed_lengths_differ(vllm_results, [p["id"] for p in s.prompts])
         if VLLM_NONE in entry["methods"]:

@@ -44,11 +44,11 @@ METRICS = ("tau", "tokens_per_forward", "draft_acceptance_rate", "prompts")
 # per-round rates, their spread ((max - min) / median) and whether it stayed within
 # evaluate.speed_spread_tolerance (False: the rounds disagree, another load disturbed the timing),
 # and the tokens per target forward of the timed answers themselves (they bound the speed-up), and
-# the most CPUs other processes took while the requests were timed (None: the machine was not busy;
-# else speed_steady is False). Offline decoding's rate (transformers) is not a serving speed:
-# results.json keeps it.
+# the most CPUs other processes took from the timed engines' CPUs (None: they took none; else
+# speed_steady is False), and the most they took at all (speed_other_cpus). Offline decoding's rate
+# (transformers) is not a serving speed: results.json keeps it.
 SPEED_METRICS = ("tokens_per_s", "tokens_per_s_rounds", "speed_spread", "speed_steady", "speed_tokens_per_forward",
-                 "speed_busy_cpus")
+                 "speed_busy_cpus", "speed_other_cpus")
 
 # How far a speed-up may exceed the tokens per target forward of the answers it was timed on before it
 # counts as a disturbed timing: a method's tokens/s over no speculation's is at most its tokens per

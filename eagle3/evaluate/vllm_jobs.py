@@ -167,11 +167,13 @@ def run_speed(jobs: dict[str, dict], ids: list[str], rounds: int, work_dir: str 
             processes take CPUs the engines use (their threads: :func:`eagle3.machine.timing_threads`,
             which leaves the CPUs other processes took at the start to them): a load there all along
             slows the engines unequally while the rounds still agree, so its most CPUs taken go into
-            every method's ``machine_busy_cpus`` (None: never busy, or no ``load``).
+            every method's ``machine_busy_cpus`` (None: never busy, or no ``load``); the most CPUs
+            they took at all, competing or not, into ``machine_other_cpus`` (None: no ``load``).
 
     Returns:
         dict: ``{method: engine info (method, k, dtype, vLLM version, startup_s, ...) + {"speed": rows,
-        "machine_busy_cpus": float | None}}``, each row as the worker's speed pass writes it, with ``round``.
+        "machine_busy_cpus": float | None, "machine_other_cpus": float | None}}``, each row as the
+        worker's speed pass writes it, with ``round``.
 
     Raises:
         EvaluateError: a worker failed or did not answer within ``timeout_s`` (engine start, or one request).
@@ -183,28 +185,38 @@ def run_speed(jobs: dict[str, dict], ids: list[str], rounds: int, work_dir: str 
         for m in out:
             out[m] = {k: v for k, v in out[m].items() if k != "ready"} | {"speed": []}
         busy: list[float] = []
+        seen: list[float] = []
         for r, pid, m in speed_schedule(list(jobs), ids, rounds):
             proc, log = procs[m]
             proc.stdin.write((json.dumps({"id": pid, "round": r}) + "\n").encode())
             proc.stdin.flush()
             row = _reply(proc, m, log, timeout_s)
             out[m]["speed"].append(row)
-            if load is not None and load.busy(run_cpus=threads):
-                busy.append(load.others)
+            if load is not None:
+                if load.busy(run_cpus=threads):
+                    busy.append(load.others)
+                if load.others is not None:
+                    seen.append(load.others)
             if on_row is not None:
                 on_row(m, row)
         for m in out:
             out[m]["machine_busy_cpus"] = round(max(busy), 2) if busy else None
+            out[m]["machine_other_cpus"] = round(max(seen), 2) if seen else None
         return out
     finally:
-        for proc, _ in procs.values():
-            try:
-                proc.stdin.close()  # the worker's end of input: it exits
-                proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        _stop_workers(procs)
+
+
+def _stop_workers(procs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
+    """End each speed worker: the end of its input (it exits), or its process group killed after 30 s."""
+    for proc, _ in procs.values():
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def vllm_records(result: dict, prompts: list[dict]) -> list[dict]:
@@ -256,10 +268,11 @@ def _counter_metrics(c: dict) -> dict:
 
 def speed_by_set(result: dict, prompts: list[dict], tolerance: float | None = None) -> dict:
     """``{set: {"prompts", "output_tokens", "time_s", "tokens_per_s", "tokens_per_s_rounds",
-    "speed_spread", "speed_steady", "tokens_per_forward", "speed_busy_cpus"}}`` of the speed pass's rows
+    "speed_spread", "speed_steady", "tokens_per_forward", "speed_busy_cpus", "speed_other_cpus"}}`` of the speed pass's rows
     (one request at a time, each prompt once per round), plus ``"all"`` over every timed prompt.
     ``speed_busy_cpus``: the result's ``machine_busy_cpus`` (:func:`run_speed`); where set,
-    ``speed_steady`` is False.
+    ``speed_steady`` is False. ``speed_other_cpus``: its ``machine_other_cpus`` (provenance: the pass's
+    engines leave the CPUs others take at their start to them, so such a load need not disturb it).
 
     ``tokens_per_s``: the median over rounds of each round's tokens/s, with the per-round values, their
     spread and whether it stays within ``tolerance`` (``evaluate.speed_spread_tolerance``;
@@ -283,7 +296,8 @@ def speed_by_set(result: dict, prompts: list[dict], tolerance: float | None = No
             tpf = m["tokens_per_forward"] if m["verification_steps"] else None
         out[g] = {"prompts": len({r["id"] for r in rs}), "output_tokens": n, "time_s": round(t, 3),
                   **speed_stats(rs, tolerance), "tokens_per_forward": tpf,
-                  "speed_busy_cpus": result.get("machine_busy_cpus")}
+                  "speed_busy_cpus": result.get("machine_busy_cpus"),
+                  "speed_other_cpus": result.get("machine_other_cpus")}
         if result.get("machine_busy_cpus"):  # timed beside other load: not a result, however the rounds agree
             out[g]["speed_steady"] = False
     return out
@@ -335,7 +349,8 @@ def vllm_summary(result: dict, prompts: list[dict], k: int, tolerance: float | N
                      "max_num_seqs": result.get("max_num_seqs"),
                      "tokens_per_s": every.get("tokens_per_s"), "speed_prompts": every.get("prompts", 0),
                      **{key: every.get(key) for key in ("tokens_per_s_rounds", "speed_spread", "speed_steady",
-                                                        "speed_busy_cpus")},
+                                                        "speed_busy_cpus", "speed_other_cpus")},
+                     "threads": result.get("threads"),
                      "output_tokens": result.get("output_tokens"), "generate_s": result.get("generate_s"),
                      "startup_s": result.get("startup_s"), "counters": result.get("counters"),
                      "prompts": len(result["per_prompt"]), "speed_by_set": by_set}
