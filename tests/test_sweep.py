@@ -288,6 +288,32 @@ def test_a_variant_refuses_base_stages_finished_again_and_never_copies(tmp_path,
     assert not (other / STAGES[1]).exists() and not list(other.rglob("*.bin"))
 
 
+def test_a_comparison_page_that_cannot_be_made_is_one_line_with_the_command(tmp_path, monkeypatch, capsys):
+    """The sweep's page needs a kernel and nbconvert; where it cannot be made (here nbconvert missing, as on
+    a bare GPU machine) the sweep says why in one line and gives the command that makes it, no traceback:
+    its table and runs stand."""
+    import eagle3.commands.compare as compare
+    from eagle3.commands.sweep import _comparison_page
+
+    def no_nbconvert(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'nbconvert'")
+
+    monkeypatch.setattr(compare, "compare_runs", no_nbconvert)
+    runs = [tmp_path / "r", tmp_path / "r--e12"]
+    assert _comparison_page(runs[0], runs, "eagle3", None) is None
+    printed = capsys.readouterr().out
+    assert printed == (f"eagle3 sweep: the comparison page was not made (ModuleNotFoundError: No module named "
+                       f"'nbconvert'); the table above and the runs stand; make it with `eagle3 compare {runs[0]} "
+                       f"{runs[1]} --out {tmp_path / 'r--sweep.html'}`\n")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compare, "compare_runs", interrupted)
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C is not a page that failed
+        _comparison_page(runs[0], runs, "eagle3", None)
+
+
 # ----------------------------------------------------------------------------- a real sweep
 
 

@@ -393,15 +393,21 @@ def run_sweep(params_file: str | Path, vary: list[str], stages: list[int] | None
 
 def _comparison_page(base_dir: Path, runs: list[Path], kernel: str, notebooks) -> Path | None:
     """The runs on one page, ``<output_dir>/<base>--sweep.html`` (:func:`eagle3.commands.compare.compare_runs`);
-    a page that cannot be made is one line (the table and the runs stand), None."""
-    from eagle3.commands.compare import compare_runs
-    from eagle3.errors import Eagle3Error
+    a page that cannot be made (a failed cell, a machine without nbconvert, a full disk) is one line with
+    the reason and the command that makes it again: the table and the runs stand, so the sweep has not
+    failed (the rule of :func:`eagle3.commands.report.render_after_run`). Returns the page, or None."""
+    import shlex
 
+    from eagle3.commands.compare import compare_runs
+
+    page = base_dir.parent / f"{base_dir.name}--sweep.html"
     try:
-        return compare_runs(runs, base_dir.parent / f"{base_dir.name}--sweep.html", kernel, notebooks)
-    except Eagle3Error as exc:
-        print(f"eagle3 sweep: the comparison page was not made ({exc}); the table above and the runs stand",
-              flush=True)
+        return compare_runs(runs, page, kernel, notebooks)
+    except Exception as exc:  # noqa: BLE001 - every run and the table stand whatever broke the page
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        again = shlex.join(["eagle3", "compare", *map(str, runs), "--out", str(page)])
+        print(f"eagle3 sweep: the comparison page was not made ({reason}); the table above and the runs stand; "
+              f"make it with `{again}`", flush=True)
         return None
 
 
