@@ -384,7 +384,10 @@ class TrainParams(_Section):
         "scaling; AdamW on the rest), eagle3.train.optim; on the GPU recipe at 25K conversations and 3 epochs muon "
         "gave general chat tau 2.27 vs 2.17 (offline, k=3), higher at every draft position (benchmarks/RESULTS.md); "
         "not measured on the CPU default")
-    muon_lr: float | None = Field(None, gt=0.0, description="optimizer: muon: the Muon group's peak lr (None: lr)")
+    muon_lr: float | None = Field(
+        None, gt=0.0, description="optimizer: muon: the Muon group's peak lr (None: lr); on the GPU recipe at 16K "
+        "conversations 4e-3 vs its lr 2e-3: general chat tau 2.234 vs 2.223 in vLLM at k=3, within the noise of "
+        "96 prompts (benchmarks/RESULTS.md)")
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_steps: int = Field(20, ge=0)
     epochs: int = Field(

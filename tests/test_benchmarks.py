@@ -99,7 +99,7 @@ def test_gpu_recipe_scripts_read_params_that_load():
     pipeline = _load(BENCH / "gpu_recipe" / "pipeline.py", "gpu_recipe_pipeline_under_test")
     assert pipeline.RUN_YAML == ROOT / "params" / "smollm2-135m-h200.yaml"
     recipe = load_params(pipeline.RUN_YAML)
-    assert recipe.train.num_layers == 2 and recipe.extract.dtype == "float8_e4m3fn"
+    assert recipe.train.num_layers == 3 and recipe.train.optimizer == "muon" and recipe.extract.dtype == "float8_e4m3fn"
     sweep = (BENCH / "default_sweep" / "sweep.sh").read_text(encoding="utf-8")
     called = set(re.findall(r"\$W/(benchmarks/[\w/.-]+)", sweep))
     assert called == {"benchmarks/default_sweep/default-gpu.yaml", "benchmarks/gpu_recipe/pipeline.py",
