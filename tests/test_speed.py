@@ -476,8 +476,8 @@ def test_requests_timed_beside_other_load_are_not_a_result_even_when_their_round
 
     monkeypatch.setattr(machine, "openmp_for_start",  # the engines time with one thread each
                         lambda env, timing=False: (dict(env, OMP_NUM_THREADS="1") if timing else dict(env), None))
-    fake = tmp_path / "python"  # a speed worker: ready, then 8 tokens in 0.25 s per request
-    fake.write_text('#!/bin/sh\necho \'{"ready": true}\'\nwhile read line; do\n'
+    fake = tmp_path / "python"  # a speed worker: ready with its thread count, then 8 tokens in 0.25 s per request
+    fake.write_text('#!/bin/sh\necho "{\\"ready\\": true, \\"threads\\": $OMP_NUM_THREADS}"\nwhile read line; do\n'
                     '  id=$(echo "$line" | sed \'s/.*"id": "\\([^"]*\\)".*/\\1/\')\n'
                     '  r=$(echo "$line" | sed \'s/.*"round": \\([0-9]*\\).*/\\1/\')\n'
                     '  echo "{\\"id\\": \\"$id\\", \\"round\\": $r, \\"output_tokens\\": 8, \\"time_s\\": 0.25}"\ndone\n')

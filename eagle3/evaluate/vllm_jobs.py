@@ -130,12 +130,10 @@ def _reply(proc: subprocess.Popen, method: str, log_path: Path, timeout_s: float
     return json.loads(line)
 
 
-def _speed_workers(jobs: dict[str, dict], work_dir: Path,
-                   procs: dict[str, tuple[subprocess.Popen, Path]]) -> int | None:
+def _speed_workers(jobs: dict[str, dict], work_dir: Path, procs: dict[str, tuple[subprocess.Popen, Path]]) -> None:
     """Start one ``--serve-speed`` worker per method (job files and logs in ``work_dir``), all with one
     OpenMP setting and thread count (timed alike), into ``procs`` = ``{method: (process, log path)}`` as
-    each starts (the caller stops those that started when a later one fails). Returns the engines'
-    OpenMP thread count (None where not set)."""
+    each starts (the caller stops those that started when a later one fails)."""
     env, note = _worker_env(timing=True)
     for m, job in jobs.items():
         job_path, log_path = work_dir / f"speed_{m}.job.json", work_dir / f"speed_{m}.log"
@@ -146,7 +144,6 @@ def _speed_workers(jobs: dict[str, dict], work_dir: Path,
             procs[m] = (subprocess.Popen(
                 [sys.executable, "-m", "eagle3.evaluate.vllm_worker", "--serve-speed", str(job_path)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True), log_path)
-    return int(env["OMP_NUM_THREADS"]) if env.get("OMP_NUM_THREADS", "").isdigit() else None
 
 
 def run_speed(jobs: dict[str, dict], ids: list[str], rounds: int, work_dir: str | Path, timeout_s: float = 1800.0,
@@ -180,8 +177,10 @@ def run_speed(jobs: dict[str, dict], ids: list[str], rounds: int, work_dir: str 
     """
     procs: dict[str, tuple[subprocess.Popen, Path]] = {}
     try:
-        threads = _speed_workers(jobs, Path(work_dir), procs)
+        _speed_workers(jobs, Path(work_dir), procs)
         out = {m: _reply(p, m, log, timeout_s) for m, (p, log) in procs.items()}  # the engines are up
+        # the CPUs the engines use: the threads each reports (its engine info), None where none does
+        threads = max((info["threads"] for info in out.values() if info.get("threads")), default=None)
         for m in out:
             out[m] = {k: v for k, v in out[m].items() if k != "ready"} | {"speed": []}
         busy: list[float] = []
