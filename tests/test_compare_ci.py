@@ -71,8 +71,10 @@ def test_the_comparison_page_opens_alone_with_the_differing_key_and_every_runs_t
         view, outside = view_alone(browser, page)
         assert outside == [] and view.js_errors == []
         assert len(view.imgs) >= 2 and all(i["ok"] for i in view.imgs), view.imgs  # curves, sets
-        # the data-scaling cell draws only for runs that differ in their data size (below: it says why not)
-        assert [p for p in page_problems(view) if "compare.scaling(runs)" not in p] == []
+        assert page_problems(view) == []
+        # a page of results: the code stays in the executed notebook beside it
+        assert "compare.read_runs(run_dirs)" not in view.text and "In\N{NO-BREAK SPACE}[" not in view.text
+        assert "compare.read_runs(run_dirs)" in (tmp_path / "page.ipynb").read_text()
         assert _row(view, ["train.lr"]) == ["train.lr", "0.001", "0.002", "0.002"]
         assert _row(view, ["no-eval"])[2] == "1-4 (5 not finished)"
         assert "no-eval has no evaluation (stage 5 not finished): its columns are empty" in view.text

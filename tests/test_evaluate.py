@@ -756,7 +756,8 @@ def test_serve_command_runs_here_as_printed_and_names_the_gpu_form(tmp_path, mon
                    f"--speculative-config {spec} --dtype float32 --max-model-len 2048")
     assert "$TARGET" not in cmd and "0.0.0.0" not in cmd
     assert notes.startswith('It listens on http://127.0.0.1:8000 (this machine only); clients name the model '
-                            '"smollm2-135m". Here the `vllm` command fails (PackageNotFoundError')
+                            '"smollm2-135m". It runs vLLM\'s server module with this environment\'s Python, the same server as '
+                            '`vllm serve`')
     gpu_spec = "'{\"method\": \"eagle3\", \"model\": \"04_train/drafter\", \"num_speculative_tokens\": 3}'"
     assert (f"On a GPU machine with vLLM installed, from the run directory ({run.resolve()}): vllm serve \"$TARGET\" "
             f"--served-model-name smollm2-135m --speculative-config {gpu_spec} --dtype float32 --max-model-len 2048; "

@@ -224,3 +224,8 @@ def test_report_pages_read_as_a_person_reads_them(ci_run):
             assert page_problems(v) == [], (v.name, page_problems(v))
             figure_cells = [c for c in v.cells if c["kind"] == "code" and c["images"]]
             assert figure_cells, f"{v.name}: no figure at all"
+        # the parity diagnosis says what it covers and points at the warnings, not "nothing found" beside them
+        v5 = views[NOTEBOOKS_BY_STAGE[5].replace(".ipynb", ".html")]
+        assert st5["warnings"] and "nothing found" not in v5.text
+        assert (f"train/serve differences (layer ids, norm flags, vocab mapping, chat template, dtype): none found "
+                f"(mismatch warnings above: {len(st5['warnings'])})") in v5.text

@@ -119,6 +119,27 @@ def test_widgets_become_static_html_in_the_report():
     assert "0%|" not in body and "VBox(" not in body and "IntSlider(" not in body and "static explorer" in body
 
 
+def test_a_page_without_code_keeps_markdown_and_outputs(tmp_path):
+    """``notebook_html(code=False)`` (the comparison page): no code cell source and no In/Out prompt on the
+    page, the markdown and every output kept; the default page shows the code."""
+    import nbformat
+
+    from eagle3.commands.report import notebook_html
+
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("answer = compare_the_runs(41)\nanswer", execution_count=3)
+    cell.outputs = [nbformat.v4.new_output("execute_result", {"text/plain": "42 tokens per forward"}, execution_count=3)]
+    nb.cells = [nbformat.v4.new_markdown_cell("# What differs"), cell]
+    path = tmp_path / "executed.ipynb"
+    nbformat.write(nb, path)
+    with_code, without = notebook_html(path, "t"), notebook_html(path, "t", code=False)
+    for page in (with_code, without):
+        assert "What differs" in page and "42 tokens per forward" in page
+    prompts = (">In\N{NO-BREAK SPACE}[3]:<", ">Out[3]:<")
+    assert "compare_the_runs" in with_code and all(p in with_code for p in prompts)
+    assert "compare_the_runs" not in without and not any(p in without for p in prompts)
+
+
 def test_vocab_explorer_carries_a_static_block_for_the_report():
     from eagle3.vocab.report import CoverageExplorer
 

@@ -1,9 +1,9 @@
 """``eagle3 compare RUN [RUN ...]``: several runs side by side on one self-contained HTML page.
 
 Executes ``notebooks/06_compare_runs.ipynb`` with papermill (``run_dirs`` = the runs), as ``eagle3 run``
-executes the stage notebooks, then renders it as one page with every figure inside it
+executes the stage notebooks, then renders it as one page with every figure inside it and no code cell
 (:func:`eagle3.commands.report.notebook_html`): a file to attach to a message or a ticket. The
-executed notebook is kept beside the page (``<page>.ipynb``). What the page shows:
+executed notebook, code included, is kept beside the page (``<page>.ipynb``). What the page shows:
 :mod:`eagle3.compare`.
 """
 
@@ -83,7 +83,8 @@ def compare_runs(run_dirs: list[str | Path], out: str | Path | None = None, kern
     nb_out = page.with_suffix(".ipynb")
     print(f"eagle3 compare: {', '.join(r.label for r in runs)} ({COMPARE_NOTEBOOK})", flush=True)
     _execute(nb_in, nb_out, dirs, kernel or KERNEL)
-    atomic_write_text(page, notebook_html(nb_out, "Comparison: " + " vs ".join(r.label for r in runs)))
+    # a page of results to attach: the notebook's code stays in nb_out beside it
+    atomic_write_text(page, notebook_html(nb_out, "Comparison: " + " vs ".join(r.label for r in runs), code=False))
     print(f"eagle3 compare: page {page} ({format_bytes(page.stat().st_size)}, one file: every figure inside it)",
           flush=True)
     return page

@@ -69,10 +69,12 @@ class NotebookUnreadable(ValueError):
     """An executed notebook nbformat cannot read (a kernel or a disk that died while it was saved)."""
 
 
-def notebook_html(nb_path: str | Path, title: str) -> str:
+def notebook_html(nb_path: str | Path, title: str, code: bool = True) -> str:
     """An executed notebook as one HTML page that opens offline: widgets as static HTML
     (:func:`static_widgets`), no script from a CDN (:func:`offline_html`), every figure inside the page
-    (nbconvert writes image outputs as ``data:`` URIs), ``title`` as its title.
+    (nbconvert writes image outputs as ``data:`` URIs), ``title`` as its title. ``code=False`` leaves the
+    code cells' sources and In/Out prompts out (markdown and outputs stay): a page of results to send,
+    whose code stays in the executed notebook.
 
     Raises:
         NotebookUnreadable: ``nb_path`` is not a notebook nbformat can read (cut short, not JSON).
@@ -89,7 +91,8 @@ def notebook_html(nb_path: str | Path, title: str) -> str:
     static_widgets(nb)
     nb.metadata.pop("widgets", None)
     nb.metadata["title"] = title
-    body, _ = HTMLExporter().from_notebook_node(nb, resources={"metadata": {"name": title}})
+    exporter = HTMLExporter(exclude_input=not code, exclude_input_prompt=not code, exclude_output_prompt=not code)
+    body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": title}})
     return offline_html(body)
 
 

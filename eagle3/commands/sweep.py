@@ -472,8 +472,9 @@ def comparison_table(base: str, rows: list[dict], keys: list[str], notes: list[s
             m = r["sets"].get(s, {})
             cells += [_num(m.get("tau")), f"{_num(m.get('tpf'))} ({_num(m.get('tpf_ngram'))})"]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "val τ̂: stage 4's best validation τ̂ (the exported drafter's); train time: stage 4's training "
-              "time; per evaluation set, stage 5's vLLM τ of the drafter and its tokens per target forward, "
+    lines += ["", "val τ̂: stage 4's best validation τ̂ (the exported drafter's); train time: stage 4's optimizer "
+              "steps, batches included (its validation, checkpoints, start-up and export are not); per evaluation set, "
+              "stage 5's vLLM τ of the drafter and its tokens per target forward, "
               "vLLM's n-gram lookup's in brackets; —: the stage has not finished.",
               *(f"- {n}" for n in notes), ""]
     return "\n".join(lines)

