@@ -375,15 +375,17 @@ class TrainParams(_Section):
     fc_norm: bool = False
     norm_output: bool = False
     lr: float = Field(
-        1.4e-3, gt=0.0, description="peak lr (AdamW, linear warmup, cosine to min_lr_ratio x lr); 1.4e-3 on the CPU "
+        1.4e-3, gt=0.0, description="peak lr of every parameter group (Muon's too unless muon_lr; linear warmup, "
+        "cosine to min_lr_ratio x lr); 1.4e-3 on the CPU default, measured with AdamW: "
         "default: validation tau-hat 1.527 vs 1.506 (2e-3) after 240 steps of 1,024-token batches on the same batches, "
         "3e-3 lower (1.225 vs 1.297 at step 80), benchmarks/RESULTS.md, token budget and lr at equal tokens")
     optimizer: Literal["adamw", "muon"] = Field(
-        "adamw", description="'adamw'; 'muon' = speculators' split (torch.optim.Muon on the 2-D weight matrices "
-        "other than embedding and lm head, with speculators' momentum, weight decay and match_rms_adamw lr "
-        "scaling; AdamW on the rest), eagle3.train.optim; on the GPU recipe at 25K conversations and 3 epochs muon "
-        "gave general chat tau 2.27 vs 2.17 (offline, k=3), higher at every draft position (benchmarks/RESULTS.md); "
-        "not measured on the CPU default")
+        "muon", description="'muon' = speculators' split (torch.optim.Muon on the 2-D weight matrices other than "
+        "embedding and lm head, with speculators' momentum, weight decay and match_rms_adamw lr scaling; AdamW on "
+        "the rest), eagle3.train.optim; or 'adamw' alone. On the CPU default (vLLM, k=3, T=0): muon at 5 epochs "
+        "general chat tau 1.568 and held-out 1.802 vs adamw at 6 epochs 1.537 and 1.737, in the same stage-4 time "
+        "(a Muon step costs 1.23x on 2 cores: its Newton-Schulz iterations); on the GPU recipe at 25K conversations "
+        "and 3 epochs 2.27 vs 2.17 (offline), higher at every draft position (benchmarks/RESULTS.md)")
     muon_lr: float | None = Field(
         None, gt=0.0, description="optimizer: muon: the Muon group's peak lr (None: lr); on the GPU recipe at 16K "
         "conversations 4e-3 vs its lr 2e-3: general chat tau 2.234 vs 2.223 in vLLM at k=3, within the noise of "
@@ -391,8 +393,9 @@ class TrainParams(_Section):
     weight_decay: float = Field(0.0, ge=0.0)
     warmup_steps: int = Field(20, ge=0)
     epochs: int = Field(
-        6, ge=1, description="passes over the training split; 6 on the CPU default (its validation tau-hat was "
-        "still rising after 4 at 2,048-token batches, README \"Results\")")
+        5, ge=1, description="passes over the training split; 5 on the CPU default, with Muon: general chat tau "
+        "1.568 vs 1.561 at 4 epochs (0.79x the steps) and 1.572 at 6 (vLLM, k=3; benchmarks/RESULTS.md, CPU "
+        "default levers); with AdamW 9 epochs gave nothing over 6")
     max_steps: int | None = Field(None, ge=1)
     token_budget: int = Field(
         1024, ge=1, description="tokens per packed micro-batch; 1,024 on the CPU default: at equal tokens a higher "

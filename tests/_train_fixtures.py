@@ -143,7 +143,8 @@ def tiny_params(target_dir: Path, **train):
 
     t = {"token_budget": 128, "epochs": 3, "lr": 3e-3, "warmup_steps": 2, "eval_every": 4, "checkpoint_every": 4,
          "val_fraction": 0.2, "keep_checkpoints": 2, "seed": 0, "device": "cpu",
-         "ttt_steps": 3}  # the GPU recipes' TTT steps (the CPU default trains 2)
+         "ttt_steps": 3,  # the GPU recipes' TTT steps (the CPU default trains 2)
+         "optimizer": "adamw"}  # the tiny runs' lr and epochs are sized for AdamW (Muon: its own tests)
     t.update(train)
     return load_params(None, {"target": {"model": str(target_dir), "dtype": "float32", "device": "cpu"},
                               "tracking": {"mode": "disabled"}, "vocab": {"draft_vocab_size": 128}, "train": t})
