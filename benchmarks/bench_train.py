@@ -105,8 +105,9 @@ def synthetic_run(run_dir: Path, H: int, N: int, V: int, draft: int, lengths: li
 def params_for(target: str, device: str, token_budget: int, steps: int, epochs: int, **train):
     from eagle3.params_file import load_params
 
+    # AdamW unless a mode names another: the bare loop steps AdamW, and ours is compared with it
     t = {"token_budget": token_budget, "epochs": epochs, "max_steps": steps, "lr": 1e-4, "warmup_steps": 2,
-         "eval_every": 10**6, "checkpoint_every": 10**6, "val_fraction": 0.0, "device": device}
+         "eval_every": 10**6, "checkpoint_every": 10**6, "val_fraction": 0.0, "device": device, "optimizer": "adamw"}
     t.update(train)
     return load_params(None, {"target": {"model": target, "dtype": "auto", "device": device},
                               "tracking": {"mode": "disabled"}, "train": t})

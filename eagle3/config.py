@@ -379,10 +379,12 @@ class TrainParams(_Section):
         "cosine to min_lr_ratio x lr); 1.4e-3 on the CPU default, measured with AdamW: "
         "default: validation tau-hat 1.527 vs 1.506 (2e-3) after 240 steps of 1,024-token batches on the same batches, "
         "3e-3 lower (1.225 vs 1.297 at step 80), benchmarks/RESULTS.md, token budget and lr at equal tokens")
-    optimizer: Literal["adamw", "muon"] = Field(
-        "muon", description="'muon' = speculators' split (torch.optim.Muon on the 2-D weight matrices other than "
+    optimizer: Literal["auto", "adamw", "muon"] = Field(
+        "auto", description="'muon' = speculators' split (torch.optim.Muon on the 2-D weight matrices other than "
         "embedding and lm head, with speculators' momentum, weight decay and match_rms_adamw lr scaling; AdamW on "
-        "the rest), eagle3.train.optim; or 'adamw' alone. On the CPU default (vLLM, k=3, T=0): muon at 5 epochs "
+        "the rest), eagle3.train.optim; 'adamw' alone; 'auto' = muon on a GPU and on a CPU with native bf16 (AMX, "
+        "AVX512-BF16), adamw elsewhere (Muon's Newton-Schulz iterations run in bf16, which such a CPU emulates at "
+        "about 1/100 of its float32 rate). On the CPU default (vLLM, k=3, T=0): muon at 5 epochs "
         "general chat tau 1.568 and held-out 1.802 vs adamw at 6 epochs 1.537 and 1.737, in the same stage-4 time "
         "(a Muon step costs 1.23x on 2 cores: its Newton-Schulz iterations); on the GPU recipe at 25K conversations "
         "and 3 epochs 2.27 vs 2.17 (offline), higher at every draft position (benchmarks/RESULTS.md)")

@@ -3,7 +3,7 @@ and why, the expected duration), and the other load on its CPUs while a stage ru
 
 On a CPU the target's dtype decides the run's length: with AMX or AVX512-BF16 the target runs in
 bfloat16, without them in float32 (bf16 would be emulated at a small fraction of the float32 rate:
-:func:`eagle3.target.target_dtype`), and the default run takes about 32 minutes instead of 78 on 2
+:func:`eagle3.target.target_dtype`), and the default run takes about 35 minutes instead of 78 on 2
 cores. The expected duration comes from the measured table :data:`MEASURED_RUNS`
 (benchmarks/RESULTS.md); params without a measurement get none (each stage shows its own ETA).
 """
@@ -26,7 +26,7 @@ CPU_FEATURES = (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16"), ("avx512f",
 # Whole `eagle3 run` times measured from a fresh clone (set-up included) on 2 cores, by params file
 # stem and the target's dtype (benchmarks/RESULTS.md): (minutes, what was measured).
 MEASURED_RUNS = {
-    ("smollm2-135m", "bfloat16"): (32, "31 min 52 s on 2 cores with AVX512-BF16"),
+    ("smollm2-135m", "bfloat16"): (35, "34 min 30 s on 2 cores with AVX512-BF16"),
     ("smollm2-135m", "float32"): (78, "77 min 39 s on 2 AVX2-only cores"),
     ("smollm2-135m-2x", "bfloat16"): (63, "63 min 25 s on 2 cores with AVX512-BF16"),
 }

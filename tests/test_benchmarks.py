@@ -107,6 +107,8 @@ def test_gpu_recipe_scripts_read_params_that_load():
     assert all((ROOT / c).exists() for c in called), called
     default_gpu = load_params(BENCH / "default_sweep" / "default-gpu.yaml")
     assert default_gpu.target.dtype == "float32" and default_gpu.train.compile == "none"
+    # the base its RESULTS table was measured with
+    assert (default_gpu.train.optimizer, default_gpu.train.epochs) == ("adamw", 6)
 
 
 def _slug(heading: str) -> str:

@@ -1192,7 +1192,7 @@ def test_small_training_data_fix_names_a_valid_source():
 
 def test_small_training_data_on_the_default_demonstration_is_expected_and_names_the_recipes():
     """The default (`make run`) always trips small_training_data, by design: the warning says it is
-    expected of the 32-minute demonstration and names the recipes that fix it, not "add a kind: self
+    expected of the 35-minute demonstration and names the recipes that fix it, not "add a kind: self
     source" (the default has one); a run of another recipe with a self source is told to raise its count."""
     from eagle3.evaluate.mismatch import default_demonstration, mismatch_warnings
     from eagle3.params_file import load_params
@@ -1209,7 +1209,7 @@ def test_small_training_data_on_the_default_demonstration_is_expected_and_names_
     w = mismatch_warnings({}, training, default.evaluate, demonstration=default_demonstration(default))
     assert [x["rule"] for x in w] == ["small_training_data"] and w[0]["expected"] is True
     assert w[0]["message"].startswith("expected of the default demonstration, small by design to finish in about "
-                                      "32 minutes on 2 CPU cores: the drafter was trained on 958 conversations")
+                                      "35 minutes on 2 CPU cores: the drafter was trained on 958 conversations")
     assert "params/smollm2-135m-2x.yaml" in w[0]["fix"] and "params/smollm2-135m-h200.yaml" in w[0]["fix"]
     assert "{kind: self" not in w[0]["fix"]
     w = mismatch_warnings({}, training, default.evaluate)  # another recipe with a self source

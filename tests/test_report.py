@@ -225,12 +225,12 @@ def test_an_expected_warning_is_a_note_not_an_alarm(tmp_path):
     sets = {"general-chat": {"domain": "out-of-domain", "prompts": 96, "methods": _methods(
         eagle3={"tokens_per_forward": 1.535}, ngram={"tokens_per_forward": 1.303})}}
     warn = {"rule": "small_training_data", "expected": True, "numbers": {}, "fix": "train on more: params/smollm2-135m-2x.yaml",
-            "message": "expected of the default demonstration, small by design to finish in about 32 minutes on 2 "
+            "message": "expected of the default demonstration, small by design to finish in about 35 minutes on 2 "
                        "CPU cores: the drafter was trained on 958 conversations"}
     write_stats(stage_dir(tmp_path, 5), _evaluate(96, sets=sets, warnings=[warn]))
     page = html.unescape(index_html(tmp_path, [], {}))
     assert ("<div class='note' id='mismatch-warning'>\u24d8 1 expected warning (small_training_data): expected of the "
-            "default demonstration, small by design to finish in about 32 minutes on 2 CPU cores.") in page
+            "default demonstration, small by design to finish in about 35 minutes on 2 CPU cores.") in page
     assert "class='warn'" not in page and "mismatch warning:" not in page
     assert "<ul class='note'><li><strong>small_training_data</strong>" in page
     loss = {"rule": "drafter_below_ngram", "message": "m", "numbers": {}, "fix": "f"}

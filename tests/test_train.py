@@ -458,6 +458,29 @@ def test_muon_trains_the_matrices_and_resumes_bitwise(ref_run, tiny_target, tmp_
     # another optimizer: other weights than AdamW's reference run
     ref = load_file(str(rd / TRAIN_DIR / "checkpoints" / last / "model.safetensors"))
     assert not all(torch.equal(a[k], ref[k]) for k in a)
+    # stats.json says which optimizer trained (the reference run: the tiny runs' AdamW)
+    assert (full.optimizer, ref_stats.optimizer) == ("muon", "adamw")
+
+
+def test_auto_optimizer_is_muon_where_bf16_is_native(monkeypatch):
+    """train.optimizer 'auto': Muon on a GPU and on a CPU with native bf16, AdamW on a CPU that emulates bf16
+    (torch.optim.Muon's Newton-Schulz iterations run in bf16); a named optimizer is kept everywhere."""
+    import eagle3.target
+    from eagle3.train.optim import OptimizerSet, build_optimizer, resolve_optimizer
+
+    for native, on_cpu in ((True, "muon"), (False, "adamw")):
+        monkeypatch.setattr(eagle3.target, "cpu_has_native_bf16", lambda native=native: native)
+        assert resolve_optimizer("auto", "cpu") == on_cpu
+        assert resolve_optimizer("auto", "cuda") == "muon"
+        assert [resolve_optimizer(n, d) for n in ("adamw", "muon") for d in ("cpu", "cuda")] == [
+            "adamw", "adamw", "muon", "muon"]
+        model = torch.nn.Module()
+        model.fc, model.norm = torch.nn.Linear(8, 4), torch.nn.LayerNorm(4)
+        from eagle3.config import TrainParams
+
+        opt, _ = build_optimizer(model, TrainParams(), total_steps=10, device_type="cpu")
+        assert isinstance(opt, OptimizerSet) == (on_cpu == "muon"), on_cpu
+    assert TrainParams().optimizer == "auto"
 
 
 def test_sigterm_saves_a_checkpoint_then_resumes(ref_run, tmp_path):

@@ -14,7 +14,7 @@ Each warning is a dict ``{"rule", "message", "numbers", "fix"}`` (stage 5's ``st
   than ``warn_min_tokens`` training completion tokens (stage 1's counts). Published EAGLE-3 drafters
   train on 10^5 conversations and more; a few hundred fit one narrow task at best. On the default
   demonstration (:func:`default_demonstration`: the embedded target on the default prompts, sized to
-  finish in about 32 minutes on 2 CPU cores) it always fires: the warning then says so
+  finish in about 35 minutes on 2 CPU cores) it always fires: the warning then says so
   (``"expected": true``), names the recipes sized for a drafter that helps, and the report shows it
   as a note, not an alarm.
 * ``narrow_training_data``: the training conversations come from one source, or (when the samples
@@ -58,7 +58,7 @@ SIZED_RECIPES = ("params/smollm2-135m-2x.yaml (twice the self-written prompts, a
 def default_demonstration(params) -> bool:
     """Whether ``params`` train the default demonstration's drafter: the embedded default target on
     the default prompts (:func:`eagle3.config.default_sources`, no ``synthesize.limit``), which
-    ``make run`` sizes to finish in about 32 minutes on 2 CPU cores, small data by design."""
+    ``make run`` sizes to finish in about 35 minutes on 2 CPU cores, small data by design."""
     from eagle3.config import Params, default_sources
 
     return (params.target.model == Params().target.model and params.synthesize.sources == default_sources()
@@ -149,7 +149,7 @@ def _small(conv: int, toks: int, below: list[str], ev, training: dict, demonstra
                 f"({' and '.join(below)}, the evaluate.warn_min_* thresholds)")
     if demonstration:
         return {"rule": "small_training_data", "expected": True, "numbers": numbers,
-                "message": f"expected of the default demonstration, small by design to finish in about 32 minutes "
+                "message": f"expected of the default demonstration, small by design to finish in about 35 minutes "
                            f"on 2 CPU cores: {measured}",
                 "fix": f"train on more with a recipe sized for it: {SIZED_RECIPES}"}
     if "self" in (training.get("sources") or {}):

@@ -33,7 +33,7 @@ from eagle3.errors import TrainError
 from eagle3.params_file import params_fingerprint
 from eagle3.rundir import TRAIN, RunDir
 from eagle3.train.metrics import StepMetrics, chain_lengths, draft_positions, metric_keys, simulate_rounds, summarize
-from eagle3.train.optim import build_optimizer
+from eagle3.train.optim import build_optimizer, resolve_optimizer
 from eagle3.train.signals import StepAborted, StepSignals, TrainingInterrupted
 
 __all__ = ["TrainingDiverged", "Trainer", "LoopResult", "autocast_dtype"]
@@ -234,7 +234,8 @@ class Trainer:
                 "global_batch_micro": ctx.world * train_params.grad_accum, "world_size": ctx.world, "grad_accum": train_params.grad_accum,
                 "token_budget": train_params.token_budget, "attn_implementation": self.attn,
                 "loss_implementation": self.loss_impl, "device": str(ctx.device),
-                "autocast": str(self._autocast_dtype() or "none").replace("torch.", ""), "setup_s": round(setup_s, 2)}
+                "autocast": str(self._autocast_dtype() or "none").replace("torch.", ""),
+                "optimizer": resolve_optimizer(train_params.optimizer, ctx.device.type), "setup_s": round(setup_s, 2)}
 
     # -- batches, logging, validation -----------------------------------------------------------
     def _autocast_dtype(self):

@@ -16,7 +16,25 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["WarmupCosine", "OptimizerSet", "SchedulerSet", "build_optimizer"]
+__all__ = ["WarmupCosine", "OptimizerSet", "SchedulerSet", "resolve_optimizer", "build_optimizer"]
+
+
+def resolve_optimizer(name: str, device_type: str) -> str:
+    """``train.optimizer`` as it trains: 'adamw' or 'muon' as given; 'auto' = 'muon' on a GPU and on a CPU
+    that multiplies bfloat16 in hardware (:func:`eagle3.target.cpu_has_native_bf16`: AMX, AVX512-BF16),
+    'adamw' elsewhere.
+
+    Why: ``torch.optim.Muon`` runs its Newton-Schulz iterations in bfloat16 (about 62 GFLOP per step on the
+    CPU default's drafter: 1.23x an AdamW step with native bf16); a CPU without it emulates bf16 at about
+    1/100 of its float32 rate (benchmarks/RESULTS.md), which would make every step take most of a minute.
+    """
+    if name != "auto":
+        return name
+    if device_type != "cpu":
+        return "muon"
+    from eagle3.target import cpu_has_native_bf16
+
+    return "muon" if cpu_has_native_bf16() else "adamw"
 
 
 class WarmupCosine:
@@ -105,7 +123,7 @@ def build_optimizer(model, train_params, total_steps: int, device_type: str):
 
     Args:
         model: the drafter (``torch.nn.Module``); parameters without ``requires_grad`` are left out.
-        train_params: :class:`eagle3.config.TrainParams` (``optimizer``, ``lr``, ``muon_lr``,
+        train_params: :class:`eagle3.config.TrainParams` (``optimizer``, resolved by :func:`resolve_optimizer`; ``lr``, ``muon_lr``,
             ``weight_decay``, ``warmup_steps``, ``min_lr_ratio``).
         total_steps: optimizer steps of the whole run (the cosine's end).
         device_type: ``"cuda"`` uses the fused AdamW kernel.
@@ -119,7 +137,7 @@ def build_optimizer(model, train_params, total_steps: int, device_type: str):
     fused = device_type == "cuda" or None
     schedule = WarmupCosine(train_params.warmup_steps, total_steps, train_params.min_lr_ratio)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if train_params.optimizer == "adamw":
+    if resolve_optimizer(train_params.optimizer, device_type) == "adamw":
         opt = _adamw(named, train_params, fused)
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     from speculators.train.config.schema import OptimizerArgs

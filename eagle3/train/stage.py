@@ -65,6 +65,7 @@ class TrainStats(Stats):
     device: str
     setup_s: float
     autocast: str = "none"  # train.autocast as resolved: 'bfloat16' or 'none' (float32)
+    optimizer: str | None = None  # train.optimizer as resolved: 'muon' or 'adamw' (None: a stage 4 that did not record it)
     # tau of greedy verification rounds (k = ttt_steps) walked over the validation answers at the last
     # step (eagle3.train.metrics.simulate_rounds); None without a validation split
     final_val_tau_sim: float | None = None
