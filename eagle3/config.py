@@ -377,7 +377,7 @@ class TrainParams(_Section):
     lr: float = Field(
         1.4e-3, gt=0.0, description="peak lr of every parameter group (Muon's too unless muon_lr; linear warmup, "
         "cosine to min_lr_ratio x lr); 1.4e-3 on the CPU default, measured with AdamW: "
-        "default: validation tau-hat 1.527 vs 1.506 (2e-3) after 240 steps of 1,024-token batches on the same batches, "
+        "validation tau-hat 1.527 vs 1.506 (2e-3) after 240 steps of 1,024-token batches on the same batches, "
         "3e-3 lower (1.225 vs 1.297 at step 80), benchmarks/RESULTS.md, token budget and lr at equal tokens")
     optimizer: Literal["auto", "adamw", "muon"] = Field(
         "auto", description="'muon' = speculators' split (torch.optim.Muon on the 2-D weight matrices other than "
