@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from pathlib import Path
 
 import nbformat
@@ -199,11 +200,12 @@ def test_a_sweep_shares_stages_1_3_by_hard_links_resumes_and_compares(tmp_params
     assert md == out / "t--sweep.md"
     text = md.read_text()
     assert text in printed
-    assert "| run | lr | val τ̂ | train time | heldout: vLLM τ | heldout: tokens/forward (n-gram) |" in text
-    assert "| `t` | 0.003 | 1.300 | 30 s | 2.300 | 1.800 (1.100) |" in text
-    assert "| `t--lr-0.004` | 0.004 | 1.400 | 40 s | 2.400 | 1.900 (1.100) |" in text
-    assert "| `t--lr-0.005` | 0.005 | 1.500 | 50 s | 2.500 | 2.000 (1.100) |" in text
+    assert "| run | lr | val τ̂ | train time | heldout: drafter τ (n-gram) |" in text
+    assert "| `t` | 0.003 | 1.300 | 30 s | 2.300 (1.100) |" in text
+    assert "| `t--lr-0.004` | 0.004 | 1.400 | 40 s | 2.400 (1.100) |" in text
+    assert "| `t--lr-0.005` | 0.005 | 1.500 | 50 s | 2.500 (1.100) |" in text
     assert "- t--lr-0.003: the base's own params, its row is the base run's" in text
+    assert "`t--sweep.html` beside this file" in text  # the page the sweep writes next, not a command to make it
 
     # redoing a shared stage in a variant would write into the base's files: refused, nothing changed
     before = (base / STAGES[3] / "stats.json").read_bytes()
@@ -329,7 +331,8 @@ def test_a_real_sweep_of_the_ci_params(ci_sweep):
     assert [ln.split("|")[2].strip() for ln in rows] == ["0.001", "0.002"]
     for ln in rows:
         cells = [c.strip() for c in ln.split("|")[1:-1]]
-        assert all(1.0 <= float(c) <= 4.0 for c in (cells[2], cells[4])), ln  # val τ̂, first set's vLLM τ
+        tau, ngram = re.fullmatch(r"([\d.]+) \(([\d.]+)\)", cells[4]).groups()  # first set: drafter τ (n-gram)
+        assert all(1.0 <= float(c) <= 4.0 for c in (cells[2], tau, ngram)), ln  # and val τ̂
     assert os.path.samefile(base / STAGES[3] / "manifest.jsonl", variant / STAGES[3] / "manifest.jsonl")
     assert shared_from(variant, 3) == base / STAGES[3]
     assert read_json(variant / STAGES[4] / "stats.json")["complete"]

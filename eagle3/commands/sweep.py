@@ -419,10 +419,9 @@ def _compared_keys(keys: dict[str, list[str]], variants: list[str] | None) -> li
 
 def _write_comparison(base_dir: Path, runs: list[Path], keys: list[str], notes: list[str]) -> Path:
     """Write and print the comparison of ``runs`` (:func:`comparison_table`); returns its file."""
-    import shlex
-
     page = ["the same runs on one page, with their training curves and every measurement per set, category "
-            f"and position: `{shlex.join(['eagle3', 'compare', *map(str, runs)])}`"]
+            f"and position: `{base_dir.name}--sweep.html` beside this file (`eagle3 sweep` writes it after this "
+            "table; `eagle3 compare RUN_DIR ...` compares any runs)"]
     text = comparison_table(base_dir.name, sweep_rows(runs, keys), keys, [*notes, *page])
     out = base_dir.parent / SWEEP_FILE.format(base=base_dir.name)
     atomic_write_text(out, text)
@@ -434,8 +433,8 @@ def _write_comparison(base_dir: Path, runs: list[Path], keys: list[str], notes: 
 def sweep_rows(run_dirs: list[Path], keys: list[str]) -> list[dict]:
     """One row per run: ``run`` (folder name), ``values`` (``{key: value}`` of its ``params.yaml``),
     ``val_tau_hat`` (stage 4's best validation τ̂, the exported drafter's), ``train_time_s`` and ``sets``
-    (``{set: {"tau", "tpf", "tpf_ngram"}}``: vLLM τ of the drafter, tokens per target forward of the
-    drafter and of vLLM's n-gram lookup); a number is None where its stage is not complete. Read
+    (``{set: {"tau", "tpf_ngram"}}``: vLLM τ of the drafter, tokens per target forward of vLLM's n-gram
+    lookup); a number is None where its stage is not complete. Read
     through :func:`eagle3.stage.stage_record` and :func:`eagle3.evaluate.stats.read_stats`."""
     from eagle3.evaluate.methods import VLLM_EAGLE3, VLLM_NGRAM
     from eagle3.evaluate.stats import read_stats, value_at
@@ -445,8 +444,8 @@ def sweep_rows(run_dirs: list[Path], keys: list[str]) -> list[dict]:
         dump = load_params(RunDir(rd).params_file).model_dump(mode="json")
         train = stage_record(rd, TRAIN)
         st = read_stats(rd) if stage_record(rd, EVALUATE).complete else None
-        sets = {name: {"tau": s.get(VLLM_EAGLE3, "tau"), "tpf": s.get(VLLM_EAGLE3, "tokens_per_forward"),
-                       "tpf_ngram": s.get(VLLM_NGRAM, "tokens_per_forward")} for name, s in (st.sets if st else {}).items()}
+        sets = {name: {"tau": s.get(VLLM_EAGLE3, "tau"), "tpf_ngram": s.get(VLLM_NGRAM, "tokens_per_forward")}
+                for name, s in (st.sets if st else {}).items()}
         rows.append({"run": rd.name, "values": {k: value_at(dump, k) for k in keys},
                      "val_tau_hat": train.stats.get("best_val_tau_hat") if train.complete else None,
                      "train_time_s": train.stats.get("train_time_s") if train.complete else None, "sets": sets})
@@ -463,18 +462,19 @@ def comparison_table(base: str, rows: list[dict], keys: list[str], notes: list[s
     sets = list(dict.fromkeys(name for r in rows for name in r["sets"]))
     short = _short_keys(keys)
     head = ["run", *(short[k] for k in keys), "val τ̂", "train time",
-            *(c for s in sets for c in (f"{s}: vLLM τ", f"{s}: tokens/forward (n-gram)"))]
+            *(f"{s}: drafter τ (n-gram)" for s in sets)]
     lines = [f"# Sweep of {base}", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [f"`{r['run']}`", *(str(r["values"][k]) for k in keys), _num(r["val_tau_hat"]),
                  _num(r["train_time_s"], "{:.0f} s")]
         for s in sets:
             m = r["sets"].get(s, {})
-            cells += [_num(m.get("tau")), f"{_num(m.get('tpf'))} ({_num(m.get('tpf_ngram'))})"]
+            cells.append(f"{_num(m.get('tau'))} ({_num(m.get('tpf_ngram'))})")
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "val τ̂: stage 4's best validation τ̂ (the exported drafter's); train time: stage 4's optimizer "
               "steps, batches included (its validation, checkpoints, start-up and export are not); per evaluation set, "
-              "stage 5's vLLM τ of the drafter and its tokens per target forward, "
-              "vLLM's n-gram lookup's in brackets; —: the stage has not finished.",
+              "stage 5's vLLM τ of the drafter, which is also its tokens per target forward (it drafts every round, "
+              "one target forward each), and in brackets the tokens per target forward of vLLM's n-gram lookup on the "
+              "same prompts (its τ counts only the rounds where it found a match); —: the stage has not finished.",
               *(f"- {n}" for n in notes), ""]
     return "\n".join(lines)
