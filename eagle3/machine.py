@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CPU_FEATURES", "MEASURED_RUNS", "MachineInfo", "machine_info", "cpu_flags", "dtype_choice",
+__all__ = ["CPU_FEATURES", "MEASURED_RUNS", "MachineInfo", "machine_info", "cpu_flags", "dtype_choice", "optimizer_choice",
            "expected_duration", "machine_line", "OtherLoad", "usable_cpus", "BUSY_OPENMP", "openmp_env",
            "openmp_for_start", "TIMING_THREAD_VARS", "timing_threads"]
 
@@ -132,6 +132,26 @@ def dtype_choice(target, info: MachineInfo) -> tuple[str, str]:
                    "fraction of the float32 rate")
 
 
+def optimizer_choice(train, info: MachineInfo) -> tuple[str, str]:
+    """``(optimizer, why)``: the optimizer stage 4 trains the drafter with on this machine
+    (:func:`eagle3.train.optim.resolve_optimizer`; ``train``: the params' ``train`` section) and the reason,
+    in words; Muon named on a CPU that emulates bfloat16 is said to be slow (its Newton-Schulz iterations
+    run in bfloat16)."""
+    from eagle3.train.optim import MUON_EMULATED_BF16, resolve_optimizer
+
+    device = train.device if train.device != "auto" else ("cuda" if info.gpu else "cpu")
+    on_cpu = device.split(":")[0] == "cpu"
+    optimizer = resolve_optimizer(train.optimizer, "cpu" if on_cpu else "cuda", info.native_bf16)
+    if train.optimizer != "auto":
+        if optimizer == "muon" and on_cpu and not info.native_bf16:
+            return optimizer, f"train.optimizer says so; {MUON_EMULATED_BF16}"
+        return optimizer, "train.optimizer says so"
+    if not on_cpu:
+        return optimizer, "train.optimizer auto: on a GPU"
+    return optimizer, ("train.optimizer auto: the CPU multiplies bfloat16 in hardware" if info.native_bf16 else
+                       "train.optimizer auto: Muon's bfloat16 Newton-Schulz steps would be emulated")
+
+
 def expected_duration(params_file: str | Path, dtype: str, info: MachineInfo, overridden: bool = False,
                       stages: list[int] | None = None) -> str:
     """The expected duration of ``eagle3 run`` in words, from :data:`MEASURED_RUNS` (``params_file``'s
@@ -161,7 +181,7 @@ def expected_duration(params_file: str | Path, dtype: str, info: MachineInfo, ov
 def machine_line(params, params_file: str | Path, info: MachineInfo | None = None, overridden: bool = False,
                  stages: list[int] | None = None) -> str:
     """The line ``eagle3 run`` prints before it starts (and ``--check-machine`` prints alone): the CPUs
-    and their features, a GPU, the target's dtype and why, the expected duration (by ``params_file``'s
+    and their features, a GPU, the target's dtype and why, the drafter's optimizer and why, the expected duration (by ``params_file``'s
     name; for a run directory's ``params.yaml``, by the run's name; of the ``stages`` this call runs,
     default all: :func:`expected_duration`)."""
     info = info or machine_info()
@@ -173,10 +193,11 @@ def machine_line(params, params_file: str | Path, info: MachineInfo | None = Non
     cpu = f"{info.cpus} CPU{'s' * (info.cpus != 1)}" + (f" ({info.model})" if info.model else "")
     gpu = f", GPU {info.gpu}" if info.gpu else ""
     dtype, why = dtype_choice(params.target, info)
+    optimizer, optimizer_why = optimizer_choice(params.train, info)
     # a run directory's own params.yaml: the run's name stands for the params file it was made from
     named = f"{params.run.name}.yaml" if Path(params_file).name == "params.yaml" else params_file
     return (f"eagle3: machine: {cpu}: {feats}{gpu}; target dtype {dtype} ({why}); "
-            f"{expected_duration(named, dtype, info, overridden, stages)}")
+            f"drafter optimizer {optimizer} ({optimizer_why}); {expected_duration(named, dtype, info, overridden, stages)}")
 
 
 def _machine_ticks() -> tuple[int, int]:

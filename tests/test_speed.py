@@ -290,12 +290,15 @@ def test_the_start_line_of_an_avx2_only_machine_says_float32_and_78_minutes(monk
     line = _line(monkeypatch, AVX2_ONLY, native=False)
     assert line.startswith("eagle3: machine: 2 CPUs (AMD EPYC 7B12): AVX2; no AMX or AVX512-BF16; target dtype float32 (")
     assert "bfloat16 would be emulated" in line
+    assert ("; drafter optimizer adamw (train.optimizer auto: Muon's bfloat16 Newton-Schulz steps would be emulated); "
+            "expected") in line
     assert line.endswith("expected about 78 min on a quiet machine (77 min 39 s on 2 AVX2-only cores)")
 
 
 def test_the_start_line_of_a_bf16_machine_says_bfloat16_and_35_minutes(monkeypatch):
     line = _line(monkeypatch, BF16, native=True)
     assert "2 CPUs (AMD EPYC 9B14): AVX512-BF16, AVX512, AVX2; target dtype bfloat16 (target.dtype auto: the CPU " in line
+    assert "; drafter optimizer muon (train.optimizer auto: the CPU multiplies bfloat16 in hardware); expected" in line
     assert line.endswith("expected about 35 min on a quiet machine (34 min 30 s on 2 cores with AVX512-BF16)")
 
 
@@ -304,6 +307,10 @@ def test_the_start_line_names_what_differs_from_the_measurement(monkeypatch):
     assert line.endswith("expected about 78 min on a quiet machine (77 min 39 s on 2 AVX2-only cores; measured on 2 cores, this machine "
                          "gives the run 4; --set changes the params it was measured with; the machine is busy (load "
                          "6.5 on 4 CPUs): expect longer)")
+    muon = _line(monkeypatch, AVX2_ONLY, native=False, overrides=["train.optimizer=muon"])
+    assert "drafter optimizer muon (train.optimizer says so; this CPU emulates bfloat16, in which Muon's" in muon
+    assert "drafter optimizer adamw (train.optimizer says so)" in _line(
+        monkeypatch, BF16, native=True, params_file="params/smollm2-135m-2x.yaml")  # it pins AdamW
     ci = _line(monkeypatch, AVX2_ONLY, native=False, params_file="params/ci.yaml")
     assert "target dtype float32 (target.dtype says so)" in ci  # ci.yaml sets it
     assert ci.endswith("no measured duration for ci.yaml in float32 (measured: smollm2-135m, smollm2-135m-2x on 2 "

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -466,7 +467,7 @@ def test_auto_optimizer_is_muon_where_bf16_is_native(monkeypatch):
     """train.optimizer 'auto': Muon on a GPU and on a CPU with native bf16, AdamW on a CPU that emulates bf16
     (torch.optim.Muon's Newton-Schulz iterations run in bf16); a named optimizer is kept everywhere."""
     import eagle3.target
-    from eagle3.train.optim import OptimizerSet, build_optimizer, resolve_optimizer
+    from eagle3.train.optim import MUON_EMULATED_BF16, OptimizerSet, build_optimizer, resolve_optimizer
 
     for native, on_cpu in ((True, "muon"), (False, "adamw")):
         monkeypatch.setattr(eagle3.target, "cpu_has_native_bf16", lambda native=native: native)
@@ -480,6 +481,14 @@ def test_auto_optimizer_is_muon_where_bf16_is_native(monkeypatch):
 
         opt, _ = build_optimizer(model, TrainParams(), total_steps=10, device_type="cpu")
         assert isinstance(opt, OptimizerSet) == (on_cpu == "muon"), on_cpu
+        # Muon named where bf16 is emulated trains, with a warning that says why it is slow and what is not
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt, _ = build_optimizer(model, TrainParams(optimizer="muon"), total_steps=10, device_type="cpu")
+        assert isinstance(opt, OptimizerSet)
+        said = [str(w.message) for w in caught if "train.optimizer: muon" in str(w.message)]
+        assert said == ([] if native else [f"train.optimizer: muon: {MUON_EMULATED_BF16}"]), said
+    assert resolve_optimizer("auto", "cpu", native_bf16=False) == "adamw"  # the machine line's own answer
     assert TrainParams().optimizer == "auto"
 
 

@@ -15,26 +15,37 @@ checkpoint's ``optimizer.pt`` and ``scheduler.pt`` are those of a single optimiz
 from __future__ import annotations
 
 import math
+import warnings
 
-__all__ = ["WarmupCosine", "OptimizerSet", "SchedulerSet", "resolve_optimizer", "build_optimizer"]
+__all__ = ["WarmupCosine", "OptimizerSet", "SchedulerSet", "MUON_EMULATED_BF16", "resolve_optimizer", "build_optimizer"]
 
 
-def resolve_optimizer(name: str, device_type: str) -> str:
+# Muon named on a CPU that emulates bfloat16: said on the start line (eagle3.machine.optimizer_choice) and by
+# build_optimizer, for a notebook run without that line.
+MUON_EMULATED_BF16 = ("this CPU emulates bfloat16, in which Muon's Newton-Schulz steps run: a training step of the CPU "
+                      "default's drafter took 26.4 s with Muon vs 1.47 s with AdamW on 2 AVX2-only cores; adamw or "
+                      "auto trains at the CPU's float32 rate")
+
+
+def resolve_optimizer(name: str, device_type: str, native_bf16: bool | None = None) -> str:
     """``train.optimizer`` as it trains: 'adamw' or 'muon' as given; 'auto' = 'muon' on a GPU and on a CPU
-    that multiplies bfloat16 in hardware (:func:`eagle3.target.cpu_has_native_bf16`: AMX, AVX512-BF16),
-    'adamw' elsewhere.
+    that multiplies bfloat16 in hardware (``native_bf16``; None: ask :func:`eagle3.target.cpu_has_native_bf16`:
+    AMX, AVX512-BF16), 'adamw' elsewhere.
 
     Why: ``torch.optim.Muon`` runs its Newton-Schulz iterations in bfloat16 (about 62 GFLOP per step on the
     CPU default's drafter: 1.23x an AdamW step with native bf16); a CPU without it emulates bf16 at about
-    1/100 of its float32 rate (benchmarks/RESULTS.md), which would make every step take most of a minute.
+    1/100 of its float32 rate: there a training step took 26.4 s with Muon vs 1.47 s with AdamW on 2 AVX2-only
+    cores, 0.055x the tokens/s (benchmarks/RESULTS.md, "CPU default levers").
     """
     if name != "auto":
         return name
     if device_type != "cpu":
         return "muon"
-    from eagle3.target import cpu_has_native_bf16
+    if native_bf16 is None:
+        from eagle3.target import cpu_has_native_bf16
 
-    return "muon" if cpu_has_native_bf16() else "adamw"
+        native_bf16 = cpu_has_native_bf16()
+    return "muon" if native_bf16 else "adamw"
 
 
 class WarmupCosine:
@@ -140,6 +151,11 @@ def build_optimizer(model, train_params, total_steps: int, device_type: str):
     if resolve_optimizer(train_params.optimizer, device_type) == "adamw":
         opt = _adamw(named, train_params, fused)
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    if device_type == "cpu":
+        from eagle3.target import cpu_has_native_bf16
+
+        if not cpu_has_native_bf16():
+            warnings.warn(f"train.optimizer: muon: {MUON_EMULATED_BF16}", stacklevel=2)
     from speculators.train.config.schema import OptimizerArgs
     from speculators.train.optimizers import split_named_params_for_muon
 
