@@ -200,7 +200,7 @@ def test_a_sweep_shares_stages_1_3_by_hard_links_resumes_and_compares(tmp_params
     assert md == out / "t--sweep.md"
     text = md.read_text()
     assert text in printed
-    assert "| run | lr | val τ̂ | train time | heldout: drafter τ (n-gram) |" in text
+    assert "| run | lr | val τ̂ | train time | heldout: drafter τ (n-gram tokens/forward) |" in text
     assert "| `t` | 0.003 | 1.300 | 30 s | 2.300 (1.100) |" in text
     assert "| `t--lr-0.004` | 0.004 | 1.400 | 40 s | 2.400 (1.100) |" in text
     assert "| `t--lr-0.005` | 0.005 | 1.500 | 50 s | 2.500 (1.100) |" in text

@@ -462,7 +462,7 @@ def comparison_table(base: str, rows: list[dict], keys: list[str], notes: list[s
     sets = list(dict.fromkeys(name for r in rows for name in r["sets"]))
     short = _short_keys(keys)
     head = ["run", *(short[k] for k in keys), "val τ̂", "train time",
-            *(f"{s}: drafter τ (n-gram)" for s in sets)]
+            *(f"{s}: drafter τ (n-gram tokens/forward)" for s in sets)]
     lines = [f"# Sweep of {base}", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
         cells = [f"`{r['run']}`", *(str(r["values"][k]) for k in keys), _num(r["val_tau_hat"]),
