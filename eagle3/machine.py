@@ -137,15 +137,15 @@ def optimizer_choice(train, info: MachineInfo) -> tuple[str, str]:
     (:func:`eagle3.train.optim.resolve_optimizer`; ``train``: the params' ``train`` section) and the reason,
     in words; Muon named on a CPU that emulates bfloat16 is said to be slow (its Newton-Schulz iterations
     run in bfloat16)."""
-    from eagle3.train.optim import MUON_EMULATED_BF16, resolve_optimizer
+    from eagle3.train.optim import muon_emulated_warning, resolve_optimizer
 
     device = train.device if train.device != "auto" else ("cuda" if info.gpu else "cpu")
     on_cpu = device.split(":")[0] == "cpu"
-    optimizer = resolve_optimizer(train.optimizer, "cpu" if on_cpu else "cuda", info.native_bf16)
+    device_type = "cpu" if on_cpu else "cuda"
+    optimizer = resolve_optimizer(train.optimizer, device_type, info.native_bf16)
     if train.optimizer != "auto":
-        if optimizer == "muon" and on_cpu and not info.native_bf16:
-            return optimizer, f"train.optimizer says so; {MUON_EMULATED_BF16}"
-        return optimizer, "train.optimizer says so"
+        slow = muon_emulated_warning(train.optimizer, device_type, info.native_bf16)
+        return optimizer, "train.optimizer says so" + (f"; {slow}" if slow else "")
     if not on_cpu:
         return optimizer, "train.optimizer auto: on a GPU"
     return optimizer, ("train.optimizer auto: the CPU multiplies bfloat16 in hardware" if info.native_bf16 else

@@ -17,11 +17,12 @@ from __future__ import annotations
 import math
 import warnings
 
-__all__ = ["WarmupCosine", "OptimizerSet", "SchedulerSet", "MUON_EMULATED_BF16", "resolve_optimizer", "build_optimizer"]
+__all__ = ["WarmupCosine", "OptimizerSet", "SchedulerSet", "MUON_EMULATED_BF16", "resolve_optimizer", "muon_emulated_warning",
+           "build_optimizer"]
 
 
-# Muon named on a CPU that emulates bfloat16: said on the start line (eagle3.machine.optimizer_choice) and by
-# build_optimizer, for a notebook run without that line.
+# Muon named on a CPU that emulates bfloat16 (muon_emulated_warning): said on the start line and by build_optimizer,
+# for a notebook run without that line.
 MUON_EMULATED_BF16 = ("this CPU emulates bfloat16, in which Muon's Newton-Schulz steps run: a training step of the CPU "
                       "default's drafter took 26.4 s with Muon vs 1.47 s with AdamW on 2 AVX2-only cores; adamw or "
                       "auto trains at the CPU's float32 rate")
@@ -46,6 +47,20 @@ def resolve_optimizer(name: str, device_type: str, native_bf16: bool | None = No
 
         native_bf16 = cpu_has_native_bf16()
     return "muon" if native_bf16 else "adamw"
+
+
+def muon_emulated_warning(name: str, device_type: str, native_bf16: bool | None = None) -> str | None:
+    """Why ``train.optimizer`` ``name`` is slow on ``device_type`` (:data:`MUON_EMULATED_BF16`): 'muon' named on a
+    CPU without AMX or AVX512-BF16 (``native_bf16`` as in :func:`resolve_optimizer`); None elsewhere ('auto'
+    never picks Muon there). The start line (:func:`eagle3.machine.optimizer_choice`) and
+    :func:`build_optimizer` both say it."""
+    if name != "muon" or device_type != "cpu":
+        return None
+    if native_bf16 is None:
+        from eagle3.target import cpu_has_native_bf16
+
+        native_bf16 = cpu_has_native_bf16()
+    return None if native_bf16 else MUON_EMULATED_BF16
 
 
 class WarmupCosine:
@@ -151,11 +166,8 @@ def build_optimizer(model, train_params, total_steps: int, device_type: str):
     if resolve_optimizer(train_params.optimizer, device_type) == "adamw":
         opt = _adamw(named, train_params, fused)
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    if device_type == "cpu":
-        from eagle3.target import cpu_has_native_bf16
-
-        if not cpu_has_native_bf16():
-            warnings.warn(f"train.optimizer: muon: {MUON_EMULATED_BF16}", stacklevel=2)
+    if slow := muon_emulated_warning(train_params.optimizer, device_type):
+        warnings.warn(f"train.optimizer: muon: {slow}", stacklevel=2)
     from speculators.train.config.schema import OptimizerArgs
     from speculators.train.optimizers import split_named_params_for_muon
 
